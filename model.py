@@ -1,0 +1,435 @@
+"""
+The bam-gpt model: the paper's LLaMA-style decoder (spec §1) with one attention path and a switch for the
+positional encoding: nope | sinusoidal | rope | alibi | bam, each with or without Scalable-Softmax (SSMax).
+
+Everything positional happens in three places, all in this file or attention_kernel.py:
+  - sinusoidal: added to the token embeddings (absolute positions)
+  - rope: rotates q and k (absolute positions, not reset at document boundaries, as the authors did)
+  - alibi / bam: an additive log-prior on the logits, computed inside attention() from (theta_alpha, theta_beta, theta_mu)
+and SSMax multiplies each query row's logits by s_h * log(n_i), n_i = keys visible to query i in its document.
+
+Also here: checkpoint save/load (the one place), the size presets, the optimizer groups and prior inspection.
+"""
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention_kernel import alibi_slopes, attention
+
+POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
+
+# (n_layer, n_embd, n_head) exactly as spec §1. l12 is the paper's "120M" model, l24 its "1.1B".
+MODEL_SIZES = {
+    "l6": (6, 512, 16),
+    "l8": (8, 768, 16),
+    "l12": (12, 768, 16),
+    "l15": (15, 1152, 24),
+    "l18": (18, 1536, 32),
+    "l24": (24, 2048, 64),
+}
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257          # the tokenizer's vocabulary; the embedding is padded to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 16
+    n_embd: int = 768
+    block_size: int = 512            # the training context. Nothing at inference depends on it.
+    pos_encoding: str = "bam"        # nope | sinusoidal | rope | alibi | bam
+    ssmax: bool = True               # Scalable-Softmax: logits * s_h * log(n_i)
+    ssmax_init: float = 1.0          # s starts at 1.0 in the authors' code (spec §4)
+    ssmax_prior: bool = True         # BAM+SSMax scales content AND prior, (l + B) * s log n (the authors' default)
+    bam_init: str = "zero"           # zero (theta_alpha = theta_beta = 0, NoPE-equivalent) | alibi | linear | "A,B"
+    train_mu: bool = False           # theta_mu is frozen at 0 in the paper (mu = 0)
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tokenizer: str = "gpt2"          # stored so that no script pairs a model with the wrong tokenizer
+
+    def __post_init__(self):
+        if self.pos_encoding not in POS_ENCODINGS:
+            raise ValueError(f"pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rope needs an even head_dim, got {self.n_embd // self.n_head}")
+        bam_init_values(self.bam_init, self.n_head)  # fail early on a malformed init string
+
+    @property
+    def padded_vocab_size(self):
+        return -(-self.vocab_size // 64) * 64
+
+    @classmethod
+    def from_size(cls, size, **kwargs):
+        if size not in MODEL_SIZES:
+            raise ValueError(f"unknown model_size {size!r}; choose one of {list(MODEL_SIZES)}")
+        n_layer, n_embd, n_head = MODEL_SIZES[size]
+        return cls(n_layer=n_layer, n_embd=n_embd, n_head=n_head, **kwargs)
+
+
+def bam_init_values(spec, n_head):
+    """Initial (theta_alpha, theta_beta) per head. 'zero' is the authors' current default (spec §3): a constant
+    prior, i.e. BAM starts as NoPE and learns its shape. 'alibi' starts exactly at ALiBi. 'linear' spreads
+    theta_beta over [0, 1] across heads (theta_alpha = 0). 'A,B' sets every head to theta_alpha=A, theta_beta=B."""
+    if spec == "zero":
+        return torch.zeros(n_head), torch.zeros(n_head)
+    if spec == "alibi":
+        return alibi_slopes(n_head).log(), torch.ones(n_head)
+    if spec == "linear":
+        return torch.zeros(n_head), torch.linspace(0.0, 1.0, n_head)
+    try:
+        a, b = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"bam_init must be 'zero', 'alibi', 'linear' or 'ALPHA,BETA' (two floats), got {spec!r}")
+    return torch.full((n_head,), a), torch.full((n_head,), b)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Positions. Computed from the position indices on every call (no tables), so any length works and
+# KV-cache decoding just passes later positions. Angles are formed in float64 so that position 500,000
+# keeps its phase (fp32 would lose ~0.03 rad at the highest frequency).
+# ----------------------------------------------------------------------------------------------------------
+def sinusoidal_embedding(pos, dim):
+    """Vaswani et al.: PE[p, 2k] = sin(p / 10000^(2k/D)), PE[p, 2k+1] = cos(p / 10000^(2k/D)).
+    (The authors' code uses the exponent (2k+1)/D for the cosine; we keep the standard form, spec §0.)"""
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim)
+    ang = pos.double()[:, None] * inv_freq[None, :]
+    pe = torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1)  # interleave: sin, cos, sin, cos, ...
+    return pe[:, :dim].float()
+
+
+def rope_cos_sin(pos, head_dim, theta):
+    """LLaMA RoPE angles for adjacent pairs (2k, 2k+1): frequency theta^(-2k/head_dim)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float64) / head_dim)
+    ang = pos.double()[:, None] * inv_freq[None, :]
+    return ang.cos().float(), ang.sin().float()  # (T, head_dim/2) each
+
+
+def apply_rope(x, cos, sin):
+    """Rotate adjacent pairs of x (B, H, T, D) by the angles (T, D/2)."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Blocks
+# ----------------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # in fp32, as the paper's backbone does
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding: prefill a prompt, then one token at a time."""
+
+    def __init__(self, n_layer):
+        self.k = [None] * n_layer
+        self.v = [None] * n_layer
+        self.length = 0  # positions already cached
+
+    def update(self, layer, k, v):
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.pos_encoding, self.ssmax_prior = cfg.pos_encoding, cfg.ssmax_prior
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        if cfg.pos_encoding == "bam":  # one prior per layer ("local"), one (alpha, beta, mu) per head
+            alpha, beta = bam_init_values(cfg.bam_init, cfg.n_head)
+            self.theta_alpha = nn.Parameter(alpha)
+            self.theta_beta = nn.Parameter(beta)
+            self.theta_mu = nn.Parameter(torch.zeros(cfg.n_head), requires_grad=cfg.train_mu)
+        elif cfg.pos_encoding == "alibi":  # ALiBi = the GGD prior with theta_beta = 1, theta_alpha = log slope, frozen
+            self.register_buffer("alibi_alpha", alibi_slopes(cfg.n_head).log(), persistent=False)
+            self.register_buffer("alibi_beta", torch.ones(cfg.n_head), persistent=False)
+            self.register_buffer("alibi_mu", torch.zeros(cfg.n_head), persistent=False)
+        if cfg.ssmax:
+            self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), float(cfg.ssmax_init)))
+
+    def prior(self):
+        if self.pos_encoding == "bam":
+            return self.theta_alpha, self.theta_beta, self.theta_mu
+        if self.pos_encoding == "alibi":
+            return self.alibi_alpha, self.alibi_beta, self.alibi_mu
+        return None
+
+    def forward(self, x, rope, doc_start, log_n, kv_cache):
+        B, T, C = x.shape
+        q, k, v = (w(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        row_scale = None
+        if log_n is not None:  # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
+            row_scale = self.ssmax_s[None, :, None] * log_n[:, None, :]
+        y = attention(q, k, v, doc_start=doc_start, prior=self.prior(), row_scale=row_scale,
+                      scale_prior=self.pos_encoding == "bam" and self.ssmax_prior)
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):  # SwiGLU, hidden 2*D (spec §1)
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        hidden = 2 * cfg.n_embd
+        self.w1 = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, doc_start, log_n, kv_cache):
+        x = x + self.attn(self.attn_norm(x), rope, doc_start, log_n, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        V = cfg.padded_vocab_size
+        self.wte = nn.Embedding(V, cfg.n_embd)  # PyTorch default init everywhere (spec §1): no custom init
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)  # untied from wte
+
+    def num_params(self, non_embedding=False):
+        """Total parameters (trainable or not); non_embedding subtracts the input embedding (as the authors report)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, *, doc_start=None, kv_cache=None, logits_at=None, reduction="mean"):
+        """idx (B, T) tokens. doc_start (B, T): first position of each token's document (None = one document).
+
+        Returns (logits, loss). logits_at = k (an int) keeps only the last k positions' logits, or a 1-D tensor of
+        positions; with reduction="none" the loss is per token (B, T) and logits are None, computed in chunks so
+        no (T x vocab) tensor ever exists: that is how a 100K-token sequence is scored.
+        """
+        B, T = idx.shape
+        cfg = self.config
+        if kv_cache is not None and doc_start is not None:
+            raise ValueError("doc_start is for training batches; a KV-cache prompt is one document")
+        pos0 = kv_cache.length if kv_cache is not None else 0
+        pos = torch.arange(pos0, pos0 + T, device=idx.device)
+        x = self.wte(idx)
+        if cfg.pos_encoding == "sinusoidal":
+            x = x + sinusoidal_embedding(pos, cfg.n_embd).to(x.dtype)
+        rope = rope_cos_sin(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta) if cfg.pos_encoding == "rope" else None
+        log_n = None
+        if cfg.ssmax:  # n_i = keys visible to query i = position inside its document + 1 (spec §4)
+            n = (pos[None, :] - doc_start + 1) if doc_start is not None else (pos + 1)[None, :]
+            log_n = n.float().log()
+        for block in self.blocks:
+            x = block(x, rope, doc_start, log_n, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+        x = self.norm(x)
+
+        if targets is not None and reduction == "none":
+            return None, self._token_losses(x, targets)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            return logits, loss
+        if logits_at is not None:
+            x = x[:, -logits_at:] if isinstance(logits_at, int) else x[:, logits_at]
+        return self.lm_head(x), None
+
+    def _token_losses(self, x, targets, chunk_tokens=8192):
+        losses = []
+        for a in range(0, x.shape[1], chunk_tokens):
+            logits = self.lm_head(x[:, a:a + chunk_tokens]).float()
+            losses.append(F.cross_entropy(logits.transpose(1, 2), targets[:, a:a + chunk_tokens],
+                                          ignore_index=-1, reduction="none"))
+        return torch.cat(losses, dim=1)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, stop_tokens=(), temperature=0.0):
+        """Greedy (temperature 0) or sampled continuation with a KV cache. idx (1, T). Returns new tokens (list)."""
+        cache = KVCache(self.config.n_layer)
+        logits, _ = self(idx, kv_cache=cache, logits_at=1)
+        out = []
+        for _ in range(max_new_tokens):
+            logits = logits[:, -1].float()
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+            else:
+                nxt = logits.argmax(-1, keepdim=True)
+            tok = int(nxt)
+            out.append(tok)
+            if tok in stop_tokens:
+                break
+            logits, _ = self(nxt, kv_cache=cache)
+        return out
+
+    # ---- optimizer -------------------------------------------------------------------------------------
+    def param_groups(self):
+        """Name -> params for the four optimizer groups: weight-decayed matrices, norms, prior, SSMax (spec §6)."""
+        groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if ".theta_" in name:
+                groups["prior"].append(p)
+            elif name.endswith("ssmax_s"):
+                groups["ssmax"].append(p)
+            elif p.squeeze().dim() >= 2:
+                groups["decay"].append(p)
+            else:
+                groups["no_decay"].append(p)
+        return groups
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, prior_lr=None, ssmax_lr=None):
+        """RAdam with decoupled (AdamW-style) weight decay on >=2-D weights only (spec §6). Each group records its
+        own base_lr so that train.py applies one schedule to all of them."""
+        g = self.param_groups()
+        spec = [(g["decay"], weight_decay, learning_rate), (g["no_decay"], 0.0, learning_rate),
+                (g["prior"], 0.0, prior_lr or learning_rate), (g["ssmax"], 0.0, ssmax_lr or learning_rate)]
+        groups = [{"params": ps, "weight_decay": wd, "lr": lr, "base_lr": lr} for ps, wd, lr in spec if ps]
+        return torch.optim.RAdam(groups, lr=learning_rate, betas=betas, decoupled_weight_decay=True)
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L T D (causal halving ignored)."""
+        cfg = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+    # ---- inspection --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prior_summary(self):
+        """Per layer: the learned prior's theta_alpha, theta_beta, mu and SSMax s per head (lists of floats).
+        ALiBi layers report their fixed prior in the same form (theta_beta = 1). Empty for nope/rope/sinusoidal."""
+        rows = []
+        for i, block in enumerate(self.blocks):
+            attn = block.attn
+            prior = attn.prior()
+            row = {"layer": i}
+            if prior is not None:
+                a, b, m = (t.detach().float().cpu() for t in prior)
+                row.update(theta_alpha=a.tolist(), theta_beta=b.tolist(), mu=(2 * torch.sinh(m)).tolist())
+            if hasattr(attn, "ssmax_s"):
+                row["ssmax_s"] = attn.ssmax_s.detach().float().cpu().tolist()
+            if len(row) > 1:
+                rows.append(row)
+        return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: the one place that writes and reads them. A checkpoint is a dict with "model_args" (the
+# GPTConfig as a dict), "model" (a clean state_dict) and whatever the trainer adds (optimizer, step, RNG, ...).
+# ----------------------------------------------------------------------------------------------------------
+CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+
+
+def unwrap(model):
+    """The plain GPT inside a DDP and/or torch.compile wrapper (DDP(compile(model)), as train.py builds it)."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def save_checkpoint(path, model, **extra):
+    """Atomic: write to a temporary file in the same directory, then rename over the target."""
+    raw = unwrap(model)  # saved keys carry no "_orig_mod." / "module." prefixes
+    obj = {"model_args": asdict(raw.config), "model": raw.state_dict(), **extra}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def find_checkpoint(path):
+    """A checkpoint file, or the newest ckpt_<step>.pt inside a run directory."""
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py")
+    steps = sorted((int(m.group(1)), f) for f in os.listdir(path) if (m := CKPT_RE.match(f)))
+    if not steps:
+        raise FileNotFoundError(f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?")
+    return os.path.join(path, steps[-1][1])
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Load a checkpoint dict safely (weights_only=True: no code from the file is executed)."""
+    path = find_checkpoint(path)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
+                           "is it a bam-gpt checkpoint and fully written?") from e
+    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
+        raise RuntimeError(f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')")
+    ckpt["path"] = path
+    return ckpt
+
+
+def config_diff(a: dict, b: dict):
+    """Human-readable list of the keys where two model configs differ."""
+    keys = sorted(set(a) | set(b))
+    return [f"{k}: {a.get(k, '<absent>')!r} vs {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def load_state(model, ckpt):
+    """Load ckpt["model"] into model, or raise an error that says how the checkpoint's model differs."""
+    raw = unwrap(model)
+    known = {f.name for f in fields(GPTConfig)}
+    diff = config_diff({k: v for k, v in ckpt["model_args"].items() if k in known}, asdict(raw.config))
+    if diff:
+        raise ValueError(f"checkpoint {ckpt.get('path', '')!r} is from another model (checkpoint vs this model):\n  "
+                         + "\n  ".join(diff))
+    own = raw.state_dict()
+    missing = [k for k in own if k not in ckpt["model"]]
+    unexpected = [k for k in ckpt["model"] if k not in own]
+    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in ckpt["model"].items()
+              if k in own and v.shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}, shape mismatches {shapes[:8]}")
+    raw.load_state_dict(ckpt["model"])
+
+
+def load_model(path, device="cpu"):
+    """Build a GPT from a checkpoint file or run directory. Returns (model in eval mode, checkpoint dict)."""
+    ckpt = load_checkpoint(path)
+    known = {f.name for f in fields(GPTConfig)}
+    unknown = set(ckpt["model_args"]) - known
+    if unknown:
+        raise ValueError(f"checkpoint {ckpt['path']!r} has model settings this code does not know: {sorted(unknown)}")
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    load_state(model, ckpt)
+    return model.to(device).eval(), ckpt
