@@ -1,0 +1,204 @@
+"""
+Plumbing shared by eval_passkey.py, eval_ruler.py and eval_ppl.py: command-line options, device and precision,
+loading checkpoints (with the tokenizer each was trained with), a memory check before long contexts,
+resumable per-sample JSONL, summary JSON/CSV, and the figures. One copy, imported by every evaluation.
+"""
+import csv
+import json
+import math
+import os
+from contextlib import nullcontext
+
+import torch
+
+from data import get_tokenizer
+from model import load_model
+
+
+# ---- options ---------------------------------------------------------------------------------------------
+def add_common_args(parser, default_out):
+    parser.add_argument("--ckpt", action="append", required=True,
+                        help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
+    parser.add_argument("--memory_fraction", type=float, default=0.9,
+                        help="skip lengths whose estimated peak exceeds this fraction of free memory")
+    return parser
+
+
+def pick_device(name="auto"):
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name} was asked for, but this machine has no CUDA GPU; use --device cpu")
+    return name
+
+
+def autocast(device, dtype="auto"):
+    """Autocast context for the chosen precision. float32 (and auto on CPU) runs without autocast."""
+    dev = torch.device(device).type
+    if dtype == "auto":
+        dtype = "bfloat16" if dev == "cuda" else "float32"
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device_type=dev, dtype=getattr(torch, dtype))
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------
+def run_label(path):
+    """A short name for a checkpoint in tables and legends: the run directory's name."""
+    path = os.path.normpath(path)
+    return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
+
+
+def load_runs(paths, device):
+    """Load every checkpoint; all must share one tokenizer so that they see identical prompts.
+    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt, block_size."""
+    runs = []
+    for p in paths:
+        model, ckpt = load_model(p, device)
+        runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
+                         block_size=model.config.block_size, tokenizer=model.config.tokenizer))
+    names = {r["tokenizer"] for r in runs}
+    if len(names) > 1:
+        raise SystemExit("the checkpoints were trained with different tokenizers "
+                         f"({', '.join(f'{r['label']}: {r['tokenizer']}' for r in runs)}); compare them in separate runs")
+    labels = [r["label"] for r in runs]
+    for i, r in enumerate(runs):  # two run directories with the same name: disambiguate by index
+        if labels.count(r["label"]) > 1:
+            r["label"] = f"{r['label']}#{i}"
+    return runs, get_tokenizer(names.pop())
+
+
+# ---- memory ----------------------------------------------------------------------------------------------
+def free_memory_bytes(device):
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def estimate_forward_bytes(model, length, batch=1, kv_cache=False):
+    """Peak bytes of a no-grad forward over `length` tokens, linear in the length: the residual stream and the
+    activations of one block (q, k, v, attention output, SwiGLU hidden) in fp32, the attention reference's
+    score chunk (<= 256 MiB by construction), the weights, and every layer's K/V if a KV cache is kept."""
+    cfg = model.config
+    per_token = 4 * cfg.n_embd * (2 + 4 + 3 * 2)  # residual + norm out, q/k/v/y, SwiGLU (w1, w3, product) at 2D
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = 2 * cfg.n_layer * cfg.n_embd * 4 * length * batch if kv_cache else 0
+    return int(per_token * length * batch + 256 * 2**20 + weights + cache)
+
+
+def fits_in_memory(model, length, device, fraction=0.9, batch=1, kv_cache=False):
+    """(ok, needed_bytes, free_bytes) for a forward at this length; evaluations skip what does not fit."""
+    need = estimate_forward_bytes(model, length, batch, kv_cache)
+    free = free_memory_bytes(device)
+    return need <= fraction * free, need, free
+
+
+# ---- results ---------------------------------------------------------------------------------------------
+class ResultLog:
+    """Append-only per-sample JSONL. Reopening it resumes: `done` holds the keys of the records already written,
+    so an interrupted evaluation continues where it stopped."""
+
+    def __init__(self, path, key_fields):
+        self.path, self.key_fields = path, key_fields
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.records = []
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if line.strip():
+                        try:
+                            self.records.append(json.loads(line))
+                        except json.JSONDecodeError:
+                            break  # a line cut by an interruption: everything after it is redone
+        self.done = {self.key(r) for r in self.records}
+
+    def key(self, record):
+        return tuple(record[k] for k in self.key_fields)
+
+    def add(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.records.append(record)
+        self.done.add(self.key(record))
+
+
+def write_table(rows, path_prefix):
+    """Write a list of flat dicts as <prefix>.json and <prefix>.csv."""
+    os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
+    with open(path_prefix + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    if rows:
+        fieldnames = list(dict.fromkeys(k for r in rows for k in r))
+        with open(path_prefix + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fieldnames)
+            w.writeheader()
+            w.writerows(rows)
+
+
+# ---- figures ---------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, ylim=None):
+    """One line per name: series = {name: (xs, ys)}; x on a log axis, each training length marked."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    for t in sorted(set(train_lengths)):
+        ax.axvline(t, color="gray", linestyle="--", linewidth=1)
+        ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
+                    va="top", ha="right", fontsize=8, color="gray")
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_heatmap(matrix, row_labels, col_labels, path, title, xlabel, ylabel, train_col=None):
+    """A red-yellow-green 0..1 heatmap (rows: e.g. depths, cols: e.g. lengths); train_col marks a column."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(col_labels), 1.2 + 0.35 * len(row_labels)))
+    im = ax.imshow(matrix, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
+    ax.set_xticks(range(len(col_labels)), [str(c) for c in col_labels], rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(len(row_labels)), [str(r) for r in row_labels], fontsize=8)
+    if train_col is not None:
+        ax.axvline(train_col, color="black", linestyle="--", linewidth=1.5)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def fmt_bytes(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def geometric_lengths(train_len, max_length):
+    """train_len x 1, 2, 4, ... up to max_length (the default length grid of the evaluations)."""
+    n = int(math.floor(math.log2(max(max_length, train_len) / train_len)))
+    return [train_len * 2**k for k in range(n + 1)]
