@@ -47,6 +47,13 @@ def autocast(device, dtype="auto"):
     return torch.autocast(device_type=dev, dtype=getattr(torch, dtype))
 
 
+def resolve_dtype(device, dtype="auto"):
+    """The precision name that `autocast` uses for this device ("auto" resolved), for logs and result files."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 # ---- checkpoints -----------------------------------------------------------------------------------------
 def run_label(path):
     """A short name for a checkpoint in tables and legends: the run directory's name."""
@@ -65,7 +72,7 @@ def load_runs(paths, device):
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
         raise SystemExit("the checkpoints were trained with different tokenizers "
-                         f"({', '.join(f'{r['label']}: {r['tokenizer']}' for r in runs)}); compare them in separate runs")
+                         f"({', '.join(r['label'] + ': ' + r['tokenizer'] for r in runs)}); compare them in separate runs")
     labels = [r["label"] for r in runs]
     for i, r in enumerate(runs):  # two run directories with the same name: disambiguate by index
         if labels.count(r["label"]) > 1:
@@ -99,6 +106,21 @@ def fits_in_memory(model, length, device, fraction=0.9, batch=1, kv_cache=False)
     need = estimate_forward_bytes(model, length, batch, kv_cache)
     free = free_memory_bytes(device)
     return need <= fraction * free, need, free
+
+
+def reset_peak_memory(device):
+    """Start a new peak-memory window (CUDA only: the CPU's peak RSS cannot be reset)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+
+def peak_memory_bytes(device):
+    """On CUDA: the allocator's peak since the last reset_peak_memory. On the CPU: the process's peak resident set
+    size so far (resource.getrusage; ru_maxrss is in KiB on Linux), which covers the whole process lifetime."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(torch.device(device))
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---- results ---------------------------------------------------------------------------------------------
@@ -141,6 +163,37 @@ def write_table(rows, path_prefix):
             w = csv.DictWriter(f, fieldnames=fieldnames)
             w.writeheader()
             w.writerows(rows)
+
+
+def check_settings(jsonl_path, settings):
+    """Guard a resumable JSONL against mixing results made with different settings (seed, template, ...).
+    The settings live next to it in <jsonl>.settings.json. If the JSONL holds records and the stored settings
+    differ (or are missing), exit with a message naming the differences; otherwise (re)write the settings file."""
+    side = jsonl_path + ".settings.json"
+    settings = json.loads(json.dumps(settings))  # normalise (tuples -> lists) so that the comparison is exact
+    has_records = os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0
+    if has_records:
+        if not os.path.exists(side):
+            raise SystemExit(f"{jsonl_path} holds results but no {os.path.basename(side)} says how they were made; "
+                             "use another --out or delete the file to start over")
+        with open(side) as f:
+            old = json.load(f)
+        diff = [f"{k}: {old.get(k, '<absent>')!r} (stored) vs {settings.get(k, '<absent>')!r} (now)"
+                for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
+        if diff:
+            raise SystemExit(f"{jsonl_path} was made with other settings, so resuming would mix results:\n  "
+                             + "\n  ".join(diff) + "\nuse another --out, or delete the file to start over")
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(side)), exist_ok=True)
+    with open(side, "w") as f:
+        json.dump(settings, f, indent=1)
+
+
+def markdown_table(header, rows):
+    """A GitHub-markdown table from a header list and rows of cells (anything str() can print)."""
+    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 # ---- figures ---------------------------------------------------------------------------------------------
