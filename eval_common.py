@@ -134,12 +134,22 @@ class ResultLog:
         self.records = []
         if os.path.exists(path):
             with open(path) as f:
-                for line in f:
-                    if line.strip():
-                        try:
-                            self.records.append(json.loads(line))
-                        except json.JSONDecodeError:
-                            break  # a line cut by an interruption: everything after it is redone
+                lines = f.readlines()
+            good = 0
+            for line in lines:
+                if not line.endswith("\n"):
+                    break  # a line cut by an interruption: everything from it on is redone
+                if line.strip():
+                    try:
+                        self.records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        break
+                good += 1
+            if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
+                tmp = f"{path}.tmp.{os.getpid()}"
+                with open(tmp, "w") as f:
+                    f.writelines(lines[:good])
+                os.replace(tmp, path)
         self.done = {self.key(r) for r in self.records}
 
     def key(self, record):
