@@ -139,7 +139,648 @@ def _triton_available():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Triton kernel: see issue #5. Until it lands, impl="triton" is an explicit error rather than a silent fallback.
+# Triton kernel (issue #5): flash attention with the GGD prior and SSMax computed per tile.
+#
+# Structure follows Triton's fused-attention tutorial: forward = one online-softmax loop over K/V blocks in
+# base 2 (exp2, log2(e) folded into the scores) in stages (unmasked tiles, then the boundary tiles masked);
+# backward = preprocess Delta = rowsum(O * dO), a kernel per K/V block accumulating dK, dV over query blocks,
+# and a separate kernel per query block for dQ (no atomics), which also produces d row_scale and per-program
+# partial sums for the prior parameters, reduced afterwards in PyTorch (deterministic: two runs are bitwise equal).
+#
+# Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i = row_scale (1 without SSMax):
+#   x = |d - mu| + eps,  B = -exp(theta_alpha) * x^theta_beta,  mu = 2 sinh(theta_mu)
+#   l = softmax_scale * q_i.k_j ;  s = (l + B) r  if scale_prior  else  l r + B ;  masked s = -inf
+#   P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij) (stored in base 2)
+# Backward, with Delta_i = sum_j P_ij dP_ij = rowsum(O_i * dO_i) and dP = dO V^T:
+#   dS = P * (dP - Delta)          gradient w.r.t. the final score s
+#   dl = dS r,  dq = softmax_scale dl K,  dk = softmax_scale dl^T Q,  dv = P^T dO
+#   dB = dS r if scale_prior else dS ;  dr_i = sum_j dS_ij (l_ij + B_ij) if scale_prior else sum_j dS_ij l_ij
+#   dB/dtheta_alpha = B ;  dB/dtheta_beta = B ln x ;  dB/dmu = -exp(theta_alpha) theta_beta x^(theta_beta-1) (-sign(d-mu))
+#                                                            = B theta_beta / x * (-sign(d - mu))   (sign(0) = 0, as torch.abs)
+#   dmu/dtheta_mu = 2 cosh(theta_mu)
+# theta_beta < 0 makes B(d = mu) about -1e7: exact in fp32 softmax, but sum_j dS_ij B_ij then multiplies rounding
+# noise in (dP - Delta) by 1e7 on rows where that entry carries the probability (a document's first query).
+# Because sum_j dS_ij = 0 exactly in real arithmetic, the dQ kernel replaces Delta by Delta'_i = sum_j P_ij dP_ij
+# (the same sums, accumulated in the same loop) for the prior and row_scale gradients:
+#   sum_j P (dP - Delta') f = sum_j dS f - (Delta' - Delta) sum_j P f,
+# which makes those gradients exactly 0 where the reference's are (one visible key) and more accurate elsewhere.
 # ----------------------------------------------------------------------------------------------------------
-def attention_triton(q, k, v, **kwargs):
-    raise NotImplementedError("the Triton attention kernel is not implemented yet; use impl='torch'")
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path works without triton
+    triton = None
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prior_tile(qpos, kpos, c, beta, mu, EPS: tl.constexpr):
+        """B(d) for a tile from the query / key positions (broadcast against each other): B, d - mu, x, log2 x."""
+        dm = (kpos - qpos).to(tl.float32) - mu
+        x = tl.abs(dm) + EPS
+        log2x = tl.log2(x)
+        bias = -c * tl.exp2(beta * log2x)
+        return bias, dm, x, log2x
+
+    @triton.jit
+    def _scores(qk, bias, r, sm_scale, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr):
+        """Final score in base 2 (s * log2 e) and the content score l. Shared by all kernels so that the backward
+        recomputes bit-identical scores (LSE of a row with one huge-prior key depends on it)."""
+        l = qk * sm_scale
+        s = l
+        if HAS_RS:
+            if HAS_PRIOR:
+                if SCALE_PRIOR:
+                    s = (l + bias) * r
+                else:
+                    s = l * r + bias
+            else:
+                s = l * r
+        else:
+            if HAS_PRIOR:
+                s = l + bias
+        return s * 1.4426950408889634, l
+
+    @triton.jit
+    def _visible(qpos, kpos, ds):
+        """causal AND same document: doc_start[i] <= j <= i (broadcast shapes)."""
+        return (kpos <= qpos) & (kpos >= ds)
+
+    @triton.jit
+    def _q_block_ranges(qpos, row_ok, ds_rows, q_first, q_last_valid, Tk,
+                        HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Key-block ranges for one query block (forward and dQ): [lo, u0) masked (document boundary),
+        [u0, u1) unmasked, [u1, hi) masked (diagonal). Blocks before lo / from hi on are never loaded."""
+        hi = q_last_valid // BLOCK_N + 1  # last key needed = last valid query position (causal)
+        causal_lo = (q_first + 1) // BLOCK_N  # blocks < causal_lo lie entirely at or below the diagonal
+        if HAS_DOC:
+            min_ds = tl.min(tl.where(row_ok, ds_rows, Tk), 0)  # earliest document start of the block's rows
+            max_ds = tl.max(tl.where(row_ok, ds_rows, 0), 0)
+            lo = tl.minimum(min_ds // BLOCK_N, hi)
+            doc_hi = (max_ds + BLOCK_N - 1) // BLOCK_N  # blocks >= doc_hi start after every row's document start
+        else:
+            lo = 0
+            doc_hi = 0
+        u1 = tl.minimum(tl.maximum(causal_lo, lo), hi)
+        u0 = tl.minimum(tl.maximum(doc_hi, lo), u1)
+        return lo, u0, u1, hi
+
+    # ------------------------------------------------------------------ forward
+    @triton.jit
+    def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kt, stride_kd, stride_vt, stride_vd,
+                   offs_d, d_ok, qpos, ds_rows, r_rows, c, beta, mu, sm_scale, Tk, blk_lo, blk_hi,
+                   MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
+                   SCALE_PRIOR: tl.constexpr, BLOCK_N: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+        for blk in range(blk_lo, blk_hi):
+            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_ok = offs_n < Tk
+            kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+                         mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+            qk = tl.dot(q, kT, input_precision=DOT_PREC)
+            bias = 0.0
+            if HAS_PRIOR:
+                bias, _dm, _x, _lx = _prior_tile(qpos[:, None], offs_n[None, :], c, beta, mu, EPS)
+            s, _l = _scores(qk, bias, r_rows[:, None], sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
+            if MASKED:
+                if HAS_DOC:
+                    vis = _visible(qpos[:, None], offs_n[None, :], ds_rows[:, None])
+                else:
+                    vis = offs_n[None, :] <= qpos[:, None]
+                s = tl.where(vis, s, float("-inf"))
+            # online softmax; a row with nothing visible yet has m = -inf: subtract 0 instead (no -inf - -inf)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _attn_fwd(Q, K, V, O, LSE, DS, RS, PC, PBETA, PMU,
+                  sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
+                  sdsb, srb, srh, srt,
+                  H, Tq, Tk, q_offset, sm_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+                  EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < Tq
+        qpos = q_offset + offs_m
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM  # head dims that are not a power of two are padded with zeros
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        K_ptr = K + b * skb + h * skh
+        V_ptr = V + b * svb + h * svh
+        if HAS_DOC:
+            ds_rows = tl.load(DS + b * sdsb + qpos, mask=row_ok, other=0)
+        else:
+            ds_rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+        if HAS_RS:
+            r_rows = tl.load(RS + b * srb + h * srh + offs_m * srt, mask=row_ok, other=0.0)
+        else:
+            r_rows = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        c = 0.0
+        beta = 0.0
+        mu = 0.0
+        if HAS_PRIOR:
+            c = tl.load(PC + h)
+            beta = tl.load(PBETA + h)
+            mu = tl.load(PMU + h)
+        q_last = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
+        lo, u0, u1, hi = _q_block_ranges(qpos, row_ok, ds_rows, q_offset + pid_m * BLOCK_M, q_last, Tk,
+                                         HAS_DOC, BLOCK_N)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # stage 1 (tutorial STAGE 1): tiles below the diagonal and after every row's document start, no mask
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
+                                   ds_rows, r_rows, c, beta, mu, sm_scale, Tk, u0, u1,
+                                   False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, EPS, DOT_PREC)
+        # stage 2 (tutorial STAGE 2): boundary tiles, masked -- document starts, then the diagonal
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
+                                   ds_rows, r_rows, c, beta, mu, sm_scale, Tk, lo, u0,
+                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, EPS, DOT_PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
+                                   ds_rows, r_rows, c, beta, mu, sm_scale, Tk, u1, hi,
+                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, EPS, DOT_PREC)
+        # epilogue: rows with no visible key give O = 0 and LSE = +inf (so the backward's P is exactly 0)
+        has_mass = l_i > 0.0
+        o = acc / tl.where(has_mass, l_i, 1.0)[:, None]
+        lse = tl.where(has_mass, tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(tl.where(has_mass, l_i, 1.0)),
+                       float("inf"))
+        tl.store(LSE + bh * Tq + offs_m, lse, mask=row_ok)
+        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod, o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+    # ------------------------------------------------------------------ backward
+    @triton.jit
+    def _attn_bwd_preprocess(O, DO, DELTA, sob, soh, sot, sod, sdob, sdoh, sdot, sdod, H, Tq,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_m < Tq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod, mask=mask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod, mask=mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + bh * Tq + offs_m, delta, mask=offs_m < Tq)
+
+    @triton.jit
+    def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
+                        sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                        Tq, q_offset, blk_lo, blk_hi,
+                        MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
+                        SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+        for blk in range(blk_lo, blk_hi):
+            offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < Tq
+            qpos = q_offset + offs_m
+            qT = tl.load(Q_ptr + offs_m[None, :] * sqt + offs_d[:, None] * sqd,
+                         mask=d_ok[:, None] & row_ok[None, :], other=0.0)
+            # padded query rows: LSE = +inf makes P = 0, and dO = 0, so they add nothing
+            lse = tl.load(LSE_ptr + offs_m, mask=row_ok, other=float("inf"))
+            qkT = tl.dot(k, qT, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
+            bias = 0.0
+            if HAS_PRIOR:
+                bias, _dm, _x, _lx = _prior_tile(qpos[None, :], offs_n[:, None], c, beta, mu, EPS)
+            if HAS_RS:
+                r = tl.load(RS_ptr + offs_m * srt, mask=row_ok, other=0.0)
+            else:
+                r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            sT, _l = _scores(qkT, bias, r[None, :], sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
+            if MASKED:
+                if HAS_DOC:
+                    ds = tl.load(DS_ptr + qpos, mask=row_ok, other=0)
+                    vis = _visible(qpos[None, :], offs_n[:, None], ds[None, :])
+                else:
+                    vis = offs_n[:, None] <= qpos[None, :]
+                sT = tl.where(vis, sT, float("-inf"))
+            pT = tl.exp2(sT - lse[None, :])
+            do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
+                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            delta = tl.load(DELTA_ptr + offs_m, mask=row_ok, other=0.0)
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dsT = pT * (dpT - delta[None, :])
+            if HAS_RS:
+                dsT = dsT * r[None, :]  # dl = dS r
+            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PREC)
+        return dk, dv
+
+    @triton.jit
+    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DS, RS, PC, PBETA, PMU, QEND, QCLEAN,
+                       sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod,
+                       sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sdsb, srb, srh, srt,
+                       H, Tq, Tk, q_offset, sm_scale, n_kblocks,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
+                       SCALE_PRIOR: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+        pid_n = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < Tk
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        kv_mask = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+        c = 0.0
+        beta = 0.0
+        mu = 0.0
+        if HAS_PRIOR:
+            c = tl.load(PC + h)
+            beta = tl.load(PBETA + h)
+            mu = tl.load(PMU + h)
+        n0 = pid_n * BLOCK_N
+        n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
+        n_qblocks = (Tq + BLOCK_M - 1) // BLOCK_M
+        # query blocks that can see this key block: from the first query at or after n0 ...
+        lo = tl.maximum(n0 - q_offset, 0) // BLOCK_M
+        # ... to the last query block whose earliest document start is <= n_last (precomputed, see _kv_ranges)
+        if HAS_DOC:
+            hi = tl.load(QEND + b * n_kblocks + pid_n)
+            clean_end = tl.load(QCLEAN + b * n_kblocks + pid_n)  # blocks < clean_end: every doc_start <= n0
+        else:
+            hi = n_qblocks
+            clean_end = n_qblocks
+        lo = tl.minimum(lo, hi)
+        causal_clean = (tl.maximum(n_last - q_offset, 0) + BLOCK_M - 1) // BLOCK_M  # first query >= n_last
+        u0 = tl.minimum(tl.maximum(causal_clean, lo), hi)
+        u1 = tl.minimum(tl.maximum(clean_end, u0), hi)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        Q_ptr = Q + b * sqb + h * sqh
+        DO_ptr = DO + b * sdob + h * sdoh
+        LSE_ptr = LSE + bh * Tq
+        DELTA_ptr = DELTA + bh * Tq
+        DS_ptr = DS + b * sdsb
+        RS_ptr = RS + b * srb + h * srh
+        # the diagonal query blocks, masked (tutorial: "compute dK and dV for masked blocks" first)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
+                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                                 Tq, q_offset, lo, u0,
+                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, EPS, DOT_PREC)
+        # then the query blocks strictly below the diagonal and inside the key block's document, unmasked
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
+                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                                 Tq, q_offset, u0, u1,
+                                 False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, EPS, DOT_PREC)
+        # finally query blocks where a later document starts (document boundary), masked
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
+                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                                 Tq, q_offset, u1, hi,
+                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, EPS, DOT_PREC)
+        tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd,
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd,
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit
+    def _bwd_dq_inner(dq, acc_pdp, acc_sb, acc_pb, acc_sbl, acc_pbl, acc_sbm, acc_pbm, acc_sl, acc_pl,
+                      q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows,
+                      c, beta, mu, sm_scale, Tk, blk_lo, blk_hi,
+                      MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
+                      SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, ACC_B: tl.constexpr,
+                      NEED_PRIOR_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                      BLOCK_N: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+        for blk in range(blk_lo, blk_hi):
+            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_ok = offs_n < Tk
+            kT = tl.load(K_ptr + offs_n[None, :] * skt + offs_d[:, None] * skd,
+                         mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+            vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
+                         mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+            qk = tl.dot(q, kT, input_precision=DOT_PREC)
+            bias = 0.0
+            dm = 0.0
+            x = 1.0
+            log2x = 0.0
+            if HAS_PRIOR:
+                bias, dm, x, log2x = _prior_tile(qpos[:, None], offs_n[None, :], c, beta, mu, EPS)
+            s, l = _scores(qk, bias, r_rows[:, None], sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
+            if MASKED:
+                if HAS_DOC:
+                    vis = _visible(qpos[:, None], offs_n[None, :], ds_rows[:, None])
+                else:
+                    vis = offs_n[None, :] <= qpos[:, None]
+                s = tl.where(vis, s, float("-inf"))
+            p = tl.exp2(s - lse[:, None])
+            dp = tl.dot(do, vT, input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            if HAS_RS:
+                dl = ds * r_rows[:, None]
+            else:
+                dl = ds
+            dq = tl.dot(dl.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PREC)
+            if ACC_DPP:  # Delta' = sum_j P dP (see the section comment)
+                acc_pdp += tl.sum(p * dp, 1)
+            if ACC_B:
+                acc_sb += tl.sum(ds * bias, 1)
+                acc_pb += tl.sum(p * bias, 1)
+            if NEED_PRIOR_GRAD:
+                b_lnx = bias * (log2x * 0.6931471805599453)  # dB/dtheta_beta = B ln x
+                sgn = tl.where(dm > 0, 1.0, tl.where(dm < 0, -1.0, 0.0))
+                b_mu = bias * beta / x * (-sgn)  # dB/dmu
+                acc_sbl += tl.sum(ds * b_lnx, 1)
+                acc_pbl += tl.sum(p * b_lnx, 1)
+                acc_sbm += tl.sum(ds * b_mu, 1)
+                acc_pbm += tl.sum(p * b_mu, 1)
+            if NEED_RS_GRAD:
+                acc_sl += tl.sum(ds * l, 1)
+                acc_pl += tl.sum(p * l, 1)
+        return dq, acc_pdp, acc_sb, acc_pb, acc_sbl, acc_pbl, acc_sbm, acc_pbm, acc_sl, acc_pl
+
+    @triton.jit
+    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DS, RS, PC, PBETA, PMU, DRS, PART,
+                     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod,
+                     sdqb, sdqh, sdqt, sdqd, sdsb, srb, srh, srt,
+                     H, Tq, Tk, q_offset, sm_scale, n_qblocks,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
+                     SCALE_PRIOR: tl.constexpr, NEED_PRIOR_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                     ACC_DPP: tl.constexpr, ACC_B: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < Tq
+        qpos = q_offset + offs_m
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        qd_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd, mask=qd_mask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
+                     mask=qd_mask, other=0.0)
+        lse = tl.load(LSE + bh * Tq + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
+        if HAS_DOC:
+            ds_rows = tl.load(DS + b * sdsb + qpos, mask=row_ok, other=0)
+        else:
+            ds_rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+        if HAS_RS:
+            r_rows = tl.load(RS + b * srb + h * srh + offs_m * srt, mask=row_ok, other=0.0)
+        else:
+            r_rows = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        c = 0.0
+        beta = 0.0
+        mu = 0.0
+        if HAS_PRIOR:
+            c = tl.load(PC + h)
+            beta = tl.load(PBETA + h)
+            mu = tl.load(PMU + h)
+        q_last = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
+        lo, u0, u1, hi = _q_block_ranges(qpos, row_ok, ds_rows, q_offset + pid_m * BLOCK_M, q_last, Tk,
+                                         HAS_DOC, BLOCK_N)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = zero, zero, zero, zero, zero, zero, zero, zero, zero
+        K_ptr = K + b * skb + h * skh
+        V_ptr = V + b * svb + h * svh
+        # the same three stages as the forward: unmasked interior tiles, then document-boundary and diagonal tiles
+        dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
+            dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
+            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, c, beta, mu, sm_scale, Tk, u0, u1,
+            False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
+            BLOCK_N, EPS, DOT_PREC)
+        dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
+            dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
+            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, c, beta, mu, sm_scale, Tk, lo, u0,
+            True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
+            BLOCK_N, EPS, DOT_PREC)
+        dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
+            dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
+            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, c, beta, mu, sm_scale, Tk, u1, hi,
+            True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
+            BLOCK_N, EPS, DOT_PREC)
+        tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
+                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
+        corr = a_pdp - delta  # Delta' - Delta
+        if NEED_RS_GRAD:
+            dr = a_sl - corr * a_pl
+            if HAS_PRIOR and SCALE_PRIOR:
+                dr += a_sb - corr * a_pb
+            tl.store(DRS + bh * Tq + offs_m, dr, mask=row_ok)
+        if NEED_PRIOR_GRAD:
+            w = tl.where(row_ok, 1.0, 0.0)
+            if HAS_RS and SCALE_PRIOR:
+                w = w * r_rows  # dB = dS r
+            part = PART + (bh * n_qblocks + pid_m) * 3
+            tl.store(part + 0, tl.sum(w * (a_sb - corr * a_pb), 0))
+            tl.store(part + 1, tl.sum(w * (a_sbl - corr * a_pbl), 0))
+            tl.store(part + 2, tl.sum(w * (a_sbm - corr * a_pbm), 0))
+
+
+# ------------------------------------------------------------------ launch configuration and the autograd wrapper
+# Fixed tiles per (head_dim, dtype) rather than triton.autotune: the backward's tile-skipping tables depend on the
+# block sizes, and under the interpreter autotuning would multiply test time. Tests may set INTERPRET_BLOCKS.
+INTERPRET_BLOCKS = (16, 16)
+
+
+def _configs(block_d, dtype):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels."""
+    if _interpreting():
+        bm, bn = INTERPRET_BLOCKS
+        return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
+    if dtype == torch.float32:  # ieee dots run on FMA units: small tiles, little shared memory
+        return dict(fwd=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq=(64, 32, 4, 2), pre=64)
+    if block_d <= 64:
+        return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3), pre=128)
+    return dict(fwd=(128, 64, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=128)
+
+
+def _kv_ranges(ds_rows, block_m, block_n, Tk):
+    """Per (batch, key block): (q_end, q_clean). Query blocks >= q_end see none of the key block (their earliest
+    doc_start is after its last key); query blocks < q_clean have every doc_start <= the block's first key, so
+    documents need no mask there. Exact for the usual non-decreasing doc_start, conservative otherwise."""
+    B, Tq = ds_rows.shape
+    nm = triton.cdiv(Tq, block_m)
+    pad = nm * block_m - Tq
+    big = torch.iinfo(torch.int32).max
+    rows = ds_rows.to(torch.int64)
+    qmin = F.pad(rows, (0, pad), value=big).view(B, nm, block_m).amin(-1)
+    qmax = F.pad(rows, (0, pad), value=-1).view(B, nm, block_m).amax(-1)
+    suffix_min = qmin.flip(-1).cummin(-1).values.flip(-1).contiguous()  # non-decreasing
+    prefix_max = qmax.cummax(-1).values.contiguous()  # non-decreasing
+    n0 = torch.arange(0, Tk, block_n, device=ds_rows.device)
+    n_last = torch.clamp(n0 + block_n, max=Tk) - 1
+    q_end = torch.searchsorted(suffix_min, n_last.expand(B, -1).contiguous(), right=True)
+    q_clean = torch.searchsorted(prefix_max, n0.expand(B, -1).contiguous(), right=True)
+    return q_end.to(torch.int32).contiguous(), q_clean.to(torch.int32).contiguous()
+
+
+def _st(t):
+    return tuple(t.stride())
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset,
+                softmax_scale):
+        B, H, Tq, D = q.shape
+        Tk = k.shape[2]
+        has_prior = theta_alpha is not None
+        has_doc = doc_start is not None
+        has_rs = row_scale is not None
+        dev = q.device
+        block_d = max(16, triton.next_power_of_2(D))
+        cfg = _configs(block_d, q.dtype)
+        dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
+        dummy = torch.zeros(1, device=dev, dtype=torch.float32)
+        if has_prior:  # the same fp32 ops as ggd_prior, so mu and exp(theta_alpha) match the reference bitwise
+            pc = torch.exp(theta_alpha.detach().float()).contiguous()
+            pbeta = theta_beta.detach().float().contiguous()
+            pmu = (2.0 * torch.sinh(theta_mu.detach().float())).contiguous()
+        else:
+            pc = pbeta = pmu = dummy
+        ds = doc_start.to(device=dev, dtype=torch.int32).expand(B, Tk) if has_doc else None
+        rs = row_scale.detach().float().expand(B, H, Tq) if has_rs else None
+        o = torch.empty_like(q)
+        lse = torch.empty((B, H, Tq), device=dev, dtype=torch.float32)
+        bm, bn, warps, stages = cfg["fwd"]
+        grid = (triton.cdiv(Tq, bm), B * H)
+        _attn_fwd[grid](
+            q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, pc, pbeta, pmu,
+            *_st(q), *_st(k), *_st(v), *_st(o),
+            ds.stride(0) if has_doc else 0, *(_st(rs) if has_rs else (0, 0, 0)),
+            H, Tq, Tk, q_offset, softmax_scale,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
+            HAS_RS=has_rs, SCALE_PRIOR=bool(scale_prior) and has_rs, EPS=GGD_EPS, DOT_PREC=dot_prec,
+            num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        ctx.save_for_backward(q, k, v, o, lse, ds, rs, pc, pbeta, pmu,
+                              theta_mu if has_prior else None)
+        ctx.meta = (has_prior, has_doc, has_rs, bool(scale_prior) and has_rs, q_offset, softmax_scale, block_d,
+                    dot_prec, cfg, None if row_scale is None else (row_scale.shape, row_scale.dtype),
+                    None if theta_alpha is None else (theta_alpha.dtype, theta_beta.dtype, theta_mu.dtype))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, ds, rs, pc, pbeta, pmu, theta_mu = ctx.saved_tensors
+        (has_prior, has_doc, has_rs, scale_prior, q_offset, sm_scale, block_d, dot_prec, cfg, rs_meta,
+         th_dtypes) = ctx.meta
+        B, H, Tq, D = q.shape
+        Tk = k.shape[2]
+        dev = q.device
+        need = ctx.needs_input_grad
+        need_prior = has_prior and any(need[4:7])
+        need_rs = has_rs and need[7]
+        do = do.contiguous() if do.stride(-1) != 1 else do
+        dummy = torch.zeros(1, device=dev, dtype=torch.float32)
+        dummy_i = torch.zeros(1, device=dev, dtype=torch.int32)
+        ds_arg = ds if has_doc else dummy_i
+        rs_arg = rs if has_rs else dummy
+        ds_st = ds.stride(0) if has_doc else 0
+        rs_st = _st(rs) if has_rs else (0, 0, 0)
+        common = dict(HEAD_DIM=D, BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior, HAS_RS=has_rs,
+                      SCALE_PRIOR=scale_prior, EPS=GGD_EPS, DOT_PREC=dot_prec, enable_fp_fusion=False)
+        # preprocess: Delta = rowsum(O * dO)
+        delta = torch.empty((B, H, Tq), device=dev, dtype=torch.float32)
+        pm = cfg["pre"]
+        _attn_bwd_preprocess[(triton.cdiv(Tq, pm), B * H)](
+            o, do, delta, *_st(o), *_st(do), H, Tq, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pm)
+        # dK, dV: one program per key block, looping over query blocks
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        bm, bn, warps, stages = cfg["dkdv"]
+        n_kb = triton.cdiv(Tk, bn)
+        if has_doc:
+            q_end, q_clean = _kv_ranges(ds[:, q_offset:q_offset + Tq], bm, bn, Tk)
+        else:
+            q_end = q_clean = dummy_i
+        _attn_bwd_dkdv[(n_kb, B * H)](
+            q, k, v, do, dk, dv, lse, delta, ds_arg, rs_arg, pc, pbeta, pmu, q_end, q_clean,
+            *_st(q), *_st(k), *_st(v), *_st(do), *_st(dk), *_st(dv), ds_st, *rs_st,
+            H, Tq, Tk, q_offset, sm_scale, n_kb,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+        # dQ (+ d row_scale, + per-program prior partial sums): one program per query block, looping over keys
+        dq = torch.empty_like(q)
+        bm, bn, warps, stages = cfg["dq"]
+        n_qb = triton.cdiv(Tq, bm)
+        drs = torch.empty((B, H, Tq), device=dev, dtype=torch.float32) if need_rs else dummy
+        part = torch.empty((B, H, n_qb, 3), device=dev, dtype=torch.float32) if need_prior else dummy
+        _attn_bwd_dq[(n_qb, B * H)](
+            q, k, v, do, dq, lse, delta, ds_arg, rs_arg, pc, pbeta, pmu, drs, part,
+            *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
+            H, Tq, Tk, q_offset, sm_scale, n_qb,
+            BLOCK_M=bm, BLOCK_N=bn, NEED_PRIOR_GRAD=need_prior, NEED_RS_GRAD=need_rs,
+            ACC_DPP=need_prior or need_rs, ACC_B=has_prior and (need_prior or (need_rs and scale_prior)),
+            num_warps=warps, num_stages=stages, **common)
+        g_alpha = g_beta = g_mu = g_rs = None
+        if need_prior:  # deterministic reduction of the per-program partials (fixed order, no atomics)
+            g = part.double().sum(dim=(0, 2))  # (H, 3)
+            g_alpha = g[:, 0].to(th_dtypes[0])
+            g_beta = g[:, 1].to(th_dtypes[1])
+            g_mu = (g[:, 2] * 2.0 * torch.cosh(theta_mu.detach().double())).to(th_dtypes[2])
+        if need_rs:
+            shape, dtype = rs_meta
+            g_rs = drs.sum(0, keepdim=True) if shape[0] == 1 and B != 1 else drs
+            g_rs = g_rs.to(dtype)
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None,
+                g_alpha, g_beta, g_mu, g_rs, None, None, None)
+
+
+def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                     q_offset=None, softmax_scale=None):
+    """The Triton implementation of attention() (same contract, see the module docstring). Needs CUDA tensors,
+    or TRITON_INTERPRET=1 set before triton is first imported (then it runs, slowly, on CPU tensors)."""
+    if triton is None:
+        raise RuntimeError("impl='triton' needs the triton package")
+    if not q.is_cuda and not _interpreting():
+        raise RuntimeError("the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 before importing triton)")
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"attention_triton: unsupported dtype {q.dtype}")
+    if k.shape != (B, H, Tk, D) or v.shape != k.shape:
+        raise ValueError(f"attention_triton: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if D > 256:
+        raise ValueError(f"attention_triton: head_dim {D} > 256 is not supported")
+    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if Tq == 0:
+        return q * 0.0  # nothing to attend from (still connected to autograd)
+    # unit stride along head_dim keeps the loads vectorised; other strides are passed as they are
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if doc_start is not None and doc_start.shape[-1] != Tk:
+        raise ValueError(f"attention_triton: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}")
+    ta, tb, tm = prior if prior is not None else (None, None, None)
+    if row_scale is not None and row_scale.shape[-1] != Tq:
+        raise ValueError(f"attention_triton: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
+    ctx = torch.cuda.device(q.device) if q.is_cuda else _nullcontext()
+    with ctx:
+        return _TritonAttention.apply(q, k, v, doc_start, ta, tb, tm, row_scale, scale_prior, q_offset,
+                                      softmax_scale)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
