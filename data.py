@@ -1,0 +1,242 @@
+"""
+Tokenizers, the token shard format and the batch loader: the one place that knows how tokens are stored.
+
+Tokenizers (spec §0): tiktoken "gpt2" for FineWeb, and "byte", an offline tiktoken encoding of the 256 byte
+values plus <|endoftext|> = 256, for tests and the CPU demo. Every document is prefixed with end-of-text,
+which also marks where it starts.
+
+A shard is a 256-byte header (magic, format version, token count as int64, tokenizer name) followed by the
+tokens as uint16, named {prefix}_val_{i:06d}.bin / {prefix}_train_{i:06d}.bin. prepare_fineweb.py writes them.
+
+Batches are consecutive, non-overlapping windows of the token stream in stream order (the authors do not
+shuffle, spec §6). A batch is a pure function of (step, micro_step, rank), so a resumed run sees exactly the
+batches an uninterrupted one would, and ranks never share a window within an epoch.
+"""
+import functools
+import os
+import re
+import struct
+
+import numpy as np
+import torch
+
+TOKENIZERS = ("gpt2", "byte")
+# Known without building the encoding, so a trainer on an offline node can size the model from a gpt2 shard.
+VOCAB_SIZE = {"gpt2": 50257, "byte": 257}
+EOT = {"gpt2": 50256, "byte": 256}
+VAL_TOKENS = 3_932_160  # the validation split: the first 3,932,160 tokens of the stream (spec §0)
+SPLITS = ("train", "val")
+
+MAGIC = 0x42414D31  # "BAM1"
+VERSION = 1
+HEADER_BYTES = 256
+_HEADER = struct.Struct("<IIq32s")  # magic, version, token count, tokenizer name (null-padded ASCII)
+_SHARD_RE = re.compile(r"^(.+)_(train|val)_(\d{6})\.bin$")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def get_tokenizer(name: str):
+    """A tiktoken Encoding. Decode with enc.decode(tokens) (errors="replace" by default), never .decode() on
+    raw bytes: a byte-level window can start or end inside a multi-byte character."""
+    import tiktoken
+
+    if name == "gpt2":
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:  # tiktoken downloads the gpt2 ranks on first use
+            raise RuntimeError(f"could not load the tiktoken 'gpt2' encoding ({type(e).__name__}: {e}). It is "
+                               "downloaded on first use, so this needs network access once; offline, use "
+                               "--tokenizer byte") from e
+    if name == "byte":
+        # Single bytes only and no merges, so the split pattern cannot change the result: any chunking works,
+        # and short chunks are the fastest.
+        return tiktoken.Encoding("byte", pat_str=r"[\s\S]{1,64}", mergeable_ranks={bytes([i]): i for i in range(256)},
+                                 special_tokens={"<|endoftext|>": EOT["byte"]})
+    raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shards
+# ----------------------------------------------------------------------------------------------------------
+def write_shard(path, tokens, tokenizer_name):
+    """Write tokens (any integer array) as a shard. Atomic: a crash leaves either the old file or the new one,
+    never a partial shard under the final name."""
+    tokens = np.asarray(tokens)
+    if tokens.size == 0:
+        raise ValueError(f"refusing to write an empty shard: {path}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if tokens.min() < 0 or tokens.max() >= 65536:
+        raise ValueError(f"token ids must lie in [0, 65536) to be stored as uint16; got min {tokens.min()}, "
+                         f"max {tokens.max()} for {path}")
+    name = tokenizer_name.encode("ascii")
+    if len(name) > 32:
+        raise ValueError(f"tokenizer name {tokenizer_name!r} is longer than the 32 bytes the header holds")
+    header = _HEADER.pack(MAGIC, VERSION, tokens.size, name).ljust(HEADER_BYTES, b"\0")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(tokens.astype("<u2", copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_header(path):
+    """(token count, tokenizer name) after checking magic, version and file size."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    rerun = "rerun the preparation script that wrote it (prepare_fineweb.py resumes and rewrites broken shards)"
+    if len(raw) < HEADER_BYTES:
+        raise ValueError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {rerun}")
+    magic, version, count, name = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise ValueError(f"{path}: not a bam-gpt token shard (magic {magic:#x}, expected {MAGIC:#x})")
+    if version != VERSION:
+        raise ValueError(f"{path}: shard format version {version}, this code reads version {VERSION}; {rerun}")
+    size, expected = os.path.getsize(path), HEADER_BYTES + 2 * count
+    if size != expected:
+        raise ValueError(f"{path}: truncated or corrupt shard ({size} bytes, the header promises {count} tokens = "
+                         f"{expected} bytes); {rerun}")
+    return count, name.rstrip(b"\0").decode("ascii")
+
+
+def open_shard(path, tokenizer=None):
+    """The shard's tokens as a read-only uint16 memmap, after validating the header (and the tokenizer, if given)."""
+    count, name = _read_header(path)
+    if tokenizer is not None and tokenizer != name:
+        raise ValueError(f"{path} was made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
+                         f"or prepare the data again with --tokenizer {tokenizer}")
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def shard_tokenizer(path):
+    return _read_header(path)[1]
+
+
+def shard_paths(data_dir, split):
+    """Sorted shard paths of one split. Errors, saying how to make them, if there are none."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    how = ("create them with `python prepare_fineweb.py` (FineWeb, writes data/fineweb10B), "
+           "`python prepare_demo.py` (the CPU demo data), or `python prepare_fineweb.py --local_files FILE.jsonl "
+           f"--tokenizer byte --out_dir {data_dir}` for your own text")
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"data directory {data_dir} does not exist; {how}")
+    found = sorted((m.group(1), f) for f in os.listdir(data_dir)
+                   if (m := _SHARD_RE.match(f)) and m.group(2) == split)
+    if not found:
+        raise FileNotFoundError(f"no {split} shards (*_{split}_NNNNNN.bin) in {data_dir}; {how}")
+    prefixes = sorted({p for p, _ in found})
+    if len(prefixes) > 1:  # two datasets in one directory would silently be mixed
+        raise ValueError(f"{data_dir} holds {split} shards of several datasets (prefixes {prefixes}); "
+                         "keep one dataset per directory")
+    return [os.path.join(data_dir, f) for _, f in found]
+
+
+def _split_extents(data_dir, split, tokenizer=None):
+    """[(path, tokens used)] for a split, and the tokenizer name all its shards agree on. val is capped at the
+    first VAL_TOKENS tokens, so that every consumer measures on the same tokens whatever --val_tokens wrote."""
+    extents, names = [], {}
+    budget = VAL_TOKENS if split == "val" else None
+    for path in shard_paths(data_dir, split):
+        count, name = _read_header(path)
+        names.setdefault(name, path)
+        if budget is not None:
+            count = min(count, budget - sum(n for _, n in extents))
+        if count > 0:
+            extents.append((path, count))
+    other = "val" if split == "train" else "train"  # train and val must agree too: one model sees both
+    for f in sorted(os.listdir(data_dir)):
+        if (m := _SHARD_RE.match(f)) and m.group(2) == other:
+            names.setdefault(shard_tokenizer(os.path.join(data_dir, f)), os.path.join(data_dir, f))
+    if len(names) > 1:
+        raise ValueError(f"the shards in {data_dir} were made with different tokenizers: "
+                         + ", ".join(f"{n!r} ({os.path.basename(p)})" for n, p in names.items())
+                         + "; keep one dataset per directory")
+    name = next(iter(names))
+    if tokenizer is not None and tokenizer != name:
+        raise ValueError(f"the shards in {data_dir} were made with the {name!r} tokenizer, not {tokenizer!r}; "
+                         f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}")
+    return extents, name
+
+
+def read_tokens(data_dir, split, n_tokens, offset=0):
+    """n_tokens consecutive tokens of a split's stream starting at offset, as int64 (across shards in order)."""
+    extents, _ = _split_extents(data_dir, split)
+    total = sum(n for _, n in extents)
+    if offset < 0 or n_tokens < 0 or offset + n_tokens > total:
+        raise ValueError(f"asked for tokens [{offset}, {offset + n_tokens}) of the {split} split in {data_dir}, "
+                         f"which has {total} tokens")
+    out, start = [], 0
+    for path, n in extents:
+        a, b = max(offset, start), min(offset + n_tokens, start + n)
+        if a < b:
+            out.append(np.asarray(open_shard(path)[a - start:b - start], dtype=np.int64))
+        start += n
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------------------------
+def doc_starts(x, eot):
+    """For each position t, the last s <= t with x[s] == eot (end-of-text starts each document), else 0.
+    Key j is visible to query i iff doc_start[i] <= j <= i."""
+    pos = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    return torch.where(x == eot, pos, torch.zeros_like(pos)).cummax(dim=-1).values
+
+
+class TokenLoader:
+    """Windows of block_size + 1 tokens at stride block_size (y is x shifted by one), in stream order.
+
+    There is no seed: the order is the stream order, as in the authors' runs, and determinism is what makes
+    resuming exact. Global window index g = ((step * grad_accum + micro_step) * world_size + rank) * batch_size + b,
+    taken modulo num_windows (an epoch wraps around). Windows never straddle two shards.
+    """
+
+    def __init__(self, data_dir, split, block_size, batch_size, rank=0, world_size=1, tokenizer=None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.block_size, self.batch_size, self.rank, self.world_size = block_size, batch_size, rank, world_size
+        self.extents, self.tokenizer = _split_extents(data_dir, split, tokenizer)
+        self.eot, self.vocab_size = EOT[self.tokenizer], VOCAB_SIZE[self.tokenizer]
+        windows = np.array([(n - 1) // block_size for _, n in self.extents], dtype=np.int64)
+        self.num_windows = int(windows.sum())
+        if self.num_windows == 0:
+            longest = max(n for _, n in self.extents)
+            if split == "val":
+                raise ValueError(f"block_size {block_size} is longer than the validation split ({longest} tokens)")
+            raise ValueError(f"block_size {block_size} is longer than every train shard in {data_dir} "
+                             f"(the longest has {longest} tokens)")
+        self.cum_windows = np.cumsum(windows)  # shard s holds windows [cum[s-1], cum[s])
+
+    def __len__(self):
+        return self.num_windows
+
+    def window_indices(self, step, micro_step=0, grad_accum=1):
+        first = ((step * grad_accum + micro_step) * self.world_size + self.rank) * self.batch_size
+        return (first + np.arange(self.batch_size, dtype=np.int64)) % self.num_windows
+
+    def get_batch(self, step, micro_step=0, grad_accum=1):
+        """(x, y, doc_start), each an int64 CPU tensor of shape (batch_size, block_size)."""
+        g = self.window_indices(step, micro_step, grad_accum)
+        shard = np.searchsorted(self.cum_windows, g, side="right")
+        first = np.concatenate([[0], self.cum_windows[:-1]])[shard]
+        T = self.block_size
+        rows = []
+        for s in np.unique(shard):
+            # A fresh memmap per batch, as nanoGPT does: a long-lived one keeps every page it touched mapped,
+            # which shows up as resident memory growing through an epoch.
+            path, n = self.extents[s]
+            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
+            for b in np.flatnonzero(shard == s):
+                a = (g[b] - first[b]) * T
+                rows.append((b, np.array(tokens[a:a + T + 1], dtype=np.int64)))
+        rows.sort(key=lambda r: r[0])
+        buf = torch.from_numpy(np.stack([r for _, r in rows]))
+        x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+        return x, y, doc_starts(x, self.eot)
