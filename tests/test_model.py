@@ -1,0 +1,374 @@
+"""Model core: the attention() contract, the 10 positional-encoding variants, checkpoints, configurator."""
+import math
+
+import pytest
+import torch
+
+from attention_kernel import alibi_slopes, attention, attention_torch, ggd_prior
+from configurator import ConfigError, configure
+from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
+
+VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
+
+
+def tiny(pe="bam", ssmax=True, **kw):
+    kw = dict(dict(vocab_size=257, n_layer=2, n_head=4, n_embd=32, block_size=16, tokenizer="byte"), **kw)
+    return GPTConfig(pos_encoding=pe, ssmax=ssmax, **kw)
+
+
+def make(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    # move the priors off their trivial init so that every test exercises a non-degenerate prior and SSMax
+    with torch.no_grad():
+        for i, block in enumerate(model.blocks):
+            a = block.attn
+            if hasattr(a, "theta_beta"):
+                a.theta_beta.copy_(torch.linspace(-0.8, 1.5, cfg.n_head) + 0.1 * i)
+                a.theta_alpha.copy_(torch.linspace(-1.0, 0.5, cfg.n_head))
+            if hasattr(a, "ssmax_s"):
+                a.ssmax_s.copy_(torch.linspace(0.6, 1.4, cfg.n_head))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention(): the reference against a dense formula written independently here
+# ---------------------------------------------------------------------------------------------------------
+def dense_attention(q, k, v, doc_start, prior, row_scale, scale_prior, q_offset):
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    i = torch.arange(Tq)[:, None] + q_offset
+    j = torch.arange(Tk)[None, :]
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / math.sqrt(D)
+    bias = torch.zeros(H, Tq, Tk, dtype=torch.float64)
+    if prior is not None:
+        a, b, m = (t.double()[:, None, None] for t in prior)
+        mu = torch.exp(m) - torch.exp(-m)
+        bias = -torch.exp(a) * ((j - i)[None].double() - mu).abs().add(1e-5).pow(b)
+    r = torch.ones(1, H, Tq, 1, dtype=torch.float64) if row_scale is None else row_scale.double()[..., None]
+    s = (logits + bias) * r if scale_prior else logits * r + bias
+    ok = (j <= i)[None, None]
+    if doc_start is not None:
+        ok = ok & (j[None, None] >= doc_start[:, None, q_offset:q_offset + Tq, None])
+    s = s.masked_fill(~ok, float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v.double())
+
+
+def random_doc_start(B, T, gen):
+    starts = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        bounds = sorted(torch.randperm(T - 1, generator=gen)[:3].add(1).tolist())
+        for s in bounds:
+            starts[b, s:] = s
+    return starts
+
+
+@pytest.mark.parametrize("case", ["plain", "prior", "prior_neg_beta_mu", "ssmax", "ssmax_scale_prior",
+                                  "docs", "q_offset", "everything"])
+def test_reference_matches_dense_formula(case):
+    gen = torch.Generator().manual_seed(hash(case) % 1000)
+    B, H, Tk, D = 2, 3, 23, 8
+    Tq = 9 if case in ("q_offset", "everything") else Tk
+    q_offset = 7 if case in ("q_offset", "everything") else Tk - Tq
+    q = torch.randn(B, H, Tq, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, H, Tk, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, H, Tk, D, generator=gen, dtype=torch.float64)
+    prior = row_scale = doc_start = None
+    scale_prior = False
+    if case != "plain" and case not in ("ssmax", "docs", "q_offset"):
+        prior = (torch.tensor([-0.5, 0.3, 0.0]), torch.tensor([1.0, 0.4, 2.0]), torch.zeros(3))
+    if case in ("prior_neg_beta_mu", "everything"):
+        prior = (torch.tensor([-0.5, 0.3, -2.0]), torch.tensor([-1.5, -0.3, 0.7]), torch.tensor([0.4, -0.2, 0.8]))
+    if case in ("ssmax", "ssmax_scale_prior", "everything"):
+        row_scale = torch.rand(B, H, Tq, generator=gen, dtype=torch.float64) * 2
+        scale_prior = case != "ssmax"
+    if case in ("docs", "everything"):
+        doc_start = random_doc_start(B, Tk, gen)
+    ref = dense_attention(q, k, v, doc_start, prior, row_scale, scale_prior, q_offset)
+    out = attention(q.float(), k.float(), v.float(), doc_start=doc_start, prior=prior,
+                    row_scale=None if row_scale is None else row_scale.float(), scale_prior=scale_prior,
+                    q_offset=q_offset)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_reference_chunked_equals_unchunked_with_grads():
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 4, 37, 8
+    q, k, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+    doc_start = random_doc_start(B, T, gen)
+    prior = [torch.tensor([-1.0, 0.0, 0.5, -0.2]), torch.tensor([-0.7, 0.0, 1.0, 2.0]), torch.tensor([0.0, 0.1, 0, 0])]
+    row_scale = torch.rand(B, H, T, generator=gen) + 0.5
+    results = []
+    for chunk in (T, 5, 1):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, *prior, row_scale)]
+        out = attention_torch(*leaves[:3], doc_start=doc_start, prior=tuple(leaves[3:6]), row_scale=leaves[6],
+                              scale_prior=True, chunk_size=chunk)
+        out.pow(2).sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_prior_is_finite_for_negative_beta_at_distance_zero():
+    b = ggd_prior(torch.arange(-5, 1), torch.tensor([0.0]), torch.tensor([-1.5]), torch.tensor([0.0]))
+    assert torch.isfinite(b).all() and b[0, -1] < -1e6 and b[0, 0] > -1  # anti-local: d=0 is most penalised
+
+
+def test_alibi_slopes_match_reference_values():
+    torch.testing.assert_close(alibi_slopes(16), torch.tensor([2 ** (-k / 2) for k in range(1, 17)]))
+    torch.testing.assert_close(alibi_slopes(32), torch.tensor([2 ** (-k / 4) for k in range(1, 33)]))
+    s24 = alibi_slopes(24)
+    torch.testing.assert_close(s24[:16], alibi_slopes(16))
+    torch.testing.assert_close(s24[16:], torch.tensor([2 ** (-4 * (2 * j + 1) / 16) for j in range(8)]))
+    assert abs(s24[16].item() - 0.8409) < 1e-4 and abs(s24[-1].item() - 0.0743) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model: every variant, causality, documents, special cases of the prior
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pe,ssmax", VARIANTS)
+def test_variant_forward_backward_two_lengths(pe, ssmax):
+    model = make(tiny(pe, ssmax))
+    for T in (16, 5):
+        model.zero_grad()
+        idx = torch.randint(0, 257, (2, T))
+        doc_start = torch.zeros(2, T, dtype=torch.long)
+        doc_start[1, T // 2:] = T // 2
+        _, loss = model(idx, idx, doc_start=doc_start)
+        assert torch.isfinite(loss)
+        loss.backward()
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        if pe == "bam":
+            g = model.blocks[0].attn.theta_beta.grad
+            assert g.abs().sum() > 0 and model.blocks[0].attn.theta_alpha.grad.abs().sum() > 0
+        if ssmax:
+            assert model.blocks[0].attn.ssmax_s.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("pe,ssmax", VARIANTS)
+def test_variant_runs_at_8x_block_size(pe, ssmax):
+    cfg = tiny(pe, ssmax)
+    model = make(cfg).eval()
+    with torch.no_grad():
+        logits, _ = model(torch.randint(0, 257, (1, 8 * cfg.block_size)), logits_at=4)
+    assert logits.shape == (1, 4, cfg.padded_vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("pe,ssmax", [("rope", True), ("bam", True), ("sinusoidal", False), ("alibi", True)])
+def test_causality(pe, ssmax):
+    model = make(tiny(pe, ssmax)).eval()
+    idx = torch.randint(0, 257, (1, 20))
+    changed = idx.clone()
+    changed[0, 12] = (changed[0, 12] + 1) % 257
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+@pytest.mark.parametrize("pe", ["bam", "nope", "alibi"])
+def test_document_isolation_and_ssmax_restart(pe):
+    """A document's logits depend neither on the previous document's tokens nor on where it starts in the
+    window: SSMax's n restarts at the document start, and bam/alibi/nope only see relative distances."""
+    model = make(tiny(pe, True)).eval()
+    doc = torch.randint(0, 257, (1, 9))
+    with torch.no_grad():
+        alone, _ = model(doc)
+        for prefix_len in (3, 7):
+            x = torch.cat([torch.randint(0, 257, (1, prefix_len)), doc], dim=1)
+            doc_start = torch.zeros_like(x)
+            doc_start[:, prefix_len:] = prefix_len
+            packed, _ = model(x, doc_start=doc_start)
+            torch.testing.assert_close(packed[:, prefix_len:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_document_isolation_with_absolute_positions():
+    """rope (positions not reset, as the authors did): the previous document's *tokens* still don't matter."""
+    model = make(tiny("rope", True)).eval()
+    doc_start = torch.zeros(1, 16, dtype=torch.long)
+    doc_start[:, 6:] = 6
+    a = torch.randint(0, 257, (1, 16))
+    b = a.clone()
+    b[:, :6] = torch.randint(0, 257, (1, 6))
+    with torch.no_grad():
+        la, _ = model(a, doc_start=doc_start)
+        lb, _ = model(b, doc_start=doc_start)
+    torch.testing.assert_close(la[:, 6:], lb[:, 6:])
+
+
+def _copy_weights(src, dst):
+    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
+    assert all(".theta_" in k for k in missing + unexpected)
+
+
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_bam_with_beta_one_and_log_slope_is_alibi(ssmax):
+    alibi = make(tiny("alibi", ssmax)).eval()
+    bam = GPT(tiny("bam", ssmax, bam_init="alibi", ssmax_prior=False)).eval()  # ALiBi+SSMax leaves B unscaled
+    _copy_weights(alibi, bam)
+    idx = torch.randint(0, 257, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(bam(idx)[0], alibi(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ssmax", [False, True])
+def test_bam_with_beta_zero_is_nope(ssmax):
+    nope = make(tiny("nope", ssmax)).eval()
+    bam = GPT(tiny("bam", ssmax, bam_init="0.7,0")).eval()  # constant prior -exp(0.7): a uniform prior
+    _copy_weights(nope, bam)
+    idx = torch.randint(0, 257, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(bam(idx)[0], nope(idx)[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pe,ssmax", VARIANTS)
+def test_kv_cache_decoding_equals_full_forward(pe, ssmax):
+    model = make(tiny(pe, ssmax)).eval()
+    idx = torch.randint(0, 257, (1, 21))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(model.config.n_layer)
+        steps = [model(idx[:, :13], kv_cache=cache)[0]]  # prefill, then one token at a time
+        steps += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(13, 21)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_greedy_matches_argmax_of_full_forward():
+    model = make(tiny("bam", True)).eval()
+    prompt = torch.randint(0, 257, (1, 10))
+    out = model.generate(prompt, 6)
+    seq = prompt
+    with torch.no_grad():
+        for tok in out:
+            assert int(model(seq)[0][0, -1].argmax()) == tok
+            seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
+
+
+def test_logits_at_and_per_token_loss():
+    model = make(tiny("bam", True)).eval()
+    idx = torch.randint(0, 257, (2, 30))
+    with torch.no_grad():
+        full, mean_loss = model(idx[:, :-1], idx[:, 1:])
+        last, _ = model(idx[:, :-1], logits_at=3)
+        picked, _ = model(idx[:, :-1], logits_at=torch.tensor([0, 5]))
+        _, per_token = model(idx[:, :-1], idx[:, 1:], reduction="none")
+    torch.testing.assert_close(last, full[:, -3:])
+    torch.testing.assert_close(picked, full[:, [0, 5]])
+    assert per_token.shape == (2, 29)
+    torch.testing.assert_close(per_token.mean(), mean_loss)
+    torch.testing.assert_close(model._token_losses(model.norm(model.wte(idx[:, :-1])), idx[:, 1:], 7),
+                               model._token_losses(model.norm(model.wte(idx[:, :-1])), idx[:, 1:]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sizes, parameter counts, checkpoints, inspection
+# ---------------------------------------------------------------------------------------------------------
+def test_l12_parameter_count_matches_closed_form():
+    cfg = GPTConfig.from_size("l12", vocab_size=50257, pos_encoding="bam", ssmax=True)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    V, D, L = 50304, 768, 12  # gpt2's 50257 padded to a multiple of 64
+    closed_form = 2 * V * D + L * (4 * D * D + 3 * D * 2 * D + 2 * D) + D  # spec §1
+    groups = model.param_groups()
+    backbone = sum(p.numel() for n, p in model.named_parameters() if ".theta_" not in n and "ssmax_s" not in n)
+    assert backbone == closed_form
+    assert sum(p.numel() for p in groups["prior"]) == 384 == 2 * 16 * 12  # theta_alpha, theta_beta trainable
+    assert sum(p.numel() for p in groups["ssmax"]) == 192
+    assert sum(p.numel() for n, p in model.named_parameters() if n.endswith("theta_mu")) == 192  # stored, frozen
+    assert all(n in MODEL_SIZES for n in ("l6", "l8", "l12", "l15", "l18", "l24"))
+
+
+def test_train_mu_makes_mu_trainable():
+    model = GPT(tiny("bam", True, train_mu=True))
+    assert sum(p.numel() for p in model.param_groups()["prior"]) == 3 * 4 * 2
+
+
+def test_optimizer_groups_weight_decay():
+    model = GPT(tiny("bam", True))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), prior_lr=1e-2)
+    by_wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert by_wd[id(p)] == (0.1 if p.dim() >= 2 else 0.0), name
+    prior_group = [g for g in opt.param_groups if any(p is model.blocks[0].attn.theta_beta for p in g["params"])]
+    assert prior_group[0]["lr"] == 1e-2 and prior_group[0]["base_lr"] == 1e-2
+
+
+def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
+    model = make(tiny("bam", True))
+    path = str(tmp_path / "run" / "ckpt_0000007.pt")
+    save_checkpoint(path, torch.compile(model), step=7)  # lazy wrapper: keys carry _orig_mod.
+    assert not [f for f in (tmp_path / "run").iterdir() if ".tmp" in f.name]  # written atomically
+    loaded, ckpt = load_model(str(tmp_path / "run"))  # a run directory resolves to its newest checkpoint
+    assert ckpt["step"] == 7 and all(not k.startswith(("_orig_mod", "module")) for k in ckpt["model"])
+    idx = torch.randint(0, 257, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0])
+    other = GPT(tiny("rope", False))
+    with pytest.raises(ValueError, match="pos_encoding: 'bam' vs 'rope'"):
+        load_state(other, ckpt)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_model(str(tmp_path / "nowhere"))
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match="could not read checkpoint"):
+        load_model(str(tmp_path / "bad.pt"))
+
+
+def test_prior_summary_reports_every_layer():
+    model = make(tiny("bam", True))
+    rows = model.prior_summary()
+    assert len(rows) == 2 and len(rows[0]["theta_beta"]) == 4 and len(rows[0]["ssmax_s"]) == 4
+    assert rows[0]["theta_beta"][0] == pytest.approx(-0.8) and rows[0]["mu"] == [0.0] * 4
+    assert GPT(tiny("rope", False)).prior_summary() == []
+    assert GPT(tiny("alibi", False)).prior_summary()[0]["theta_beta"] == [1.0] * 4
+
+
+def test_bad_config_values_fail_clearly():
+    with pytest.raises(ValueError, match="pos_encoding must be one of"):
+        tiny("xpos")
+    with pytest.raises(ValueError, match="bam_init must be"):
+        tiny("bam", bam_init="nonsense")
+    with pytest.raises(ValueError, match="unknown model_size"):
+        GPTConfig.from_size("l7")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configurator
+# ---------------------------------------------------------------------------------------------------------
+DEFAULTS = dict(batch_size=12, learning_rate=1e-3, pos_encoding="bam", ssmax=True, prior_lr=None, bam_init="zero")
+
+
+def test_configurator_applies_file_then_overrides(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("batch_size = 4\npos_encoding = 'rope'\n")
+    cfg = configure(DEFAULTS, [str(cfg_file), "--learning_rate=3", "--ssmax=False", "--prior_lr=0.01",
+                               "--pos_encoding=alibi", "--bam_init=0.5,-1"])
+    assert cfg == dict(batch_size=4, learning_rate=3.0, pos_encoding="alibi", ssmax=False, prior_lr=0.01,
+                       bam_init="0.5,-1")
+    assert isinstance(cfg["learning_rate"], float)
+
+
+def test_configurator_rejects_unknown_key_and_wrong_type(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'batch_sise'.*Did you mean batch_size"):
+        configure(DEFAULTS, ["--batch_sise=3"])
+    with pytest.raises(ConfigError, match="'batch_size'.*expects int.*got float"):
+        configure(DEFAULTS, ["--batch_size=2.5"])
+    with pytest.raises(ConfigError, match="'ssmax'.*expects bool"):
+        configure(DEFAULTS, ["--ssmax=1"])
+    with pytest.raises(ConfigError, match="--key=value"):
+        configure(DEFAULTS, ["--ssmax"])
+    bad = tmp_path / "bad.py"
+    bad.write_text("learning_rat = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'learning_rat' \(in .*bad.py\)"):
+        configure(DEFAULTS, [str(bad)])
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        configure(DEFAULTS, [str(tmp_path / "missing.py")])
+
+
+def test_configurator_never_executes_command_line_values():
+    cfg = configure(DEFAULTS, ["--pos_encoding=__import__('os').system('echo pwned')"])
+    assert cfg["pos_encoding"] == "__import__('os').system('echo pwned')"  # kept as an inert string
