@@ -182,6 +182,18 @@ def _interpreting():
 
 
 if triton is not None:
+    # Triton's interpreter multiplies bfloat16 blocks as their raw uint16 storage; there (only) tl.dot gets its
+    # bf16 operands upcast to fp32, which is exact, so the CPU tests still see bf16 rounding of P and dS.
+    _INTERPRET_BF16_UPCAST = tl.constexpr(_interpreting())
+
+    @triton.jit
+    def _dot(a, b, acc, DOT_PREC: tl.constexpr):
+        if _INTERPRET_BF16_UPCAST:
+            if a.dtype == tl.bfloat16:
+                a = a.to(tl.float32)
+            if b.dtype == tl.bfloat16:
+                b = b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
     @triton.jit
     def _prior_tile(qpos, kpos, c, beta, mu, EPS: tl.constexpr):
@@ -229,8 +241,8 @@ if triton is not None:
             lo = tl.minimum(min_ds // BLOCK_N, hi)
             doc_hi = (max_ds + BLOCK_N - 1) // BLOCK_N  # blocks >= doc_hi start after every row's document start
         else:
-            lo = 0
-            doc_hi = 0
+            lo = tl.full([], 0, tl.int32)
+            doc_hi = tl.full([], 0, tl.int32)
         u1 = tl.minimum(tl.maximum(causal_lo, lo), hi)
         u0 = tl.minimum(tl.maximum(doc_hi, lo), u1)
         return lo, u0, u1, hi
@@ -246,7 +258,7 @@ if triton is not None:
             kv_ok = offs_n < Tk
             kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
-            qk = tl.dot(q, kT, input_precision=DOT_PREC)
+            qk = _dot(q, kT, None, DOT_PREC)
             bias = 0.0
             if HAS_PRIOR:
                 bias, _dm, _x, _lx = _prior_tile(qpos[:, None], offs_n[None, :], c, beta, mu, EPS)
@@ -265,7 +277,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
             m_i = m_new
         return acc, l_i, m_i
 
@@ -279,8 +291,8 @@ if triton is not None:
                   EPS: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
+        h = (bh % H).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
         qpos = q_offset + offs_m
@@ -337,8 +349,8 @@ if triton is not None:
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
+        h = (bh % H).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_m < Tq)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -361,7 +373,7 @@ if triton is not None:
                          mask=d_ok[:, None] & row_ok[None, :], other=0.0)
             # padded query rows: LSE = +inf makes P = 0, and dO = 0, so they add nothing
             lse = tl.load(LSE_ptr + offs_m, mask=row_ok, other=float("inf"))
-            qkT = tl.dot(k, qT, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
+            qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
             bias = 0.0
             if HAS_PRIOR:
                 bias, _dm, _x, _lx = _prior_tile(qpos[None, :], offs_n[:, None], c, beta, mu, EPS)
@@ -380,13 +392,13 @@ if triton is not None:
             pT = tl.exp2(sT - lse[None, :])
             do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
             delta = tl.load(DELTA_ptr + offs_m, mask=row_ok, other=0.0)
-            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dpT = _dot(v, tl.trans(do), None, DOT_PREC)
             dsT = pT * (dpT - delta[None, :])
             if HAS_RS:
                 dsT = dsT * r[None, :]  # dl = dS r
-            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PREC)
+            dk = _dot(dsT.to(qT.dtype), tl.trans(qT), dk, DOT_PREC)
         return dk, dv
 
     @triton.jit
@@ -399,8 +411,8 @@ if triton is not None:
                        SCALE_PRIOR: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_n = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
+        h = (bh % H).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < Tk
         offs_d = tl.arange(0, BLOCK_D)
@@ -416,7 +428,6 @@ if triton is not None:
             beta = tl.load(PBETA + h)
             mu = tl.load(PMU + h)
         n0 = pid_n * BLOCK_N
-        n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
         n_qblocks = (Tq + BLOCK_M - 1) // BLOCK_M
         # query blocks that can see this key block: from the first query at or after n0 ...
         lo = tl.maximum(n0 - q_offset, 0) // BLOCK_M
@@ -428,7 +439,9 @@ if triton is not None:
             hi = n_qblocks
             clean_end = n_qblocks
         lo = tl.minimum(lo, hi)
-        causal_clean = (tl.maximum(n_last - q_offset, 0) + BLOCK_M - 1) // BLOCK_M  # first query >= n_last
+        # first query block whose first query is at or after the block's last key (a ragged last key block is
+        # thus always in the masked stage, where keys >= Tk are masked as being after every query)
+        causal_clean = (tl.maximum(n0 + BLOCK_N - 1 - q_offset, 0) + BLOCK_M - 1) // BLOCK_M
         u0 = tl.minimum(tl.maximum(causal_clean, lo), hi)
         u1 = tl.minimum(tl.maximum(clean_end, u0), hi)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -474,7 +487,7 @@ if triton is not None:
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
-            qk = tl.dot(q, kT, input_precision=DOT_PREC)
+            qk = _dot(q, kT, None, DOT_PREC)
             bias = 0.0
             dm = 0.0
             x = 1.0
@@ -489,13 +502,13 @@ if triton is not None:
                     vis = offs_n[None, :] <= qpos[:, None]
                 s = tl.where(vis, s, float("-inf"))
             p = tl.exp2(s - lse[:, None])
-            dp = tl.dot(do, vT, input_precision=DOT_PREC)
+            dp = _dot(do, vT, None, DOT_PREC)
             ds = p * (dp - delta[:, None])
             if HAS_RS:
                 dl = ds * r_rows[:, None]
             else:
                 dl = ds
-            dq = tl.dot(dl.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PREC)
+            dq = _dot(dl.to(kT.dtype), tl.trans(kT), dq, DOT_PREC)
             if ACC_DPP:  # Delta' = sum_j P dP (see the section comment)
                 acc_pdp += tl.sum(p * dp, 1)
             if ACC_B:
@@ -525,8 +538,8 @@ if triton is not None:
                      ACC_DPP: tl.constexpr, ACC_B: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
+        h = (bh % H).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
         qpos = q_offset + offs_m
@@ -598,7 +611,7 @@ if triton is not None:
 # ------------------------------------------------------------------ launch configuration and the autograd wrapper
 # Fixed tiles per (head_dim, dtype) rather than triton.autotune: the backward's tile-skipping tables depend on the
 # block sizes, and under the interpreter autotuning would multiply test time. Tests may set INTERPRET_BLOCKS.
-INTERPRET_BLOCKS = (16, 16)
+INTERPRET_BLOCKS = (32, 32)
 
 
 def _configs(block_d, dtype):
