@@ -1,0 +1,669 @@
+"""
+RULER's needle-in-a-haystack family (spec §9): the 8 NIAH subtasks of NVIDIA/RULER @ c3f5e3b
+(scripts/data/synthetic/niah.py, constants.py, synthetic.yaml), generated here, answered by greedy decoding
+with the model's KV cache, and scored with RULER's string_match_all.
+
+    python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...]
+        [--lengths 1024,2048] [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir data/fineweb10B]
+
+Writes <out>/ruler_samples.jsonl (one record per checkpoint x task x length x sample; reopening resumes),
+<out>/ruler_summary.{json,csv} (score per checkpoint x task x length, plus the average over tasks) and
+<out>/ruler_scores.png (one panel per checkpoint: a line per task, the average in bold).
+
+What is RULER's, verbatim: the template, the answer prefix, the base-model template, the needle, the noise
+sentence, the singular rewrite, the task table, the order of the random draws within a sample, the needle
+shuffle with Random(seed), the depths round(linspace(0, 100, 40)) and where needles go, the binary search on
+the haystack size with RULER's steps and the per-sample back-off, tokens_to_generate = 128, and the metric.
+
+Where this differs from RULER, and why:
+  - Sentences: RULER splits the essay with NLTK's punkt; bam-gpt may not depend on nltk, so split_sentences()
+    is a small rule-based stand-in (see its docstring for how it differs).
+  - Word keys: RULER samples "adjective-noun" from wonderwords' lists (~1.5K x 6.8K words); here from the
+    few hundred of each in ruler_words.txt. With ~100K pairs instead of ~10M a distractor needle could reuse
+    the queried key, so keys are redrawn until they differ from the sample's real keys (RULER's huge list
+    makes that redraw practically never happen there).
+  - Stopping: RULER's base-model runs have no stop words (config_tasks.sh STOP_WORDS=""): they generate all
+    128 tokens or stop at end-of-text. Here generation also stops at the first token containing a newline
+    (the issue asks for it; the answer is one line, and it saves most of the 128 steps), and the output is cut
+    there. A model that starts its answer with a line break therefore scores 0 where RULER would read on.
+    --no_newline_stop restores RULER's behaviour.
+  - Start of document: the prompt is prefixed with end-of-text, which starts every training document (spec
+    §0), and that token counts toward the input: 1 + tokens(input) + 128 <= length. (RULER counts tokens
+    without the BOS its HF models add.)
+  - Randomness: one random.Random per (seed, task, length, sample, attempt) instead of one global stream, so a
+    sample does not depend on how many were drawn before it: any --samples N gives the same first N samples,
+    and a resumed run draws exactly what an uninterrupted one would. The binary search has its own stream.
+  - Small lengths: RULER's search starts at one step (500 essay words) and loops forever when that does not
+    fit; here the haystack may shrink to nothing (to the needle count for line haystacks), and a task whose
+    prompt does not fit even then is skipped at that length and reported as such. Below 4096 tokens the essay
+    back-off step is 100 words instead of 500 (see haystack_step).
+"""
+import argparse
+import bisect
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import time
+import uuid
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
+from eval_common import (_plt, add_common_args, autocast, check_settings, fits_in_memory, fmt_bytes,
+                         geometric_lengths, load_runs, pick_device, resolve_dtype, ResultLog, write_table)
+
+# ---- RULER's strings (spec §9; scripts/data/synthetic/constants.py and niah.py). Data: do not edit. -----------
+TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+            "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
+ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+TOKENS_TO_GENERATE = 128
+DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
+SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))  # applied in this order
+
+# scripts/synthetic.yaml. num_needle_k is raised to max(num_k, num_q) when a sample is built (multiquery: 4).
+TASKS = {
+    "niah_single_1":   dict(type_haystack="noise",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=1),
+    "niah_single_2":   dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=1),
+    "niah_single_3":   dict(type_haystack="essay",  type_needle_k="words", type_needle_v="uuids",   num_needle_k=1, num_needle_v=1, num_needle_q=1),
+    "niah_multikey_1": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=4, num_needle_v=1, num_needle_q=1),
+    "niah_multikey_2": dict(type_haystack="needle", type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=1),
+    "niah_multikey_3": dict(type_haystack="needle", type_needle_k="uuids", type_needle_v="uuids",   num_needle_k=1, num_needle_v=1, num_needle_q=1),
+    "niah_multivalue": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=4, num_needle_q=1),
+    "niah_multiquery": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=4),
+}
+KEY_FIELDS = ("run", "ckpt", "task", "length", "sample", "haystack")
+MAX_ATTEMPTS = 1000
+
+
+def task_template(cfg):
+    """The full prompt template of a task: the base model template, then the answer prefix, with RULER's
+    singular rewrite when one value is asked for (num_q * num_v == 1). Returns (template, type_needle_v)."""
+    template = MODEL_TEMPLATE.format(task_template=TEMPLATE) + ANSWER_PREFIX
+    type_needle_v = cfg["type_needle_v"]
+    if cfg["num_needle_q"] * cfg["num_needle_v"] == 1:
+        for old, new in SINGULAR:
+            template = template.replace(old, new)
+        type_needle_v = type_needle_v[:-1]  # numbers -> number, uuids -> uuid (needles keep the plural)
+    return template, type_needle_v
+
+
+# ---- sentences -------------------------------------------------------------------------------------------
+_CLOSERS = "\"')]}\u201d\u2019\u00bb"
+_OPENERS = "\"'([{\u201c\u2018\u00ab"
+_ABBREVIATIONS = {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "inc", "ltd", "co", "corp",
+                  "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec", "mt", "ft",
+                  "vol", "fig", "approx", "dept", "gen", "gov", "sen", "rep", "lt", "col", "capt", "sgt"}
+_INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
+
+
+def ends_sentence(word, next_word):
+    """Does a sentence end after `word` (followed by `next_word`)? A word ending in ! or ? (before any closing
+    quotes/brackets) ends one; so does a final period, except after a listed abbreviation or an initial; an
+    ellipsis ends one only before a capitalised word."""
+    core = word.rstrip(_CLOSERS)
+    if not core or core[-1] not in ".!?":
+        return False
+    if core[-1] in "!?":
+        return True
+    if core.endswith(".."):
+        nxt = next_word.lstrip(_OPENERS)
+        return bool(nxt) and nxt[0].isupper()
+    stem = core[:-1].lstrip(_OPENERS)
+    return not (stem.lower() in _ABBREVIATIONS or _INITIALS.fullmatch(stem))
+
+
+def split_sentences(text):
+    """Stand-in for NLTK's punkt `sent_tokenize` (RULER's splitter), with no dependency.
+
+    Works on whitespace-separated words (RULER normalises the essay's whitespace first, and joins sentences
+    back with single spaces, so nothing is lost): a sentence ends after a word that ends_sentence() accepts.
+    Differences from punkt: punkt's abbreviation list is learned from a corpus (ours is a fixed short list);
+    punkt decides abbreviations, initials and ellipses with orthographic statistics of the next word (ours:
+    never a break after an abbreviation or initial, after an ellipsis only before a capital); punkt also knows
+    ordinals and collocations. On plain prose the two agree almost everywhere; the difference only moves
+    where a needle may be inserted, never what is inserted."""
+    words = text.split()
+    out, start = [], 0
+    for i, w in enumerate(words):
+        if i + 1 == len(words) or ends_sentence(w, words[i + 1]):
+            out.append(" ".join(words[start:i + 1]))
+            start = i + 1
+    return out
+
+
+class Essay:
+    """An essay haystack: the text's words (RULER: re.sub(r"\\s+", " ", text).split(" ")) and, precomputed once,
+    where sentences end, so the sentences of the first n words (repeated cyclically when n exceeds the essay)
+    come without re-splitting. The split only looks at adjacent words, so sentences(n) equals
+    split_sentences(" ".join(first n words))."""
+
+    def __init__(self, text, label):
+        self.words = text.split()  # == re.sub(r"\s+", " ", text).split(" ") without the empty ends
+        if not self.words:
+            raise ValueError(f"the essay haystack {label} has no words")
+        self.label = label
+        n = len(self.words)
+        self.ends = np.array([i + 1 for i in range(n) if ends_sentence(self.words[i], self.words[(i + 1) % n])],
+                             dtype=np.int64)
+
+    def sentences(self, n):
+        N = len(self.words)
+        k = max(1, -(-n // N))
+        ends = (self.ends[None, :] + N * np.arange(k)[:, None]).ravel()
+        ends = ends[ends < n].tolist() + ([n] if n else [])
+        words = self.words * k if k > 1 else self.words
+        return [" ".join(words[a:b]) for a, b in zip([0] + ends[:-1], ends)]
+
+
+# ---- keys and values -------------------------------------------------------------------------------------
+WORDS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ruler_words.txt")
+
+
+def load_words(path=WORDS_FILE):
+    """RULER's key list: sorted(set(f"{adj}-{noun}")) over the adjective and noun lists."""
+    sections, current = {}, None
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if re.fullmatch(r"\[\w+\]", line):
+                current = sections.setdefault(line[1:-1], [])
+            elif line and current is not None:
+                current.extend(line.split())
+    adjs, nouns = sections.get("adjectives"), sections.get("nouns")
+    if not adjs or not nouns:
+        raise ValueError(f"{path} needs an [adjectives] and a [nouns] section")
+    return sorted({f"{a}-{n}" for a in adjs for n in nouns})
+
+
+_WORDS = None
+
+
+def words():
+    global _WORDS
+    if _WORDS is None:
+        _WORDS = load_words()
+    return _WORDS
+
+
+def random_value(kind, rng):
+    if kind == "numbers":  # 7 digits
+        return str(rng.randint(10 ** 6, 10 ** 7 - 1))
+    if kind == "words":
+        return rng.choice(words())
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    raise ValueError(f"unknown needle type {kind!r}")
+
+
+def random_key(kind, rng, taken):
+    """A key that is not one of `taken` (the sample's real keys): see the module docstring."""
+    while True:
+        key = random_value(kind, rng)
+        if key not in taken:
+            return key
+
+
+# ---- one input, RULER's generate_input_output -------------------------------------------------------------
+def min_haystack(task):
+    """Line haystacks need a line per needle to insert at (random.sample(range(n), #needles))."""
+    cfg = TASKS[task]
+    n_needles = max(cfg["num_needle_k"], cfg["num_needle_q"]) * cfg["num_needle_v"]
+    return 0 if cfg["type_haystack"] == "essay" else n_needles
+
+
+def build_input(task, num_haystack, rng, essay=None, seed=42):
+    """RULER's generate_input_output(num_haystack) for one task, drawing from `rng` in RULER's order.
+    Returns a dict: input_text (the full prompt, answer prefix included), pieces (input_text cut before every
+    haystack unit, for counting tokens piece by piece), needles, keys, values, queries, answers, depths."""
+    cfg = TASKS[task]
+    num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
+    num_v, num_q = cfg["num_needle_v"], cfg["num_needle_q"]
+    type_k, type_v, kind = cfg["type_needle_k"], cfg["type_needle_v"], cfg["type_haystack"]
+    if kind == "essay" and essay is None:
+        raise ValueError(f"{task} needs an essay haystack")
+    if num_haystack < min_haystack(task):
+        raise ValueError(f"{task} needs num_haystack >= {min_haystack(task)}, got {num_haystack}")
+
+    keys, values, needles = [], [], []
+    for _ in range(num_k):
+        keys.append(random_key(type_k, rng, keys))
+        value = []
+        for _ in range(num_v):
+            value.append(random_value(type_v, rng))
+            needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value[-1]))
+        values.append(value)
+    random.Random(seed).shuffle(needles)  # RULER: a fresh Random(seed), the same permutation for every sample
+
+    if kind == "essay":
+        sents = essay.sentences(num_haystack)
+        depths = sorted(rng.sample(DEPTHS, len(needles)))
+        positions = [0] + [int(len(sents) * (d / 100)) for d in depths] + [len(sents)]
+        parts = []  # RULER's document_sents_list: sentence runs and needles
+        for i in range(1, len(positions)):
+            parts.append(sents[positions[i - 1]:positions[i]])
+            if i - 1 < len(needles):
+                parts.append(needles[i - 1])
+        context = " ".join(p if isinstance(p, str) else " ".join(p) for p in parts)
+        ctx_pieces = []  # the same text, cut before every sentence and needle
+        for j, part in enumerate(parts):
+            sep = " " if j else ""
+            if isinstance(part, str):
+                ctx_pieces.append(sep + part)
+            elif not part:
+                ctx_pieces.append(sep)  # an empty run still adds its separator, as RULER's " ".join does
+            else:
+                ctx_pieces.extend([sep + part[0]] + [" " + s for s in part[1:]])
+    else:
+        if kind == "noise":
+            lines = [NOISE] * num_haystack
+        else:  # "needle": distractor needles with random keys and values
+            lines = []
+            for _ in range(num_haystack):
+                key = random_key(type_k, rng, keys)
+                lines.append(NEEDLE.format(type_needle_v=type_v, key=key, value=random_value(type_v, rng)))
+        indexes = sorted(rng.sample(range(num_haystack), len(needles)), reverse=True)
+        for index, element in zip(indexes, needles):
+            lines.insert(index, element)
+        depths = [round(100 * i / num_haystack) for i in indexes]  # needle i went in at line indexes[i]
+        context = "\n".join(lines)
+        ctx_pieces = lines[:1] + ["\n" + s for s in lines[1:]]
+
+    indices = rng.sample(range(num_k), num_q)
+    queries = [keys[i] for i in indices]
+    answers = [a for i in indices for a in values[i]]
+    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+
+    template, type_needle_v = task_template(cfg)
+    input_text = template.format(type_needle_v=type_needle_v, context=context, query=query)
+    head, tail = template.split("{context}")
+    pieces = [head.format(type_needle_v=type_needle_v)] + ctx_pieces + \
+             [tail.format(type_needle_v=type_needle_v, query=query)]
+    if "".join(pieces) != input_text:
+        raise AssertionError("the pieces of a prompt do not add up to the prompt")
+    return dict(input_text=input_text, pieces=pieces, needles=needles, keys=keys, values=values,
+                queries=queries, answers=answers, depths=depths, num_haystack=num_haystack)
+
+
+# ---- token counts and the haystack size --------------------------------------------------------------------
+class TokenCounter:
+    """Token counts of prompts, piece by piece with a cache (the essay's sentences and the noise line recur in
+    every probe of the binary search, so a 100K-token prompt costs dictionary look-ups, not a tokenization).
+    Pieces are cut before a space or newline, where the pre-tokenizer of the byte and gpt2 encodings always
+    splits, so the sum is the exact count for them; for other tokenizers it is an estimate, and every final
+    sample is still checked with a full tokenization (generate_sample)."""
+
+    def __init__(self, enc, max_entries=1_000_000):
+        self.enc, self.cache, self.max_entries = enc, {}, max_entries
+
+    def count(self, text):
+        return len(self.enc.encode_ordinary(text))
+
+    def count_pieces(self, pieces):
+        total = 0
+        for p in pieces:
+            n = self.cache.get(p)
+            if n is None:
+                if len(self.cache) >= self.max_entries:
+                    self.cache.clear()
+                n = self.cache[p] = self.count(p)
+            total += n
+        return total
+
+
+def haystack_step(task, max_len):
+    """RULER's `incremental`, the per-sample back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens.
+    Below 4096 the essay step is 100 words here (RULER keeps 500, and never runs the essay below 4K: its search
+    starts at one step). A sample that misses the budget by one token loses a whole step, about half of them
+    do, and 500 words (~650 gpt2 tokens) would empty a 1K prompt; 100 words is about what RULER's 5 noise lines
+    are (~110 gpt2 tokens)."""
+    if TASKS[task]["type_haystack"] == "essay":
+        return 500 if max_len >= 4096 else 100
+    return 5 if max_len < 4096 else 25
+
+
+def input_budget(max_len):
+    """Tokens the prompt may use: the length, less the answer budget and the document-start token."""
+    return max_len - TOKENS_TO_GENERATE - 1
+
+
+def fit_haystack(task, max_len, counter, essay=None, seed=42):
+    """RULER's binary search for the largest num_haystack whose (random) probe prompt fits the budget.
+    Returns dict(num_haystack (None if not even the smallest haystack fits), step, min_haystack, probes,
+    prompt_tokens_at_min)."""
+    step, lo = haystack_step(task, max_len), min_haystack(task)
+    rng = random.Random(f"{seed}/{task}/{max_len}/search")
+    budget, probes, last = input_budget(max_len), 0, {}
+
+    def tokens(n):
+        nonlocal probes
+        probes += 1
+        last[n] = counter.count_pieces(build_input(task, n, rng, essay, seed)["pieces"])
+        return last[n]
+
+    per_unit = tokens(step) / step  # RULER: estimate, then search up to 3x the estimated maximum
+    hi = max(int(max_len / per_unit * 3), step * 2)
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if tokens(mid) <= budget:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return dict(num_haystack=best, step=step, min_haystack=min_haystack(task), probes=probes,
+                prompt_tokens_at_min=last.get(min_haystack(task)))
+
+
+def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, counter=None):
+    """Sample `index` of a task at a length: the fitted haystack size, backed off by one step (RULER) while
+    the real tokenization does not fit. Each attempt draws afresh from Random(seed/task/length/index/attempt).
+    Returns build_input's dict plus input_ids ([end-of-text] + tokens), input_tokens, attempts and
+    answer_token_pos (RULER's token_position_answer: where the first answer starts, in input_ids)."""
+    counter = counter or TokenCounter(enc)
+    fit = fit or fit_haystack(task, max_len, counter, essay, seed)
+    if fit["num_haystack"] is None:
+        raise ValueError(f"{task} does not fit in {max_len} tokens even without a haystack")
+    used = fit["num_haystack"]
+    for attempt in range(MAX_ATTEMPTS):
+        s = build_input(task, used, random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}"), essay, seed)
+        ids = [enc.eot_token] + enc.encode_ordinary(s["input_text"])
+        if len(ids) + TOKENS_TO_GENERATE <= max_len:
+            break
+        used = max(fit["min_haystack"], used - fit["step"])
+    else:
+        raise RuntimeError(f"{task} at {max_len}: no sample fit after {MAX_ATTEMPTS} attempts")
+    s.pop("pieces")
+    pos = s["input_text"].find(s["answers"][0])
+    return dict(s, input_ids=ids, input_tokens=len(ids), attempts=attempt + 1,
+                answer_token_pos=1 + len(enc.encode_ordinary(s["input_text"][:pos])))
+
+
+# ---- decoding and scoring ----------------------------------------------------------------------------------
+def newline_tokens(enc):
+    """Ids of every token whose bytes contain a newline."""
+    out = set()
+    for t in range(enc.n_vocab):
+        try:
+            if b"\n" in enc.decode_single_token_bytes(t):
+                out.add(t)
+        except KeyError:  # a hole in the vocabulary
+            pass
+    return out
+
+
+def decode_output(tokens, enc, newline_ids=None):
+    """Generated ids -> (text, stop): cut before end-of-text ("eot"), or at the first newline ("newline") when
+    newline_ids is given; "budget" when neither came. Ids beyond the tokenizer (the model's padded vocabulary)
+    decode to nothing."""
+    stop = "budget"
+    for j, t in enumerate(tokens):
+        if t == enc.eot_token:
+            tokens, stop = tokens[:j], "eot"
+            break
+        if newline_ids is not None and t in newline_ids:
+            tokens, stop = tokens[:j + 1], "newline"
+            break
+    text = enc.decode([t for t in tokens if t < enc.n_vocab])
+    if stop == "newline":
+        text = text.split("\n", 1)[0]
+    return text, stop
+
+
+def postprocess_pred(text):
+    """RULER's scripts/eval/evaluate.py postprocess_pred: strip, control characters -> newline, strip."""
+    return re.sub(r"[\x00-\x1f]", "\n", text.strip()).strip()
+
+
+def sample_score(pred, refs):
+    """Fraction of the references found (case-insensitive) in one prediction."""
+    return sum(1.0 if r.lower() in pred.lower() else 0.0 for r in refs) / len(refs)
+
+
+def string_match_all(preds, refs):
+    """RULER's metric (scripts/eval/synthetic/constants.py): mean over samples of the fraction of references
+    contained in the prediction, case-insensitive, x100, rounded to 2 decimals."""
+    score = sum([sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref)
+                 for pred, ref in zip(preds, refs)]) / len(preds) * 100
+    return round(score, 2)
+
+
+# ---- the haystack ----------------------------------------------------------------------------------------
+def load_haystack_file(path):
+    """Text of a haystack file: RULER's PaulGrahamEssays.json ({"text": ...}), a JSON list of strings or of
+    {"text": ...} objects, or plain text."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            obj = json.load(f)
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            return obj["text"]
+        if isinstance(obj, list) and all(isinstance(x, str) or (isinstance(x, dict) and "text" in x) for x in obj):
+            return "\n".join(x if isinstance(x, str) else x["text"] for x in obj)
+        raise ValueError(f"{path}: expected {{\"text\": ...}} or a list of strings or {{\"text\": ...}} objects")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def val_text(data_dir, n_tokens):
+    """Up to n_tokens of the validation stream, decoded document by document with the tokenizer that wrote it."""
+    paths = shard_paths(data_dir, "val")
+    name = shard_tokenizer(paths[0])
+    total = min(VAL_TOKENS, sum(len(open_shard(p)) for p in paths))
+    tokens = read_tokens(data_dir, "val", min(total, n_tokens))
+    enc = get_tokenizer(name)
+    cuts = np.flatnonzero(tokens == enc.eot_token)
+    docs = np.split(tokens, cuts)
+    return "\n\n".join(enc.decode([int(t) for t in d if t != enc.eot_token]) for d in docs)
+
+
+def load_essay(haystack_file, data_dir, max_len):
+    if haystack_file:
+        text, where = load_haystack_file(haystack_file), f"file:{os.path.abspath(haystack_file)}"
+    else:
+        try:
+            text = val_text(data_dir, 2 * max_len)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"the essay tasks need a haystack: pass --haystack_file (RULER uses Paul Graham's "
+                             f"essays, PaulGrahamEssays.json) or prepared data in --data_dir ({e})")
+        where = f"val:{os.path.abspath(data_dir)}"
+    digest = hashlib.sha1(text.encode("utf-8", "replace")).hexdigest()[:8]
+    return Essay(text, f"essay:{where}@{digest}")
+
+
+def haystack_label(task, essay):
+    kind = TASKS[task]["type_haystack"]
+    return essay.label if kind == "essay" else kind
+
+
+# ---- summary and figure ----------------------------------------------------------------------------------
+def summarize(records, runs, tasks, lengths, n_samples, skipped):
+    """Rows (run, task, length) with RULER's score over this configuration's records, then an "average" row per
+    (run, length) over the tasks scored there. `skipped` maps (run label or None, task or None, length) to why."""
+    by = {}
+    for r in records:
+        if r["sample"] < n_samples:
+            by.setdefault((r["run"], r["task"], r["length"]), []).append(r)
+    rows = []
+    for run in runs:
+        for length in lengths:
+            scored = []
+            for task in tasks:
+                recs = sorted(by.get((run["label"], task, length), []), key=lambda r: r["sample"])
+                why = skipped.get((run["label"], None, length)) or skipped.get((None, task, length))
+                row = dict(run=run["label"], task=task, length=length, train_length=run["block_size"],
+                           haystack=recs[0]["haystack"] if recs else None, samples=len(recs), score=None,
+                           mean_input_tokens=None, status=why or "missing")
+                if recs:
+                    row.update(score=string_match_all([r["pred"] for r in recs], [r["answers"] for r in recs]),
+                               mean_input_tokens=round(sum(r["input_tokens"] for r in recs) / len(recs), 1),
+                               status="ok" if len(recs) == n_samples else "partial")
+                    scored.append(row["score"])
+                rows.append(dict(row, ckpt=run["ckpt_path"]))
+            rows.append(dict(run=run["label"], task="average", length=length, train_length=run["block_size"],
+                             haystack=None, samples=None,
+                             score=round(sum(scored) / len(scored), 2) if scored else None,
+                             mean_input_tokens=None, status=f"{len(scored)}/{len(tasks)} tasks",
+                             ckpt=run["ckpt_path"]))
+    return rows
+
+
+def plot_scores(rows, runs, tasks, path):
+    """One panel per checkpoint: score vs length for each task, and the average over tasks in bold."""
+    plt = _plt()
+    n = len(runs)
+    cols = min(n, 3)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(6 * cols, 4.2 * ((n + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, run in zip(axes.ravel(), runs):
+        for task in tasks + ["average"]:
+            pts = sorted((r["length"], r["score"]) for r in rows
+                         if r["run"] == run["label"] and r["task"] == task and r["score"] is not None)
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            style = dict(color="black", linewidth=2.8, marker="s", zorder=5) if task == "average" else \
+                dict(linewidth=1.2, marker="o", markersize=3, alpha=0.85)
+            ax.plot(xs, ys, label=task, **style)
+        ax.axvline(run["block_size"], color="gray", linestyle="--", linewidth=1)
+        ax.annotate(f"train length {run['block_size']}", (run["block_size"], 1), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top", ha="right", fontsize=8, color="gray")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("string_match_all (%)")
+        ax.set_title(f"RULER NIAH: {run['label']}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(rows, runs, tasks, lengths):
+    for run in runs:
+        print(f"\n{run['label']} (train length {run['block_size']}): string_match_all, % by length")
+        print(f"{'task':<18}" + "".join(f"{L:>9}" for L in lengths))
+        for task in tasks + ["average"]:
+            cells = {r["length"]: r["score"] for r in rows if r["run"] == run["label"] and r["task"] == task}
+            print(f"{task:<18}" + "".join(f"{'-' if cells.get(L) is None else cells[L]:>9}" for L in lengths))
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks, spec §9)")
+    add_common_args(p, default_out="results/ruler")
+    p.set_defaults(seed=42)  # RULER's seed
+    p.add_argument("--tasks", default="all", help=f"'all' or a comma list of: {', '.join(TASKS)}")
+    p.add_argument("--lengths", default=None,
+                   help="comma list of total lengths (prompt + 128 answer tokens); default: train length x 1, 2, "
+                        "4, ... up to --max_length")
+    p.add_argument("--max_length", type=int, default=32768)
+    p.add_argument("--samples", type=int, default=500, help="samples per task and length (RULER: 500)")
+    p.add_argument("--haystack_file", default=None,
+                   help="essay haystack: RULER's PaulGrahamEssays.json, a JSON list, or plain text; "
+                        "default: text decoded from the validation shard in --data_dir")
+    p.add_argument("--data_dir", default="data/fineweb10B")
+    p.add_argument("--no_newline_stop", action="store_true",
+                   help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)")
+    args = p.parse_args(argv)
+    args.tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in args.tasks if t not in TASKS]
+    if unknown:
+        p.error(f"unknown task(s) {unknown}; choose from {list(TASKS)} or 'all'")
+    if args.lengths:
+        args.lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
+    if args.samples < 1:
+        p.error("--samples must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.time()
+    device = pick_device(args.device)
+    runs, enc = load_runs(args.ckpt, device)
+    lengths = args.lengths or geometric_lengths(min(r["block_size"] for r in runs), args.max_length)
+    tasks = args.tasks
+    essay = None
+    if any(TASKS[t]["type_haystack"] == "essay" for t in tasks):
+        essay = load_essay(args.haystack_file, args.data_dir, max(lengths))
+        print(f"essay haystack: {essay.label} ({len(essay.words)} words, {len(essay.ends)} sentences)")
+    stop_rule = "eot" if args.no_newline_stop else "eot_or_newline"
+    newline_ids = None if args.no_newline_stop else newline_tokens(enc)
+    stop_ids = {enc.eot_token} | (newline_ids or set())
+    jsonl = os.path.join(args.out, "ruler_samples.jsonl")
+    # what makes records comparable; the haystack, checkpoint, task and length are in every record's key
+    check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=resolve_dtype(device, args.dtype),
+                               tokenizer=runs[0]["tokenizer"], tokens_to_generate=TOKENS_TO_GENERATE,
+                               words=hashlib.sha1("\n".join(words()).encode()).hexdigest()[:12]))
+    log = ResultLog(jsonl, KEY_FIELDS)
+
+    skipped = {}
+    for run in runs:
+        for L in lengths:
+            ok, need, free = fits_in_memory(run["model"], L, device, args.memory_fraction, kv_cache=True)
+            if not ok:
+                skipped[(run["label"], None, L)] = f"skipped: needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free"
+                print(f"[{run['label']}] skipping length {L}: needs ~{fmt_bytes(need)} of memory, "
+                      f"{fmt_bytes(free)} free (x{args.memory_fraction})")
+
+    counter = TokenCounter(enc)
+    for task in tasks:
+        hay = haystack_label(task, essay)
+        for L in lengths:
+            def key(run, i):
+                return (run["label"], run["ckpt_path"], task, L, i, hay)
+            active = [r for r in runs if (r["label"], None, L) not in skipped]
+            todo = {i: [r for r in active if key(r, i) not in log.done] for i in range(args.samples)}
+            todo = {i: rs for i, rs in todo.items() if rs}
+            if not todo:
+                continue
+            fit = fit_haystack(task, L, counter, essay, args.seed)
+            if fit["num_haystack"] is None:
+                why = (f"skipped: the prompt without haystack needs {fit['prompt_tokens_at_min'] + 1} tokens, "
+                       f"> {L} - {TOKENS_TO_GENERATE}")
+                skipped[(None, task, L)] = why
+                print(f"{task} @ {L}: {why}")
+                continue
+            bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {L}", dynamic_ncols=True)
+            for i, pending in todo.items():
+                s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit, counter=counter)
+                idx = torch.tensor([s["input_ids"]], dtype=torch.long, device=device)
+                for run in pending:
+                    t0 = time.time()
+                    with autocast(device, args.dtype):
+                        out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
+                    text, stop = decode_output(out, enc, newline_ids)
+                    pred = postprocess_pred(text)
+                    log.add(dict(zip(KEY_FIELDS, key(run, i)), seed=args.seed, input_tokens=s["input_tokens"],
+                                 num_haystack=s["num_haystack"], attempts=s["attempts"], needles=s["needles"],
+                                 queries=s["queries"], answers=s["answers"], depths=s["depths"],
+                                 answer_token_pos=s["answer_token_pos"], output=text, pred=pred, stop=stop,
+                                 stop_rule=stop_rule, gen_tokens=len(out), score=sample_score(pred, s["answers"]),
+                                 seconds=round(time.time() - t0, 3)))
+                    bar.update(1)
+            bar.close()
+
+    mine = [r for r in log.records if r["task"] in tasks and r["length"] in lengths
+            and r["haystack"] == haystack_label(r["task"], essay)
+            and any(r["run"] == x["label"] and r["ckpt"] == x["ckpt_path"] for x in runs)]
+    rows = summarize(mine, runs, tasks, lengths, args.samples, skipped)
+    write_table(rows, os.path.join(args.out, "ruler_summary"))
+    plot_scores(rows, runs, tasks, os.path.join(args.out, "ruler_scores.png"))
+    print_table(rows, runs, tasks, lengths)
+    print(f"\nwrote {log.path}, {os.path.join(args.out, 'ruler_summary')}.{{json,csv}} and "
+          f"{os.path.join(args.out, 'ruler_scores.png')} in {time.time() - t_start:.1f}s")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
