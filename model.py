@@ -135,16 +135,23 @@ class KVCache:
     """Keys and values of every layer for incremental decoding: prefill a prompt, then one token at a time."""
 
     def __init__(self, n_layer):
-        self.k = [None] * n_layer
+        self.k = [None] * n_layer  # (B, H, capacity, D) buffers; the first `length` (+ new) positions are valid
         self.v = [None] * n_layer
-        self.length = 0  # positions already cached
+        self.length = 0  # positions already cached (GPT.forward advances it after all layers ran)
 
     def update(self, layer, k, v):
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=2)
-            v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
+        """Append this step's k, v (B, H, T, D) and return views of everything cached so far. Capacity doubles
+        when full, so decoding N tokens after a long prompt copies the cache O(log N) times, not N times."""
+        end = self.length + k.shape[2]
+        buf_k, buf_v = self.k[layer], self.v[layer]
+        if buf_k is None or buf_k.shape[2] < end:
+            cap = max(end, 2 * (buf_k.shape[2] if buf_k is not None else 0))
+            new_k, new_v = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if buf_k is not None:
+                new_k[:, :, :self.length], new_v[:, :, :self.length] = buf_k[:, :, :self.length], buf_v[:, :, :self.length]
+            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[:, :, self.length:end], buf_v[:, :, self.length:end] = k, v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
 
 
 class Attention(nn.Module):
