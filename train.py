@@ -361,7 +361,12 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
         kept = []
         if resuming and os.path.exists(metrics_path):
             with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= start_step:
+                            kept.append(line)
+                    except (ValueError, KeyError):  # a line cut short by the crash
+                        pass
         with open(metrics_path, "w") as f:
             f.writelines(kept)
 

@@ -182,6 +182,8 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
         train.main(tiny(data_dir, broken, **args))
     with pytest.raises(train.TrainingError, match="n_embd: 32 vs 64"):  # a different model cannot resume it
         train.main(tiny(data_dir, broken, **args, n_embd=64, resume=True))
+    with open(broken / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train_l')  # a record cut short by the crash
     summary = train.main(tiny(data_dir, broken, **args, resume=True))
     assert summary["step"] == 8
 
@@ -273,3 +275,15 @@ def test_compiled_training_matches_eager(data_dir, tmp_path):
     train.main(tiny(data_dir, tmp_path / "compiled", max_iters=3, eval_interval=3, ckpt_interval=3, compile=True))
     a, b = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
     assert [m.get("train_loss") for m in a] == pytest.approx([m.get("train_loss") for m in b], abs=1e-4)
+
+
+def test_bench_smoke(tmp_path):
+    """bench.py runs end to end on a very small model and writes the ratio it prints."""
+    import bench
+    out = tmp_path / "bench.json"
+    results = bench.main(["--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2",
+                          "--steps=2", "--warmup=1", "--threads=1", "--all", "--device=cpu", f"--out={out}"])
+    saved = json.load(open(out))
+    assert set(saved["variants"]) == {f"{p}{'+ssmax' if s else ''}" for p, s in VARIANTS} == set(results)
+    assert saved["ratio_bam_ssmax_vs_nope"] == results["bam+ssmax"]["median_ms"] / results["nope"]["median_ms"] > 0
+    assert all(len(v["ms"]) == 2 for v in saved["variants"].values())

@@ -1,0 +1,154 @@
+"""
+Training-step time of BAM+SSMax relative to NoPE (the cost of the prior and SSMax), on synthetic tokens.
+
+    python bench.py                       # CPU: a tiny model; CUDA: the l12 config with the Triton kernel
+    python bench.py --all --out b.json    # all 10 variants, and the results as JSON
+    python bench.py --model_size=l12 --batch_size=16 --compile
+
+One step = forward + backward + RAdam update over one micro-batch, exactly what train.py does per micro-batch
+(document-masked, autocast). Every variant is built from the same seed; the variants are timed in interleaved
+rounds (one step each, round after round) so that a machine shared with other work slows them all alike.
+The first --warmup steps of each variant are excluded and the median of --steps is reported.
+"""
+import argparse
+import json
+import platform
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+
+from data import doc_starts
+from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig
+from train import peak_flops
+
+ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:1")
+    p.add_argument("--model_size", default=None, choices=list(MODEL_SIZES),
+                   help="a preset; default: l12 on CUDA, a tiny model (4 layers, n_embd 128, 4 heads) on CPU")
+    p.add_argument("--n_layer", type=int, default=None, help="a custom shape instead (default 4)")
+    p.add_argument("--n_embd", type=int, default=None, help="(default 128)")
+    p.add_argument("--n_head", type=int, default=None, help="(default 4)")
+    p.add_argument("--vocab_size", type=int, default=None, help="default: 50257 (gpt2) on CUDA, 257 (byte) on CPU")
+    p.add_argument("--block_size", type=int, default=None, help="default: 512 on CUDA, 256 on CPU")
+    p.add_argument("--batch_size", type=int, default=None, help="default: 16 on CUDA, 8 on CPU")
+    p.add_argument("--doc_len", type=int, default=300, help="mean document length of the synthetic stream")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="autocast precision; default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the models (as train.py does by default)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20 on CPU, 50 on CUDA)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    p.add_argument("--all", action="store_true", help="time all 10 variants, not just nope and bam+ssmax")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--out", default=None, help="write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def name(pe, ss):
+    return pe + ("+ssmax" if ss else "")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    cuda = device.type == "cuda"
+    custom = any(v is not None for v in (args.n_layer, args.n_embd, args.n_head))
+    size = args.model_size or ("l12" if cuda and not custom else None)
+    n_layer, n_embd, n_head = MODEL_SIZES[size] if size else (args.n_layer or 4, args.n_embd or 128, args.n_head or 4)
+    V = args.vocab_size or (50257 if cuda else 257)
+    T = args.block_size or (512 if cuda else 256)
+    B = args.batch_size or (16 if cuda else 8)
+    steps = args.steps or (50 if cuda else 20)
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
+    variants = ALL if args.all else [("nope", False), ("bam", True)]
+
+    # synthetic stream: random tokens, end-of-text (id V-1) with probability 1/doc_len -> document masking is active
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V - 1, (B, T + 1), generator=g)
+    x[torch.rand(B, T + 1, generator=g) < 1.0 / args.doc_len] = V - 1
+    x, y = x[:, :-1].to(device), x[:, 1:].to(device)
+    doc_start = doc_starts(x, V - 1)
+
+    runs = {}
+    for pe, ss in variants:
+        torch.manual_seed(42)
+        model = GPT(GPTConfig(vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T,
+                              pos_encoding=pe, ssmax=ss, tokenizer="bench")).to(device)
+        opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
+        runs[name(pe, ss)] = {"model": model, "step_fn": torch.compile(model) if args.compile else model,
+                              "opt": opt, "ms": [], "cpu_ms": []}
+
+    def step(run):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        with ctx:
+            _, loss = run["step_fn"](x, y, doc_start=doc_start)
+        scaler.scale(loss).backward()
+        scaler.step(run["opt"])
+        scaler.update()
+        run["opt"].zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        return 1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)
+
+    print(f"device {device}{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}, "
+          f"torch threads {torch.get_num_threads()}, {dtype}, compile={args.compile}")
+    print(f"model: {n_layer} layers, n_embd {n_embd}, {n_head} heads, vocab {V}; batch {B} x {T} tokens; "
+          f"{args.warmup} warmup + {steps} timed steps per variant, interleaved")
+    for run in runs.values():
+        for _ in range(args.warmup):
+            step(run)
+    for _ in range(steps):
+        for run in runs.values():
+            wall, cpu = step(run)
+            run["ms"].append(wall)
+            run["cpu_ms"].append(cpu)
+
+    peak = peak_flops(torch.cuda.get_device_name(device)) if cuda else None
+    base = statistics.median(runs["nope"]["ms"])
+    base_cpu = statistics.median(runs["nope"]["cpu_ms"])
+    results = {}
+    print(f"\n{'variant':<18}{'median ms':>11}{'min ms':>9}{'vs nope':>9}{'tokens/s':>12}"
+          + ("   MFU" if peak else f"{'CPU ms':>9}{'vs nope':>9}"))
+    for key, run in runs.items():
+        med, cpu = statistics.median(run["ms"]), statistics.median(run["cpu_ms"])
+        tok_s = B * T / (med / 1000)
+        mfu = run["model"].flops_per_token(T) * tok_s / peak if peak else None
+        results[key] = {"median_ms": med, "min_ms": min(run["ms"]), "ratio_vs_nope": med / base, "tokens_per_s": tok_s,
+                        "mfu": mfu, "median_cpu_ms": cpu, "cpu_ratio_vs_nope": cpu / base_cpu, "ms": run["ms"],
+                        "cpu_ms": run["cpu_ms"]}
+        print(f"{key:<18}{med:>11.2f}{min(run['ms']):>9.2f}{med / base:>9.3f}{tok_s:>12,.0f}"
+              + (f"{100 * mfu:>6.1f}%" if mfu is not None else f"{cpu:>9.2f}{cpu / base_cpu:>9.3f}"))
+    r = results["bam+ssmax"]
+    ratio = r["ratio_vs_nope"]
+    print(f"\nbam+ssmax / nope step time: {ratio:.3f} ({r['median_ms']:.2f} ms vs {base:.2f} ms, medians of wall time; "
+          f"{r['min_ms'] / results['nope']['min_ms']:.3f} on the fastest steps"
+          + ("" if cuda else f"; {r['cpu_ratio_vs_nope']:.3f} in process CPU time, which a busy machine disturbs less")
+          + f"); target <= 1.25: {'met' if ratio <= 1.25 else 'NOT met'}")
+    if cuda and peak is None:
+        print(f"note: no bf16 peak known for {torch.cuda.get_device_name(device)!r}; MFU not reported")
+    if args.out:
+        meta = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+                "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "dtype": dtype, "compile": args.compile,
+                "model": {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "vocab_size": V},
+                "batch_size": B, "block_size": T, "warmup": args.warmup, "steps": steps}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "ratio_bam_ssmax_vs_nope": ratio, "variants": results}, f, indent=2)
+        print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
