@@ -332,8 +332,9 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
                 "RNG streams are not restored")
         changed = [f"{k}: {ckpt['config'].get(k)!r} -> {c[k]!r}" for k in config_keys
                    if k not in ("resume", "init_from") and ckpt.get("config", {}).get(k, c[k]) != c[k]]
-        log(f"resuming {ckpt['path']} at step {start_step} of {c['max_iters']} "
-            f"(val loss {val_loss if val_loss is None else round(val_loss, 4)})")
+        log(f"resuming {ckpt['path']}: step {start_step} of {c['max_iters']} (val loss "
+            f"{val_loss if val_loss is None else round(val_loss, 4)}); model, optimizer and RNG restored, the data "
+            f"continues at batch {start_step} of the stream")
         if changed:
             log("settings changed since that checkpoint:\n  " + "\n  ".join(changed))
 
@@ -400,7 +401,7 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
         if c["pos_encoding"] != "bam":
             return {}
         betas = [torch.tensor(row["theta_beta"]) for row in raw_model.prior_summary()]
-        return {"theta_beta": [[round(b.min().item(), 4), round(b.median().item(), 4), round(b.max().item(), 4)]
+        return {"theta_beta": [[round(b.min().item(), 4), round(b.quantile(0.5).item(), 4), round(b.max().item(), 4)]
                                for b in betas],
                 "heads_beta_negative": int(sum((b < 0).sum() for b in betas))}
 
