@@ -47,8 +47,9 @@ import torch
 from tqdm import tqdm
 
 from data import EOT, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (ResultLog, add_common_args, autocast, fits_in_memory, fmt_bytes, load_runs, pick_device,
-                         plot_curves, write_table)
+from eval_common import (ResultLog, add_common_args, autocast, fits_in_memory, fmt_bytes, load_runs, peak_memory_bytes,
+                         pick_device, plot_curves, reset_peak_memory, resolve_dtype, return_freed_memory_to_os,
+                         write_table)
 
 MODES = ("full", "sliding")
 HF_DEFAULT_SEQS = 128  # the authors' public CLI (their Evaluator class used 256)
@@ -312,7 +313,9 @@ def summarize(records, base):
 def main(argv=None):
     args = parse_args(argv)
     device = pick_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    dtype = resolve_dtype(device, args.dtype)
+    if torch.device(device).type == "cpu":
+        return_freed_memory_to_os()  # keeps a long CPU forward's resident memory linear in the length
     torch.manual_seed(args.seed)  # nothing here is random; seeded so that nothing ever silently becomes so
     np.random.seed(args.seed)
     runs, _ = load_runs(args.ckpt, device)
@@ -351,6 +354,7 @@ def main(argv=None):
             key = dict(ckpt=ckpt, mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
                        context=context, stride=stride, dtype=dtype)
             records, t0, done_before = [], time.time(), 0
+            reset_peak_memory(device)
             bar = tqdm(range(len(seqs)), desc=name, unit="seq")
             for i in bar:
                 rec = by_key.get(log.key(dict(key, seq=i)))
@@ -377,6 +381,9 @@ def main(argv=None):
             if done_before:
                 print(f"{name}: {done_before} of {len(seqs)} sequences resumed from {log.path}")
             out = summarize(records, base)
+            # compute time summed over every sitting; peak memory of this sitting (CPU: the process's peak RSS)
+            out[-1]["seconds"] = round(sum(r["seconds"] for r in records), 3)
+            out[-1]["peak_mem_bytes"] = peak_memory_bytes(device) if done_before < len(seqs) else None
             rows += out
             curve = [r for r in out if r["scope"] == "window"]
             series[name] = ([r["window_end"] for r in curve], [r["ppl"] for r in curve])
