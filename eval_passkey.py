@@ -1,0 +1,535 @@
+"""
+Passkey retrieval, the paper's headline experiment (spec §7, with the decisions of §0).
+
+    python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...] [--lengths 4096 8192 | --max_length N |
+        --preset paper32k|extreme] [--samples 20] [--depths equidistant|random|beginning|end]
+        [--template paper] [--seed 1234] [--dtype auto] [--out results/passkey]
+
+A prompt is [task] + filler x k + [needle with a 5-digit key] + filler x (N - k) + [question], N as large as the
+target length allows; the model is then teacher-forced on the answer " <key>" and a sample is correct iff every
+scored answer token is the argmax (no partial credit), which is the same as greedy decoding reproducing the key.
+
+What is scored: the answer is the tokenization of " " + str(key). Leading answer tokens that decode to whitespace
+only are given, not scored (the authors' Mistral tokenizer: one leading space token, then one token per digit; the
+byte tokenizer: b" " then 5 digit bytes). Every other answer token is scored, so with a tokenizer that merges the
+space into the digits (gpt2: " 12345" -> " 123" + "45") all answer tokens are scored. Logits outside the
+tokenizer's vocabulary (the model pads its vocabulary to a multiple of 64) are never predicted.
+
+Pieces: each piece is tokenized on its own, without special tokens, and the token lists are concatenated (spec §7).
+The authors' SentencePiece tokenizer starts every separately tokenized piece with a word boundary; tiktoken does
+not, so every piece after the task is tokenized as sep + piece (sep = " " unless the template sets "sep"). Without
+it a byte model would read "...there.The grass is green..." where the authors' model read "there. The grass".
+
+Lengths: by default the training length of each checkpoint x 1, 2, 4, ... up to --max_length (default 32 x the
+largest training length); with several checkpoints the union of their grids, and every checkpoint is evaluated at
+every length so that the curves share their x values. Lengths shorter than the prompt without filler are skipped,
+and so is any (checkpoint, length) whose estimated memory (eval_common.fits_in_memory) does not fit, announced
+before the evaluation starts. The realised prompt length (<= the target) and the needle depth k / N are recorded.
+
+Prompts depend only on (seed, target length, template, samples, depths): the keys and depths of one length come
+from numpy's default_rng([seed, length]), so every checkpoint of one call, and every later call with the same
+settings, sees the same prompts. Results are resumable: <out>/passkey_samples.jsonl holds one record per
+(checkpoint, length, sample) and a rerun only evaluates what is missing; its settings are stored beside it and a
+rerun with other settings is refused.
+
+Outputs in --out: passkey_samples.jsonl, passkey_summary.{json,csv} (checkpoint x length),
+passkey_by_depth.{json,csv} (checkpoint x length x depth bin), passkey_meta.json (settings, runs, skipped lengths,
+wall time, peak memory), passkey_accuracy.png, passkey_heatmap_<label>.png; a markdown table on stdout.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import eval_common as ec
+
+# The ONE home of the passkey templates. Each entry: task, filler, needle (with {pass_key}), question, digits,
+# and optionally sep (the text put in front of every piece after the task; default PIECE_SEP). "paper" is the
+# authors' public protocol, verbatim (spec §7): strings are data, do not edit them.
+TEMPLATES = {
+    "paper": {
+        "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+                "I will quiz you about the important information there.",
+        "filler": "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+        "needle": "The pass key is {pass_key}. Remember it. {pass_key} is the pass key.",
+        "question": "What is the pass key? The pass key is",
+        "digits": 5,
+    },
+    # The CPU demo (prepare_demo.py trains on exactly these pieces, byte tokenizer): "@" opens the task, the
+    # filler is a closed walk of prepare_demo.CHAIN (training documents use fresh random walks of that chain),
+    # "#" announces the key and "?" asks for it. No separator: every byte is one symbol.
+    "demo": {
+        "task": "@",
+        "filler": "bgnfmheldi",
+        "needle": "#{pass_key}",
+        "question": "?",
+        "digits": 5,
+        "sep": "",
+    },
+}
+PIECE_SEP = " "
+
+PRESETS = {
+    "paper32k": [int(x) for x in np.linspace(0, 32768, 10)][1:],  # the authors' public evaluate.py (spec §7)
+    "extreme": list(range(10_000, 100_001, 10_000)) + list(range(200_000, 500_001, 100_000)),  # their 500K run
+}
+PRESET_SAMPLES = {"extreme": 10}  # the extreme-length run used 10 samples per length; everything else 20
+DEFAULT_SAMPLES = 20
+DEPTH_MODES = ("equidistant", "random", "beginning", "end")
+TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
+KEY_FIELDS = ("label", "ckpt", "target_length", "sample")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------------------
+def check_template(template):
+    missing = [k for k in ("task", "filler", "needle", "question", "digits") if k not in template]
+    if missing:
+        raise ValueError(f"passkey template lacks {missing}; it needs task, filler, needle, question, digits")
+    if "{pass_key}" not in template["needle"]:
+        raise ValueError("the passkey template's needle must contain {pass_key}")
+    if not isinstance(template["digits"], int) or template["digits"] < 1:
+        raise ValueError(f"template digits must be a positive int, got {template['digits']!r}")
+
+
+def template_hash(template):
+    return hashlib.sha1(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _pieces(enc, template):
+    """Token lists of the key-independent pieces (each tokenized on its own, no special tokens)."""
+    check_template(template)
+    sep = template.get("sep", PIECE_SEP)
+    pieces = dict(task=enc.encode_ordinary(template["task"]),
+                  filler=enc.encode_ordinary(sep + template["filler"]),
+                  question=enc.encode_ordinary(sep + template["question"]))
+    if not pieces["filler"]:
+        raise ValueError("the passkey template's filler is empty")
+    return pieces, sep
+
+
+def _needle(enc, template, sep, key):
+    return enc.encode_ordinary(sep + template["needle"].format(pass_key=key))
+
+
+def answer_tokens(enc, key):
+    """(tokens of " " + str(key), n_given): the leading tokens that decode to whitespace only are given, not scored."""
+    answer = enc.encode_ordinary(" " + str(key))
+    n_given = 0
+    while n_given < len(answer) - 1 and not enc.decode([answer[n_given]]).strip():
+        n_given += 1
+    return answer, n_given
+
+
+def filler_units(enc, template, target_len):
+    """N of spec §7: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
+    pieces, sep = _pieces(enc, template)
+    widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
+    room = target_len - len(pieces["task"]) - len(widest) - len(pieces["question"])
+    return max(0, room // len(pieces["filler"]))
+
+
+def min_prompt_length(enc, template):
+    """Tokens of the prompt without any filler (with the widest key): shorter targets cannot be built."""
+    pieces, sep = _pieces(enc, template)
+    widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
+    return len(pieces["task"]) + len(widest) + len(pieces["question"])
+
+
+def build_prompt(enc, template, target_len, key, k):
+    """The prompt for one sample: k filler units before the needle, N - k after it (N = filler_units).
+
+    Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_len: with a tokenizer where some
+    key tokenizes longer than the widest one used for N, filler units are dropped after the needle (then before it).
+    info: target_length, length (realised), n_filler, k, depth (= k / n_filler, 0 without filler), key,
+    needle_start (token index of the needle), n_given (answer tokens given, not scored), answer_text.
+    """
+    pieces, sep = _pieces(enc, template)
+    key = int(key)
+    if len(str(key)) != template["digits"]:
+        raise ValueError(f"key {key} does not have {template['digits']} digits")
+    needle = _needle(enc, template, sep, key)
+    n = filler_units(enc, template, target_len)
+    if not 0 <= k <= n:
+        raise ValueError(f"depth index k={k} outside [0, {n}] filler units for length {target_len}")
+    fixed = len(pieces["task"]) + len(needle) + len(pieces["question"])
+    if fixed > target_len:
+        raise ValueError(f"target length {target_len} is shorter than the prompt without filler ({fixed} tokens)")
+    F = len(pieces["filler"])
+    after = n - k
+    while fixed + (k + after) * F > target_len:
+        if after:
+            after -= 1
+        else:
+            k -= 1
+    tokens = pieces["task"] + pieces["filler"] * k + needle + pieces["filler"] * after + pieces["question"]
+    answer, n_given = answer_tokens(enc, key)
+    info = dict(target_length=int(target_len), length=len(tokens), n_filler=k + after, k=k,
+                depth=k / (k + after) if k + after else 0.0, key=key,
+                needle_start=len(pieces["task"]) + k * F, n_given=n_given, answer_text=" " + str(key))
+    return tokens, answer, info
+
+
+def depth_indices(n, samples, mode, rng):
+    """k (filler units before the needle) per sample. equidistant = linspace(0, N, samples).long() as the authors."""
+    if mode == "equidistant":
+        return torch.linspace(0, n, samples).long().tolist()
+    if mode == "random":
+        return [int(x) for x in rng.integers(0, n + 1, size=samples)]
+    if mode == "beginning":
+        return [0] * samples
+    if mode == "end":
+        return [n] * samples
+    raise ValueError(f"depths must be one of {DEPTH_MODES}, got {mode!r}")
+
+
+def make_samples(enc, template, target_len, samples, depths="equidistant", seed=1234):
+    """All samples of one target length: a list of (prompt, answer, info), info["sample"] = index. The keys (and
+    random depths) come from default_rng([seed, target_len]) alone, so they do not depend on the other lengths."""
+    rng = np.random.default_rng([seed, target_len])
+    d = template["digits"]
+    keys = rng.integers(10 ** (d - 1), 10 ** d, size=samples)  # uniform over the d-digit numbers
+    ks = depth_indices(filler_units(enc, template, target_len), samples, depths, rng)
+    out = []
+    for i in range(samples):
+        prompt, answer, info = build_prompt(enc, template, target_len, int(keys[i]), int(ks[i]))
+        info["sample"] = i
+        out.append((prompt, answer, info))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scoring
+# ----------------------------------------------------------------------------------------------------------
+def _model_device(model):
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def score_batch(model, prompts, answers, n_given=0):
+    """Teacher-forced exact match for prompts of one token length with answers of one length.
+
+    The model reads prompt + answer[:-1] and returns logits only at the positions that predict the scored answer
+    tokens (answer[n_given:]). Returns [(correct, predicted tokens)] per sample."""
+    if len({len(p) for p in prompts}) != 1 or len({len(a) for a in answers}) != 1:
+        raise ValueError("score_batch needs prompts of one length and answers of one length")
+    m = len(answers[0]) - n_given
+    if m < 1:
+        raise ValueError("nothing to score: every answer token is given")
+    idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=_model_device(model))
+    with torch.inference_mode():
+        logits, _ = model(idx, logits_at=m)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None:
+        logits = logits[..., :vocab]  # the padded vocabulary rows are not tokens
+    pred = logits.argmax(-1).tolist()
+    return [(pr == list(a[n_given:]), pr) for pr, a in zip(pred, answers)]
+
+
+def score_sample(model, tokens, answer_tokens, n_given=0):
+    """One sample: (correct, predicted tokens). See score_batch."""
+    return score_batch(model, [list(tokens)], [list(answer_tokens)], n_given)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------------------
+def default_lengths(train_lengths, max_length=None):
+    """Union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest)."""
+    max_length = max_length or 32 * max(train_lengths)
+    return sorted({L for t in train_lengths for L in ec.geometric_lengths(t, max_length) if L <= max_length})
+
+
+def _batch_size(model, n_tokens, group, device, batch_tokens, fraction):
+    b = max(1, min(group, batch_tokens // n_tokens if batch_tokens else 1))
+    while b > 1 and not ec.fits_in_memory(model, n_tokens, device, fraction, batch=b)[0]:
+        b //= 2
+    return b
+
+
+def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
+    """Which (run, length) pairs to skip, and why, decided before anything runs."""
+    skipped = []
+    shortest = min_prompt_length(enc, template)
+    answer_len = len(answer_tokens(enc, 10 ** template["digits"] - 1)[0])
+    for L in lengths:
+        for r in runs:
+            if L < shortest:
+                reason = f"shorter than the prompt without filler ({shortest} tokens)"
+            else:
+                ok, need, free = ec.fits_in_memory(r["model"], L + answer_len, device, memory_fraction)
+                if ok:
+                    continue
+                reason = (f"needs ~{ec.fmt_bytes(need)}, more than {memory_fraction:.0%} of the "
+                          f"{ec.fmt_bytes(free)} free on {device}")
+            skipped.append(dict(label=r["label"], target_length=L, reason=reason))
+    return skipped
+
+
+def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="equidistant", seed=1234,
+             device="cpu", dtype="auto", log, batch_tokens=65536, memory_fraction=0.9, skipped=(), progress=True):
+    """Score every missing (run, length, sample) into `log` (an eval_common.ResultLog keyed on KEY_FIELDS).
+    Every run sees the same prompts. Returns the number of samples scored in this call."""
+    skip = {(s["label"], s["target_length"]) for s in skipped}
+    todo = {}
+    for L in lengths:
+        for r in runs:
+            if (r["label"], L) in skip:
+                continue
+            missing = [i for i in range(samples) if (r["label"], r["ckpt_path"], L, i) not in log.done]
+            if missing:
+                todo[(r["label"], L)] = missing
+    bar = tqdm(total=sum(len(v) for v in todo.values()), desc="passkey", unit="sample", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    scored = 0
+    for L in lengths:
+        if not any((r["label"], L) in todo for r in runs):
+            continue
+        prompts = make_samples(enc, template, L, samples, depths, seed)  # shared by every run
+        for r in runs:
+            missing = todo.get((r["label"], L))
+            if not missing:
+                continue
+            bar.set_description(f"passkey {r['label']} L={L}")
+            ec.reset_peak_memory(device)
+            groups = {}  # equal token lengths can share a forward
+            for i in missing:
+                p, a, info = prompts[i]
+                groups.setdefault((len(p), len(a), info["n_given"]), []).append(i)
+            for (plen, alen, n_given), idxs in groups.items():
+                b = _batch_size(r["model"], plen + alen - 1, len(idxs), device, batch_tokens, memory_fraction)
+                for c in range(0, len(idxs), b):
+                    chunk = idxs[c:c + b]
+                    t0 = time.perf_counter()
+                    with ec.autocast(device, dtype):
+                        results = score_batch(r["model"], [prompts[i][0] for i in chunk],
+                                              [prompts[i][1] for i in chunk], n_given)
+                    dt = (time.perf_counter() - t0) / len(chunk)
+                    peak = ec.peak_memory_bytes(device) / 2**20
+                    for i, (correct, pred) in zip(chunk, results):
+                        _, answer, info = prompts[i]
+                        log.add(dict(label=r["label"], ckpt=r["ckpt_path"], target_length=L, sample=i,
+                                     length=info["length"], n_filler=info["n_filler"], k=info["k"],
+                                     depth=info["depth"], key=info["key"], answer_tokens=answer[n_given:],
+                                     predicted=pred, predicted_text=enc.decode(pred), correct=bool(correct),
+                                     batch=len(chunk), seconds=round(dt, 4), peak_mem_mib=round(peak, 1)))
+                    scored += len(chunk)
+                    bar.update(len(chunk))
+    bar.close()
+    return scored
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summaries and figures
+# ----------------------------------------------------------------------------------------------------------
+def depth_bin(depth, n_bins):
+    return min(int(depth * n_bins), n_bins - 1)
+
+
+def bin_label(b, n_bins):
+    return f"{100 * b / n_bins:.0f}-{100 * (b + 1) / n_bins:.0f}%"
+
+
+def summarize(records, runs, lengths, skipped=(), depth_bins=10):
+    """(summary rows: checkpoint x length, by-depth rows: checkpoint x length x depth bin) from the records of
+    these runs (label and checkpoint file) at these lengths. Skipped cells appear with accuracy None."""
+    why = {(s["label"], s["target_length"]): s["reason"] for s in skipped}
+    cells = {}
+    for rec in records:
+        cells.setdefault((rec["label"], rec["ckpt"], rec["target_length"]), {})[rec["sample"]] = rec
+    summary, by_depth = [], []
+    for r in runs:
+        for L in lengths:
+            recs = [v for _, v in sorted(cells.get((r["label"], r["ckpt_path"], L), {}).items())]
+            row = dict(label=r["label"], ckpt=r["ckpt_path"], train_length=r["block_size"], target_length=L)
+            if not recs:
+                row.update(n=0, correct=0, accuracy=None, mean_length=None, seconds=None, seconds_per_sample=None,
+                           peak_mem_mib=None, status=f"skipped: {why[(r['label'], L)]}"
+                           if (r["label"], L) in why else "not evaluated")
+                summary.append(row)
+                continue
+            n, c = len(recs), sum(x["correct"] for x in recs)
+            secs = sum(x["seconds"] for x in recs)
+            row.update(n=n, correct=c, accuracy=c / n, mean_length=sum(x["length"] for x in recs) / n,
+                       seconds=round(secs, 3), seconds_per_sample=round(secs / n, 4),
+                       peak_mem_mib=max(x["peak_mem_mib"] for x in recs), status="ok")
+            summary.append(row)
+            bins = {}
+            for x in recs:
+                bins.setdefault(depth_bin(x["depth"], depth_bins), []).append(x["correct"])
+            for b, vals in sorted(bins.items()):
+                by_depth.append(dict(label=r["label"], ckpt=r["ckpt_path"], train_length=r["block_size"],
+                                     target_length=L, depth_bin=bin_label(b, depth_bins),
+                                     depth_lo=b / depth_bins, depth_hi=(b + 1) / depth_bins,
+                                     n=len(vals), correct=sum(vals), accuracy=sum(vals) / len(vals)))
+    return summary, by_depth
+
+
+def _safe(label):
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
+
+
+def _train_col(lengths, train_len):
+    """Column coordinate of the training length on a heatmap whose columns are `lengths` (log interpolation)."""
+    if train_len in lengths:
+        return lengths.index(train_len)
+    if train_len < lengths[0]:
+        return -0.5
+    if train_len > lengths[-1]:
+        return len(lengths) - 0.5
+    j = next(i for i, L in enumerate(lengths) if L > train_len)
+    lo, hi = math.log(lengths[j - 1]), math.log(lengths[j])
+    return j - 1 + (math.log(train_len) - lo) / (hi - lo)
+
+
+def make_figures(summary, by_depth, runs, out, depth_bins=10):
+    paths = []
+    series = {}
+    for r in runs:
+        rows = [s for s in summary if s["label"] == r["label"] and s["accuracy"] is not None]
+        if rows:
+            series[r["label"]] = ([s["target_length"] for s in rows], [s["accuracy"] for s in rows])
+    if series:
+        p = os.path.join(out, "passkey_accuracy.png")
+        ec.plot_curves(series, [r["block_size"] for r in runs if r["label"] in series], p,
+                       "context length (tokens, log scale)", "passkey accuracy",
+                       "Passkey retrieval: accuracy vs context length", ylim=(-0.03, 1.03))
+        paths.append(p)
+    for r in runs:
+        cols = sorted({d["target_length"] for d in by_depth if d["label"] == r["label"]})
+        if not cols:
+            continue
+        m = np.full((depth_bins, len(cols)), np.nan)
+        for d in by_depth:
+            if d["label"] == r["label"]:
+                m[round(d["depth_lo"] * depth_bins), cols.index(d["target_length"])] = d["accuracy"]
+        p = os.path.join(out, f"passkey_heatmap_{_safe(r['label'])}.png")
+        ec.plot_heatmap(m, [bin_label(b, depth_bins) for b in range(depth_bins)], cols, p,
+                        f"passkey: {r['label']}\ntrain length {r['block_size']} (dashed)",
+                        "context length (tokens)", "needle depth", train_col=_train_col(cols, r["block_size"]))
+        paths.append(p)
+    return paths
+
+
+def markdown_summary(summary, runs, lengths):
+    acc = {(s["label"], s["target_length"]): s for s in summary}
+    rows = []
+    for r in runs:
+        cells = []
+        for L in lengths:
+            s = acc.get((r["label"], L))
+            cells.append("skip" if s is None or s["accuracy"] is None else f"{s['accuracy']:.2f}")
+        rows.append([r["label"], r["block_size"], *cells])
+    return ec.markdown_table(["checkpoint", "train len", *lengths], rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------
+def _int_list(values):
+    out = []
+    for v in values:
+        for part in str(v).replace(",", " ").split():
+            try:
+                x = int(part)
+            except ValueError:
+                raise SystemExit(f"--lengths takes integers (token counts), got {part!r}")
+            if x < 1:
+                raise SystemExit(f"--lengths must be positive, got {x}")
+            out.append(x)
+    return sorted(set(out))
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths (spec §7).")
+    ec.add_common_args(ap, default_out="results/passkey")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--lengths", nargs="+", help="target lengths in tokens (space or comma separated)")
+    g.add_argument("--max_length", type=int, help="default grid: training length x 1, 2, 4, ... up to this "
+                                                  "(default 32 x the largest training length)")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="paper32k: int(linspace(0, 32768, 10))[1:]; "
+                                                             "extreme: 10K..100K step 10K, 200K..500K step 100K")
+    ap.add_argument("--samples", type=int, default=None,
+                    help=f"samples per length (default {DEFAULT_SAMPLES}; {PRESET_SAMPLES['extreme']} with the extreme preset)")
+    ap.add_argument("--depths", choices=DEPTH_MODES, default="equidistant")
+    ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
+    ap.add_argument("--batch_tokens", type=int, default=65536,
+                    help="stack samples of one length into a forward while batch x length stays under this")
+    ap.add_argument("--depth_bins", type=int, default=10, help="depth bins of the by-depth table and heatmap")
+    ap.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    samples = args.samples or PRESET_SAMPLES.get(args.preset, DEFAULT_SAMPLES)
+    if samples < 1 or args.depth_bins < 1:
+        raise SystemExit("--samples and --depth_bins must be positive")
+    if args.seed < 0:
+        raise SystemExit("--seed must be >= 0")
+    t_start = time.perf_counter()
+    device = ec.pick_device(args.device)
+    dtype = ec.resolve_dtype(device, args.dtype)
+    if torch.device(device).type == "cpu":
+        ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
+    torch.manual_seed(args.seed)
+    runs, enc = ec.load_runs(args.ckpt, device)
+    for r in runs:
+        r["ckpt_path"] = os.path.abspath(r["ckpt_path"])
+    template = TEMPLATES[args.template]
+    check_template(template)
+    if args.lengths:
+        lengths = _int_list(args.lengths)
+    elif args.preset:
+        lengths = PRESETS[args.preset]
+    else:
+        lengths = default_lengths([r["block_size"] for r in runs], args.max_length)
+
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, "passkey_samples.jsonl")
+    settings = dict(seed=args.seed, template=args.template, template_hash=template_hash(template), samples=samples,
+                    depths=args.depths, tokenizer=runs[0]["tokenizer"], dtype=dtype)
+    ec.check_settings(jsonl, settings)
+    log = ec.ResultLog(jsonl, KEY_FIELDS)
+
+    skipped = plan(runs, enc, template, lengths, device, args.memory_fraction)
+    for s in skipped:
+        print(f"skipping length {s['target_length']} for {s['label']}: {s['reason']}", file=sys.stderr)
+    scored = evaluate(runs, enc, lengths, template=template, samples=samples, depths=args.depths, seed=args.seed,
+                      device=device, dtype=dtype, log=log, batch_tokens=args.batch_tokens,
+                      memory_fraction=args.memory_fraction, skipped=skipped, progress=not args.no_progress)
+
+    summary, by_depth = summarize(log.records, runs, lengths, skipped, args.depth_bins)
+    ec.write_table(summary, os.path.join(args.out, "passkey_summary"))
+    ec.write_table(by_depth, os.path.join(args.out, "passkey_by_depth"))
+    figures = make_figures(summary, by_depth, runs, args.out, args.depth_bins)
+    wall = time.perf_counter() - t_start
+    meta = dict(settings=settings, lengths=lengths, device=str(device), torch=torch.__version__,
+                runs=[dict(label=r["label"], ckpt=r["ckpt_path"], train_length=r["block_size"],
+                           pos_encoding=r["model"].config.pos_encoding, ssmax=r["model"].config.ssmax)
+                      for r in runs],
+                skipped=skipped, scored_this_call=scored, wall_seconds=round(wall, 2),
+                peak_rss_mib=round(ec.peak_memory_bytes("cpu") / 2**20, 1),
+                peak_gpu_mib=round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                if torch.device(device).type == "cuda" else None,
+                figures=[os.path.basename(p) for p in figures])
+    with open(os.path.join(args.out, "passkey_meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+    print(markdown_summary(summary, runs, lengths))
+    print(f"\n{scored} samples scored in {wall:.1f}s (peak RSS {meta['peak_rss_mib']:.0f} MiB); "
+          f"results in {args.out}/")
+    return dict(summary=summary, by_depth=by_depth, meta=meta, records=log.records)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""eval_passkey.py: prompt construction, scoring, the command line end to end, resume and determinism (CPU, fast)."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+import torch.nn as nn
+
+import eval_common
+import eval_passkey as ep
+import model as model_mod
+from data import get_tokenizer
+from model import GPT, GPTConfig, save_checkpoint
+
+PAPER = ep.TEMPLATES["paper"]
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return get_tokenizer("byte")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two tiny byte-level checkpoints (different weights) in run directories runA/ and runB/."""
+    root = tmp_path_factory.mktemp("ckpts")
+    paths = []
+    for i, name in enumerate(["runA", "runB"]):
+        torch.manual_seed(i)
+        cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32)
+        save_checkpoint(str(root / name / "ckpt_10.pt"), GPT(cfg))
+        paths.append(str(root / name))
+    return paths
+
+
+def run_main(out, ckpts, *extra):
+    argv = [a for c in ckpts for a in ("--ckpt", c)] + ["--out", str(out), "--no_progress", *extra]
+    return ep.main(argv)
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in ep.TIMING_FIELDS + ("batch",)} for r in rows]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---- the template and the length grids ----------------------------------------------------------------------
+def test_paper_template_is_the_authors_verbatim():
+    assert PAPER["task"] == ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+                             "memorize them. I will quiz you about the important information there.")
+    assert PAPER["filler"] == "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    assert PAPER["needle"] == "The pass key is {pass_key}. Remember it. {pass_key} is the pass key."
+    assert PAPER["question"] == "What is the pass key? The pass key is"
+    assert PAPER["digits"] == 5
+
+
+def test_length_grids():
+    assert ep.PRESETS["paper32k"] == [3640, 7281, 10922, 14563, 18204, 21845, 25486, 29127, 32768]
+    assert ep.PRESETS["extreme"] == [10_000 * i for i in range(1, 11)] + [100_000 * i for i in range(2, 6)]
+    assert ep.default_lengths([32], 8192) == [32 * 2**i for i in range(9)]
+    assert ep.default_lengths([512]) == [512 * 2**i for i in range(6)]  # 32 x the training length
+    # several training lengths: the union of their grids, capped at max_length
+    assert ep.default_lengths([384, 512], 2048) == [384, 512, 768, 1024, 1536, 2048]
+
+
+# ---- prompts (byte tokenizer) ----------------------------------------------------------------------------
+@pytest.mark.parametrize("target", [300, 512, 1000, 4096, 8192])
+def test_prompt_layout_byte(enc, target):
+    n = ep.filler_units(enc, PAPER, target)
+    task = enc.encode_ordinary(PAPER["task"])
+    filler = enc.encode_ordinary(" " + PAPER["filler"])
+    question = enc.encode_ordinary(" " + PAPER["question"])
+    for k in sorted({0, n // 3, n // 2, n}):
+        tokens, answer, info = ep.build_prompt(enc, PAPER, target, 12345, k)
+        assert len(tokens) == info["length"] <= target
+        assert len(tokens) + len(filler) > target  # N is the most filler that fits
+        assert (info["k"], info["n_filler"]) == (k, n)
+        assert info["depth"] == (k / n if n else 0.0)
+        # the needle sits after the task and exactly k filler units
+        assert info["needle_start"] == len(task) + k * len(filler)
+        assert tokens[:info["needle_start"]] == task + filler * k
+        needle = " The pass key is 12345. Remember it. 12345 is the pass key."
+        assert enc.decode(tokens[info["needle_start"]:info["needle_start"] + len(needle)]) == needle
+        assert tokens[info["needle_start"] + len(needle):] == filler * (n - k) + question
+        assert enc.decode(tokens).endswith(". What is the pass key? The pass key is")
+        # the answer: a space, then the five digit bytes; only the digits are scored
+        assert answer == list(b" 12345") and info["n_given"] == 1
+
+
+def test_prompt_too_short_is_an_error(enc):
+    shortest = ep.min_prompt_length(enc, PAPER)
+    ep.build_prompt(enc, PAPER, shortest, 12345, 0)
+    with pytest.raises(ValueError, match="shorter than the prompt"):
+        ep.build_prompt(enc, PAPER, shortest - 1, 12345, 0)
+    with pytest.raises(ValueError, match="digits"):
+        ep.build_prompt(enc, PAPER, 1000, 1234, 0)
+
+
+def test_depth_indices():
+    rng = np.random.default_rng(0)
+    assert ep.depth_indices(10, 5, "equidistant", rng) == [0, 2, 5, 7, 10]  # linspace(0, N, s).long()
+    assert ep.depth_indices(7, 3, "beginning", rng) == [0, 0, 0]
+    assert ep.depth_indices(7, 3, "end", rng) == [7, 7, 7]
+    r = ep.depth_indices(7, 50, "random", rng)
+    assert min(r) >= 0 and max(r) <= 7 and len(set(r)) > 1
+
+
+def test_samples_are_seeded_and_per_length(enc):
+    a = ep.make_samples(enc, PAPER, 2000, 8, "equidistant", seed=5)
+    b = ep.make_samples(enc, PAPER, 2000, 8, "equidistant", seed=5)
+    c = ep.make_samples(enc, PAPER, 2000, 8, "equidistant", seed=6)
+    assert [x[0] for x in a] == [x[0] for x in b]
+    keys = [x[2]["key"] for x in a]
+    assert keys != [x[2]["key"] for x in c]
+    assert all(10_000 <= k <= 99_999 for k in keys) and len(set(keys)) > 1
+    depths = [x[2]["depth"] for x in a]
+    assert depths[0] == 0.0 and depths[-1] == 1.0 and depths == sorted(depths)
+    # the same (seed, length) gives the same prompts whatever else is evaluated
+    assert [x[2]["key"] for x in ep.make_samples(enc, PAPER, 2000, 8, seed=5)] == keys
+
+
+def merging_tokenizer():
+    """A small BPE where the space merges into digits (like gpt2: " 12345" -> " 123" + "45") and 9s merge, so that
+    the widest key 99999 is the *shortest* needle: other keys must still fit the target."""
+    ranks = {bytes([i]): i for i in range(256)}
+    for tok in [b" 1", b"23", b" 123", b"99", b"9999", b"45"]:
+        ranks[tok] = len(ranks)
+    pat = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    return tiktoken.Encoding("merge-test", pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+
+
+def test_prompt_with_merging_tokenizer():
+    enc = merging_tokenizer()
+    answer, n_given = ep.answer_tokens(enc, 12345)
+    assert [enc.decode([t]) for t in answer] == [" 123", "45"] and n_given == 0  # all answer tokens scored
+    reduced = 0
+    for target in range(300, 1400, 13):
+        n = ep.filler_units(enc, PAPER, target)
+        for key in (12345, 45678, 99999):
+            for k in (0, n):
+                tokens, ans, info = ep.build_prompt(enc, PAPER, target, key, k)
+                assert len(tokens) <= target
+                assert info["n_filler"] <= n and info["k"] <= k
+                reduced += info["n_filler"] < n
+                text = enc.decode(tokens[info["needle_start"]:])
+                assert text.startswith(f" The pass key is {key}. Remember it. {key} is the pass key.")
+                assert enc.decode(tokens).endswith("What is the pass key? The pass key is")
+                assert enc.decode(ans) == f" {key}"
+    assert reduced > 0  # some keys tokenize longer than 99999, and filler was dropped to keep within the target
+
+
+# ---- scoring on a stub model -----------------------------------------------------------------------------
+class StubModel(nn.Module):
+    """Returns logits whose argmax at the last `logits_at` positions is `self.predict` (plus optional decoys)."""
+
+    def __init__(self, predict, vocab=257, padded=320, decoy=None):
+        super().__init__()
+        self.config = type("C", (), {"vocab_size": vocab})()
+        self.predict, self.padded, self.decoy = predict, padded, decoy
+        self.calls = []
+
+    def forward(self, idx, logits_at=None):
+        self.calls.append((idx.clone(), logits_at))
+        logits = torch.zeros(idx.shape[0], logits_at, self.padded)
+        logits[:, torch.arange(logits_at), torch.tensor(self.predict)] = 5.0
+        if self.decoy is not None:  # a padded-vocabulary entry above everything: never a prediction
+            logits[..., self.decoy] = 50.0
+        return logits, None
+
+
+def test_score_sample_on_stub(enc):
+    prompt, answer, info = ep.build_prompt(enc, PAPER, 600, 31415, 2)
+    digits = answer[info["n_given"]:]
+    assert digits == list(b"31415")
+
+    right = StubModel(digits)
+    assert ep.score_sample(right, prompt, answer, info["n_given"]) == (True, digits)
+    idx, m = right.calls[0]
+    assert idx.tolist() == [prompt + answer[:-1]] and m == 5  # teacher forcing; logits only at the 5 digits
+
+    wrong = [d + 1 for d in digits]
+    assert ep.score_sample(StubModel(wrong), prompt, answer, info["n_given"]) == (False, wrong)
+
+    one_off = list(digits)
+    one_off[3] = ord("0") if one_off[3] != ord("0") else ord("1")
+    correct, pred = ep.score_sample(StubModel(one_off), prompt, answer, info["n_given"])
+    assert not correct and pred == one_off
+
+    # the padded vocabulary (ids >= vocab_size) is never predicted
+    assert ep.score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (True, digits)
+
+
+def test_score_batch_all_answer_tokens_when_space_merges():
+    enc = merging_tokenizer()
+    prompt, answer, info = ep.build_prompt(enc, PAPER, 700, 12345, 1)
+    stub = StubModel(answer, vocab=300)
+    assert ep.score_sample(stub, prompt, answer, info["n_given"]) == (True, answer)
+    assert stub.calls[0][1] == 2  # " 123" and "45": both scored
+    bad = StubModel([answer[0], answer[1] + 1], vocab=300)
+    assert ep.score_sample(bad, prompt, answer, info["n_given"])[0] is False
+
+
+# ---- end to end -----------------------------------------------------------------------------------------
+def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
+    out = tmp_path / "res"
+    res = run_main(out, ckpts, "--lengths", "400,700", "--samples", "4")
+    for f in ["passkey_samples.jsonl", "passkey_summary.json", "passkey_summary.csv", "passkey_by_depth.json",
+              "passkey_by_depth.csv", "passkey_accuracy.png", "passkey_heatmap_runA.png", "passkey_heatmap_runB.png"]:
+        path = out / f
+        assert path.stat().st_size > 0, f
+        if f.endswith(".png"):
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recs = read_jsonl(out / "passkey_samples.jsonl")
+    assert len(recs) == 2 * 2 * 4
+    # both checkpoints saw the same prompts (keys and depths) at each (length, sample)
+    by = {(r["label"], r["target_length"], r["sample"]): r for r in recs}
+    for L in (400, 700):
+        for i in range(4):
+            a, b = by[("runA", L, i)], by[("runB", L, i)]
+            assert (a["key"], a["k"], a["length"]) == (b["key"], b["k"], b["length"]) and a["length"] <= L
+    # each record's prediction equals an independent full-logits forward of the rebuilt prompt
+    model, _ = model_mod.load_model(ckpts[0])
+    for r in (by[("runA", 400, 0)], by[("runA", 700, 3)]):
+        prompt, answer, info = ep.build_prompt(enc, PAPER, r["target_length"], r["key"], r["k"])
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([prompt + answer[:-1]]))
+        pred = logits[0, len(prompt) - 1 + info["n_given"]:, :257].argmax(-1).tolist()
+        assert r["predicted"] == pred and r["answer_tokens"] == answer[1:]
+        assert r["correct"] == (pred == answer[1:])
+    summary = json.loads((out / "passkey_summary.json").read_text())
+    assert [(s["label"], s["target_length"]) for s in summary] == [("runA", 400), ("runA", 700), ("runB", 400),
+                                                                    ("runB", 700)]
+    for s in summary:
+        cell = [r for r in recs if r["label"] == s["label"] and r["target_length"] == s["target_length"]]
+        assert s["n"] == 4 and s["accuracy"] == sum(r["correct"] for r in cell) / 4 and s["train_length"] == 32
+    by_depth = json.loads((out / "passkey_by_depth.json").read_text())
+    assert sum(d["n"] for d in by_depth) == 16
+    assert res["summary"] == summary
+    table = capsys.readouterr().out
+    assert "| checkpoint | train len | 400 | 700 |" in table and "| runA | 32 |" in table
+
+
+def oracle_forward(self, idx, targets=None, *, logits_at=None, **kwargs):
+    """Stands in for GPT.forward: reads the key from the prompt and answers it, except for keys that are odd,
+    where it gets the last digit wrong. Counts the samples it is asked about."""
+    oracle_forward.samples += idx.shape[0]
+    enc = get_tokenizer("byte")
+    logits = torch.zeros(idx.shape[0], logits_at, self.config.padded_vocab_size)
+    for b, row in enumerate(idx.tolist()):
+        key = re.search(r"The pass key is (\d{5})\.", enc.decode(row)).group(1)
+        digits = list(key.encode())
+        if int(key) % 2:
+            digits[-1] = ord("0") if digits[-1] != ord("0") else ord("1")
+        logits[b, torch.arange(logits_at), torch.tensor(digits[-logits_at:])] = 1.0
+    return logits, None
+
+
+def test_end_to_end_accuracy_with_an_oracle(tmp_path, ckpts, monkeypatch):
+    oracle_forward.samples = 0
+    monkeypatch.setattr(model_mod.GPT, "forward", oracle_forward)
+    out = tmp_path / "res"
+    res = run_main(out, ckpts[:1], "--lengths", "400", "900", "--samples", "10", "--depths", "random")
+    recs = read_jsonl(out / "passkey_samples.jsonl")
+    assert oracle_forward.samples == 20 and len(recs) == 20
+    for r in recs:
+        assert r["correct"] == (r["key"] % 2 == 0)
+    for s in res["summary"]:
+        keys = [r["key"] for r in recs if r["target_length"] == s["target_length"]]
+        assert s["accuracy"] == np.mean([k % 2 == 0 for k in keys])
+    assert 0 < np.mean([r["correct"] for r in recs]) < 1  # the check above is not vacuous
+    for d in res["by_depth"]:
+        cell = [r for r in recs if r["target_length"] == d["target_length"]
+                and ep.depth_bin(r["depth"], 10) == round(d["depth_lo"] * 10)]
+        assert all(d["depth_lo"] <= r["depth"] <= d["depth_hi"] for r in cell)
+        assert d["n"] == len(cell) and d["accuracy"] == np.mean([r["correct"] for r in cell])
+
+
+def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
+    oracle_forward.samples = 0
+    monkeypatch.setattr(model_mod.GPT, "forward", oracle_forward)
+    out = tmp_path / "res"
+    args = ("--lengths", "400", "700", "--samples", "5")
+    first = run_main(out, ckpts, *args)
+    assert oracle_forward.samples == 20
+    jsonl = out / "passkey_samples.jsonl"
+    lines = jsonl.read_text().splitlines(keepends=True)
+    jsonl.write_text("".join(lines[:7]) + lines[7][:25])  # an interruption: 7 records and a cut line
+
+    oracle_forward.samples = 0
+    second = run_main(out, ckpts, *args)
+    assert oracle_forward.samples == 13  # only the missing ones
+    assert strip_timing(second["summary"]) == strip_timing(first["summary"])
+    assert strip_timing(second["by_depth"]) == strip_timing(first["by_depth"])
+    recs = read_jsonl(jsonl)
+    assert len(recs) == 20 and len({(r["label"], r["target_length"], r["sample"]) for r in recs}) == 20
+
+    oracle_forward.samples = 0
+    run_main(out, ckpts, *args, "--lengths", "400", "700", "1000")  # a new length: only it is evaluated
+    assert oracle_forward.samples == 10
+
+    with pytest.raises(SystemExit, match="seed"):  # other prompts: refuse to mix them into these results
+        run_main(out, ckpts, *args, "--seed", "7")
+
+
+def test_same_seed_same_numbers(tmp_path, ckpts):
+    args = ("--lengths", "500", "--samples", "3", "--seed", "11")
+    a = run_main(tmp_path / "a", ckpts[:1], *args)
+    b = run_main(tmp_path / "b", ckpts[:1], *args)
+    assert strip_timing(a["records"]) == strip_timing(b["records"])
+    assert strip_timing(a["summary"]) == strip_timing(b["summary"])
+    c = run_main(tmp_path / "c", ckpts[:1], "--lengths", "500", "--samples", "3", "--seed", "12")
+    assert [r["key"] for r in c["records"]] != [r["key"] for r in a["records"]]
+
+
+def test_batched_equals_one_by_one(tmp_path, ckpts):
+    args = ("--lengths", "600", "--samples", "4")
+    batched = run_main(tmp_path / "a", ckpts[:1], *args)
+    single = run_main(tmp_path / "b", ckpts[:1], *args, "--batch_tokens", "1")
+    assert {r["batch"] for r in batched["records"]} == {4} and {r["batch"] for r in single["records"]} == {1}
+    assert strip_timing(batched["records"]) == strip_timing(single["records"])
+
+
+def test_lengths_that_cannot_run_are_skipped(tmp_path, ckpts, monkeypatch, capsys):
+    real = eval_common.fits_in_memory
+
+    def fake_fits(model, length, device, fraction=0.9, batch=1, kv_cache=False):
+        ok, need, free = real(model, length, device, fraction, batch, kv_cache)
+        return (length * batch < 1000, need, free)
+
+    monkeypatch.setattr(eval_common, "fits_in_memory", fake_fits)
+    res = run_main(tmp_path / "res", ckpts[:1], "--lengths", "100", "500", "2000", "--samples", "2")
+    err = capsys.readouterr().err
+    assert "skipping length 100" in err and "shorter than the prompt" in err
+    assert "skipping length 2000" in err and "free on cpu" in err
+    status = {s["target_length"]: s for s in res["summary"]}
+    assert status[500]["status"] == "ok" and status[500]["n"] == 2
+    for L in (100, 2000):
+        assert status[L]["accuracy"] is None and status[L]["status"].startswith("skipped")
+    assert {r["target_length"] for r in res["records"]} == {500}
+    assert (tmp_path / "res" / "passkey_accuracy.png").exists()
+
+
+def test_default_grid_from_the_training_length(tmp_path, ckpts, capsys):
+    res = run_main(tmp_path / "res", ckpts[:1], "--max_length", "512", "--samples", "2")
+    rows = {s["target_length"]: s for s in res["summary"]}
+    assert sorted(rows) == [32, 64, 128, 256, 512]  # block_size 32 x 1, 2, 4, ... up to --max_length
+    shortest = ep.min_prompt_length(get_tokenizer("byte"), PAPER)
+    for L, s in rows.items():
+        assert (s["status"] == "ok") == (L >= shortest)
+        assert s["n"] == (2 if L >= shortest else 0)
+    assert "skipping length 32 for runA" in capsys.readouterr().err
