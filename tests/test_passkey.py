@@ -1,6 +1,5 @@
 """eval_passkey.py: prompt construction, scoring, the command line end to end, resume and determinism (CPU, fast)."""
 import json
-import os
 import re
 
 import numpy as np
