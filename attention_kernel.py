@@ -73,6 +73,23 @@ def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
     return max(1, budget_bytes // (16 * batch * heads * max(n_keys, 1)))
 
 
+def _mask_invisible(s, qpos, kpos, ds):
+    """Set s[..., i, j] = -inf where key j is not visible to query i: j > i, or j before doc start ds (B, rows).
+    Without autograd, in place and only on the columns that can be hidden (the causal diagonal block, and keys
+    before the chunk's latest document start): at long lengths that is a sliver of the block. Under autograd one
+    masked_fill over the block is cheaper than in-place writes into slices (which add a CopySlices pass)."""
+    if s.requires_grad:
+        visible = kpos[None, :] <= qpos[:, None]
+        if ds is not None:
+            visible = (visible & (kpos[None, None, :] >= ds[:, :, None]))[:, None]
+        return s.masked_fill(~visible, float("-inf"))
+    c = int(qpos[0] - kpos[0])
+    s[..., c:].masked_fill_(kpos[None, c:] > qpos[:, None], float("-inf"))
+    if ds is not None and (c := int(ds.max() - kpos[0])) > 0:
+        s[..., :c].masked_fill_((kpos[None, None, :c] < ds[:, :, None])[:, None], float("-inf"))
+    return s
+
+
 def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
                     q_offset=None, softmax_scale=None, chunk_size=None, prior_fn=ggd_prior):
     """Plain-PyTorch attention with the contract above, chunked over queries (peak memory O(chunk x Tk))."""
@@ -89,24 +106,22 @@ def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scal
         lo = int(doc_start[:, i0:i1].min()) if doc_start is not None else 0
         qpos = torch.arange(i0, i1, device=q.device)
         kpos = torch.arange(lo, i1, device=q.device)
-        s = torch.matmul(q[:, :, a:b].float(), k[:, :, lo:i1].float().transpose(-1, -2)) * softmax_scale
+        s = torch.matmul(q[:, :, a:b].float(), k[:, :, lo:i1].float().transpose(-1, -2)).mul_(softmax_scale)
+        # In-place updates of the fresh score block save one (B, H, rows, keys) allocation each: add_ is always
+        # safe under autograd (its backward needs no values); mul_ only when row_scale needs no gradient.
         if prior is not None:
             # the prior depends only on d = j - i: evaluate it once per distinct distance, then gather
             dmin = lo - (i1 - 1)
             table = prior_fn(torch.arange(dmin, i1 - i0, device=q.device), *prior)  # (H, n_dist)
             bias = table[:, kpos[None, :] - qpos[:, None] - dmin]  # (H, rows, keys)
+            if row_scale is None or scale_prior:
+                s.add_(bias)
         if row_scale is not None:
             r = row_scale[:, :, a:b, None].float()
-            if prior is not None:
-                s = (s + bias) * r if scale_prior else s * r + bias
-            else:
-                s = s * r
-        elif prior is not None:
-            s = s + bias
-        visible = kpos[None, :] <= qpos[:, None]  # causal, (rows, keys)
-        if doc_start is not None:  # same document, (B, 1, rows, keys)
-            visible = (visible & (kpos[None, None, :] >= doc_start[:, i0:i1, None]))[:, None]
-        s = s.masked_fill(~visible, float("-inf"))
+            s = s * r if r.requires_grad and torch.is_grad_enabled() else s.mul_(r)
+            if prior is not None and not scale_prior:
+                s.add_(bias)
+        s = _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
         p = torch.softmax(s, dim=-1)
         outs.append(torch.matmul(p, v[:, :, lo:i1].float()).to(q.dtype))
     return torch.cat(outs, dim=2)
