@@ -63,8 +63,9 @@ def run(fn, q, k, v, dout, *, prior=None, row_scale=None, dtype=None, prior_grad
 
     q_, k_, v_ = leaf("q", q), leaf("k", k), leaf("v", v)
     pr = None
-    if prior is not None:
-        pr = tuple(leaf(n, t, prior_grad) for n, t in zip(("theta_alpha", "theta_beta", "theta_mu"), prior))
+    if prior is not None:  # prior_grad: one bool, or one per tensor (e.g. theta_mu frozen as in the model)
+        flags = prior_grad if isinstance(prior_grad, tuple) else (prior_grad,) * 3
+        pr = tuple(leaf(n, t, f) for n, t, f in zip(("theta_alpha", "theta_beta", "theta_mu"), prior, flags))
     rs = leaf("row_scale", row_scale) if row_scale is not None else None
     kw = {n: (t.to(DEVICE) if torch.is_tensor(t) else t) for n, t in kw.items()}
     out = fn(q_, k_, v_, prior=pr, row_scale=rs, **kw)
@@ -149,7 +150,8 @@ CASES = {
         prior=bam_prior([0.1, -0.2], [-1.5, 0.5], [0.2, 0.0]), doc_start=random_doc_start(2, 130, GEN),
         row_scale=torch.rand(2, 2, 37, generator=GEN) + 0.5, scale_prior=True, q_offset=50)),
     "qoffset_default_tq1_tk257": (1, 2, 1, 257, 48, (16, 64), lambda: dict(
-        prior=bam_prior([0.1, -0.2], [-0.3, 2.0], [0.2, 0.0]), doc_start=random_doc_start(1, 257, GEN))),
+        prior=bam_prior([0.1, -0.2], [-0.3, 2.0], [0.2, 0.0]), prior_grad=(True, True, False),
+        doc_start=random_doc_start(1, 257, GEN))),
     "len1": (2, 2, 1, 1, 64, (16, 16), lambda: dict(
         prior=bam_prior([0.1, -0.2], [-1.5, 1.0], [0.0, 0.3]), row_scale=torch.rand(2, 2, 1, generator=GEN))),
     # documents of length 1 (one visible key: p = 1 on a prior of about -3e7) and query tiles whose first key
@@ -280,6 +282,35 @@ def test_kernel_optional_inputs_and_no_grad_inputs():
     with torch.no_grad():
         out = attention(q, k, v, impl="triton")
     assert rel_err(out, attention_torch(q, k, v)) < 1e-5
+
+
+def test_kernel_matches_flex_attention_forward():
+    """FlexAttention as an independent implementation (forward only: its CPU path has no backward): the GGD prior
+    and SSMax as a score_mod, causal AND same-document as the mask_mod."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    import warnings
+    B, H, T, D = 2, 3, 70, 32
+    q, k, v = qkv(B, H, T, T, D, seed=21)
+    gen = torch.Generator().manual_seed(5)
+    ds = random_doc_start(B, T, gen, p=0.05)
+    alpha, beta, mu_raw = bam_prior([0.2, -0.4, 0.0], [-1.5, 0.5, 2.0], [0.0, 0.3, -0.2])
+    s = torch.tensor([1.0, 0.7, 1.2])
+    rs = ssmax_row_scale(s, ds, T, 0)  # (B, H, T)
+
+    def score_mod(score, b, h, qi, ki):
+        x = ((ki - qi).to(torch.float32) - 2.0 * torch.sinh(mu_raw[h])).abs() + 1e-5
+        return (score - torch.exp(alpha[h]) * torch.pow(x, beta[h])) * rs[b, h, qi]
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi) & (ki >= ds[b, qi])
+
+    block_mask = fa.create_block_mask(mask_mod, B, None, T, T, device="cpu", BLOCK_SIZE=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        ref = fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    out = attention(q, k, v, doc_start=ds, prior=(alpha, beta, mu_raw), row_scale=rs, scale_prior=True,
+                    impl="triton")
+    assert rel_err(out, ref) < 1e-4
 
 
 def test_kernel_dispatch(monkeypatch):

@@ -1,0 +1,370 @@
+"""
+The Triton attention kernel against PyTorch's attention paths (CUDA only): speed, peak memory and correctness.
+
+    python bench_attention.py                    # the table: T = 512 ... 32K, head_dim 48/64/128, bf16
+    python bench_attention.py --quick            # a small subset (< 2 minutes with compilation)
+    python bench_attention.py --check            # compiled kernel vs the PyTorch reference: values and grads
+    python bench_attention.py --out bench.json   # also write the results as JSON
+
+Implementations compared (causal, one document per row, H = --heads, B = max(1, --tokens // T)):
+  kernel_bam    this repo's kernel with the GGD prior (theta trainable) and SSMax scaling the prior: the BAM path
+  kernel_plain  the same kernel without prior or SSMax
+  sdpa_flash    torch SDPA, flash backend, no prior (the speed of light for plain causal attention)
+  sdpa_prior    torch SDPA with the GGD prior materialised as a float attn_mask (H x T x T, with gradient)
+  flex          torch FlexAttention: the same GGD prior + SSMax as a score_mod, causal block mask, compiled
+FLOPs follow Triton's tutorial: forward 4 B H T^2 D x 0.5 (causal); the backward counts 2.5x the forward, so a
+forward+backward step counts 3.5x. Peak memory is torch.cuda.max_memory_allocated above the inputs.
+A failure (OOM or anything else) in one configuration is recorded and the others still run.
+"""
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+BWD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward (2 matmuls for dq/dk/dv + recompute), as in the tutorial
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="correctness of the compiled kernel vs the reference")
+    p.add_argument("--quick", action="store_true", help="T in {1024, 4096}, head_dim 64 only")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--head_dims", type=int, nargs="+", default=[48, 64, 128])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch: B = max(1, tokens // T)")
+    p.add_argument("--impls", nargs="+", default=["kernel_bam", "kernel_plain", "sdpa_flash", "sdpa_prior", "flex"])
+    p.add_argument("--rep", type=int, default=100, help="do_bench measurement time per point (ms)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+def make_problem(B, H, T, D, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g).requires_grad_(True)
+               for _ in range(3))
+    do = torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g)
+    # a mixed bank of heads: anti-local (beta < 0), NoPE-like (0), heavy tail, ALiBi-like, local; mu != 0 for some
+    betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0], device=device)
+    theta_alpha = (torch.linspace(-1.0, 0.5, H, device=device)).requires_grad_(True)
+    theta_beta = betas[torch.arange(H, device=device) % len(betas)].clone().requires_grad_(True)
+    theta_mu = torch.where(torch.arange(H, device=device) % 3 == 0, 0.3, 0.0).requires_grad_(True)
+    ssmax_s = torch.full((H,), 1.0, device=device, requires_grad=True)
+    log_n = torch.arange(1, T + 1, device=device, dtype=torch.float32).log()
+    return dict(q=q, k=k, v=v, do=do, prior=(theta_alpha, theta_beta, theta_mu), ssmax_s=ssmax_s, log_n=log_n)
+
+
+def leaves(pb):
+    return [pb["q"], pb["k"], pb["v"], *pb["prior"], pb["ssmax_s"]]
+
+
+# ---------------------------------------------------------------------------------------------------- impls
+def impl_fn(name, pb):
+    """A zero-argument callable computing the attention output (autograd-connected to the leaves)."""
+    from attention_kernel import attention, ggd_prior
+    import torch.nn.functional as F
+    q, k, v = pb["q"], pb["k"], pb["v"]
+    B, H, T, D = q.shape
+    if name == "kernel_bam":
+        return lambda: attention(q, k, v, prior=pb["prior"], row_scale=pb["ssmax_s"][None, :, None] * pb["log_n"],
+                                 scale_prior=True, impl="triton")
+    if name == "kernel_plain":
+        return lambda: attention(q, k, v, impl="triton")
+    if name == "sdpa_flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def f():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return f
+    if name == "sdpa_prior":
+        def f():
+            pos = torch.arange(T, device=q.device)
+            table = ggd_prior(torch.arange(-(T - 1), T, device=q.device), *pb["prior"])  # (H, 2T - 1)
+            bias = table[:, pos[None, :] - pos[:, None] + T - 1]  # (H, T, T): the materialised prior
+            bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf")).to(q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
+        return f
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        alpha, beta, mu_raw = pb["prior"]
+        s, log_n = pb["ssmax_s"], pb["log_n"]
+        compiled = _compiled_flex(flex_attention)
+        block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, T, T, device=q.device)
+
+        def score_mod(score, b, h, qi, ki):  # (l + B) * s log n, B = -exp(alpha) (|d - mu| + eps)^beta
+            x = ((ki - qi).to(torch.float32) - 2.0 * torch.sinh(mu_raw[h])).abs() + 1e-5
+            return (score - torch.exp(alpha[h]) * torch.pow(x, beta[h])) * (s[h] * log_n[qi])
+        return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    raise ValueError(f"unknown impl {name!r}")
+
+
+_FLEX = None
+
+
+def _compiled_flex(flex_attention):
+    global _FLEX
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def measure(name, pb, rep):
+    import triton.testing
+    fn = impl_fn(name, pb)
+    B, H, T, D = pb["q"].shape
+    fwd_flops = 4 * B * H * T * T * D * 0.5
+    res = {}
+    grads = [t for t in leaves(pb) if t.requires_grad]
+    with torch.no_grad():
+        fn()  # compile / warm up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        ms = triton.testing.do_bench(fn, warmup=10, rep=rep)
+    res["fwd_ms"] = ms
+    res["fwd_tflops"] = fwd_flops / ms * 1e-9
+    res["fwd_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    def step():
+        fn().backward(pb["do"])
+    try:  # a failing backward (OOM, unsupported) still leaves the forward numbers in the table
+        step()  # compile the backward
+        torch.cuda.synchronize()
+        for t in grads:
+            t.grad = None
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ms = triton.testing.do_bench(step, warmup=5, rep=rep, grad_to_none=grads)
+        res["fwdbwd_ms"] = ms
+        res["fwdbwd_tflops"] = fwd_flops * (1 + BWD_FLOP_FACTOR) / ms * 1e-9
+        res["fwdbwd_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    except torch.cuda.OutOfMemoryError:
+        res["bwd_status"] = "OOM"
+    except Exception as e:  # noqa: BLE001
+        res["bwd_status"] = f"error: {type(e).__name__}: {_first_line(e)}"
+    for t in grads:
+        t.grad = None
+    return res
+
+
+def _first_line(e):
+    return str(e).splitlines()[0][:200] if str(e) else ""
+
+
+def run_table(args):
+    lengths = [1024, 4096] if args.quick else args.lengths
+    head_dims = [64] if args.quick else args.head_dims
+    rows = []
+    print(f"{'D':>4} {'T':>6} {'B':>3} {'impl':<13} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} "
+          f"{'peak MB':>9}")
+    for D in head_dims:
+        for T in lengths:
+            B = max(1, args.tokens // T)
+            for name in args.impls:
+                row = dict(impl=name, head_dim=D, T=T, B=B, H=args.heads, dtype="bf16")
+                pb = None
+                try:
+                    pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda")
+                    row.update(measure(name, pb, args.rep))
+                    row["status"] = "ok"
+                except torch.cuda.OutOfMemoryError:
+                    row["status"] = "OOM"
+                except Exception as e:  # noqa: BLE001 -- one failing point must not end the table
+                    row["status"] = f"error: {type(e).__name__}: {_first_line(e)}"
+                finally:
+                    del pb
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                if row["status"] == "ok" and "bwd_status" not in row:
+                    print(f"{D:>4} {T:>6} {B:>3} {name:<13} {row['fwd_ms']:>9.3f} {row['fwd_tflops']:>8.1f} "
+                          f"{row['fwdbwd_ms']:>11.3f} {row['fwdbwd_tflops']:>8.1f} {row['fwdbwd_peak_mb']:>9.0f}",
+                          flush=True)
+                elif row["status"] == "ok":
+                    print(f"{D:>4} {T:>6} {B:>3} {name:<13} {row['fwd_ms']:>9.3f} {row['fwd_tflops']:>8.1f} "
+                          f"  backward: {row['bwd_status']}", flush=True)
+                else:
+                    print(f"{D:>4} {T:>6} {B:>3} {name:<13} {row['status']}", flush=True)
+    ratios = []
+    print("\nkernel_bam (GGD prior + SSMax) fwd+bwd throughput relative to (>1: the kernel is faster):")
+    for D in head_dims:
+        for T in lengths:
+            get = {r["impl"]: r for r in rows if r["head_dim"] == D and r["T"] == T and "fwdbwd_tflops" in r}
+            if "kernel_bam" not in get:
+                continue
+            line = {"head_dim": D, "T": T}
+            for other in ("sdpa_flash", "flex", "sdpa_prior"):
+                if other in get:
+                    line[f"vs_{other}"] = get["kernel_bam"]["fwdbwd_tflops"] / get[other]["fwdbwd_tflops"]
+            ratios.append(line)
+            print(f"  D={D:<4} T={T:<6} " + "  ".join(f"{k}={v:.2f}x" for k, v in line.items() if k.startswith("vs_")))
+    return rows, ratios
+
+
+# ---------------------------------------------------------------------------------------------------- check
+CHECKS = [
+    # name, B, H, Tq, Tk, D, dtype, options
+    ("fp32 D64 T1000 bam+ssmax(scale_prior)+docs", 2, 4, 1000, 1000, 64, torch.float32,
+     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
+    ("fp32 D48 T777 alibi(frozen)+docs", 2, 3, 777, 777, 48, torch.float32, dict(prior="alibi", docs=True)),
+    ("fp32 D128 T513 no prior", 1, 2, 513, 513, 128, torch.float32, dict()),
+    ("fp32 D32 Tq100 Tk900 q_offset=700 bam+ssmax(no scale_prior)+docs", 2, 2, 100, 900, 32, torch.float32,
+     dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=700)),
+    ("bf16 D64 T2048 bam+ssmax(scale_prior)+docs", 2, 4, 2048, 2048, 64, torch.bfloat16,
+     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
+    ("bf16 D48 T1024 bam beta<0, no ssmax, length-1 documents", 2, 2, 1024, 1024, 48, torch.bfloat16,
+     dict(prior="bam_negative", docs="short")),
+    ("fp16 D128 T1024 bam+ssmax(scale_prior)", 1, 2, 1024, 1024, 128, torch.float16,
+     dict(prior="bam", ssmax=True, scale_prior=True)),
+]
+
+
+def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0):
+    from attention_kernel import alibi_slopes
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, H, Tq, D, generator=g)
+    k, v = (torch.randn(B, H, Tk, D, generator=g) for _ in range(2))
+    do = torch.randn(B, H, Tq, D, generator=g)
+    kw, frozen = {}, ()
+    if opt.get("prior") == "bam":
+        kw["prior"] = (torch.rand(H, generator=g) - 0.5, torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0] * H)[:H],
+                       torch.where(torch.arange(H) % 2 == 0, 0.3, 0.0))
+    elif opt.get("prior") == "bam_negative":
+        kw["prior"] = (torch.zeros(H), torch.full((H,), -1.5), torch.zeros(H))
+    elif opt.get("prior") == "alibi":
+        kw["prior"] = (alibi_slopes(H).log(), torch.ones(H), torch.zeros(H))
+        frozen = ("prior",)
+    if opt.get("docs"):
+        p = 0.3 if opt["docs"] == "short" else 0.005
+        ds = torch.zeros(B, Tk, dtype=torch.long)
+        for b in range(B):
+            for c in (torch.rand(Tk, generator=g) < p).nonzero().flatten().tolist():
+                ds[b, c:] = c
+        kw["doc_start"] = ds
+    if opt.get("ssmax"):
+        kw["row_scale"] = torch.rand(B, H, Tq, generator=g) + 0.5
+        kw["scale_prior"] = opt.get("scale_prior", False)
+    if "q_offset" in opt:
+        kw["q_offset"] = opt["q_offset"]
+    return (q, k, v, do), kw, frozen
+
+
+def _run_once(fn, tensors, kw, frozen, dtype, device):
+    q, k, v, do = (t.detach().clone().to(device) for t in tensors)  # fresh leaves: no shared .grad
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+    named = {"q": q, "k": k, "v": v}
+    kw = dict(kw)
+    if "prior" in kw:
+        pr = tuple(t.detach().clone().to(device).requires_grad_("prior" not in frozen) for t in kw["prior"])
+        kw["prior"] = pr
+        if "prior" not in frozen:
+            named.update(theta_alpha=pr[0], theta_beta=pr[1], theta_mu=pr[2])
+    if "row_scale" in kw:
+        kw["row_scale"] = kw["row_scale"].detach().clone().to(device).requires_grad_(True)
+        named["row_scale"] = kw["row_scale"]
+    if "doc_start" in kw:
+        kw["doc_start"] = kw["doc_start"].to(device)
+    out = fn(q, k, v, **kw)
+    out.float().mul(do.float()).sum().backward()
+    return out.detach().float(), {n: t.grad.detach().float() for n, t in named.items()}
+
+
+def run_check(device="cuda", checks=CHECKS):
+    from attention_kernel import attention_torch, attention_triton
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be full fp32
+    torch.backends.cudnn.allow_tf32 = False
+    results, failed = [], 0
+    for name, B, H, Tq, Tk, D, dtype, opt in checks:
+        t0 = time.time()
+        entry = {"check": name}
+        try:
+            tensors, kw, frozen = _check_inputs(B, H, Tq, Tk, D, dtype, opt, device)
+            o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
+            # the reference in fp32 on the same (rounded) inputs
+            ref_t = tuple(t.to(dtype).float() if i < 3 else t for i, t in enumerate(tensors))
+            o_r, g_r = _run_once(attention_torch, ref_t, kw, frozen, torch.float32, device)
+            tol_o, tol_g = (1e-4, 1e-3) if dtype == torch.float32 else (3e-2, 6e-2)
+            errs = {"out": _rel(o_k, o_r)}
+            errs.update({n: _rel(g_k[n], g_r[n]) for n in g_r})
+            entry["max_abs_out"] = (o_k - o_r).abs().max().item()
+            entry["rel_errors"] = errs
+            finite = bool(torch.isfinite(o_k).all()) and all(bool(torch.isfinite(t).all()) for t in g_k.values())
+            ok = finite and errs["out"] <= tol_o and all(e <= tol_g for n, e in errs.items() if n != "out")
+            if dtype != torch.float32:  # determinism: a second backward is bitwise equal
+                _, g_k2 = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
+                entry["deterministic"] = all(torch.equal(g_k[n], g_k2[n]) for n in g_k)
+                ok = ok and entry["deterministic"]
+            entry["status"] = "PASS" if ok else "FAIL"
+        except Exception as e:  # noqa: BLE001
+            entry["status"] = f"ERROR {type(e).__name__}: {e}"
+            traceback.print_exc()
+        entry["seconds"] = round(time.time() - t0, 1)
+        failed += entry["status"] != "PASS"
+        errs = entry.get("rel_errors", {})
+        print(f"[{entry['status'][:5]:<5}] {name}  ({entry['seconds']}s)")
+        if errs:
+            print("        max|err|/max|ref|: " + "  ".join(f"{n}={e:.1e}" for n, e in errs.items())
+                  + (f"  deterministic={entry['deterministic']}" if "deterministic" in entry else ""))
+        results.append(entry)
+    # a query with no visible key (doc_start after it): output 0, finite grads
+    entry = {"check": "row without visible keys -> 0, no NaN"}
+    try:
+        tensors, kw, frozen = _check_inputs(1, 2, 300, 300, 64, torch.bfloat16, dict(prior="bam_negative"), device)
+        ds = torch.zeros(1, 300, dtype=torch.long)
+        ds[0, 100:] = 100
+        ds[0, 150] = 151
+        kw["doc_start"] = ds
+        o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, torch.bfloat16, device)
+        ok = bool(o_k[:, :, 150].eq(0).all()) and bool(torch.isfinite(o_k).all()) and all(
+            bool(torch.isfinite(t).all()) for t in g_k.values())
+        entry["status"] = "PASS" if ok else "FAIL"
+    except Exception as e:  # noqa: BLE001
+        entry["status"] = f"ERROR {type(e).__name__}: {e}"
+    failed += entry["status"] != "PASS"
+    print(f"[{entry['status'][:5]:<5}] {entry['check']}")
+    results.append(entry)
+    print(f"\n{len(results) - failed}/{len(results)} checks passed")
+    return results, failed
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention.py: no CUDA device; the Triton kernel benchmark and --check need a GPU. Nothing to do.")
+        return 0
+    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        print("bench_attention.py: triton is not installed")
+        return 1
+    print(json.dumps(info))
+    out = {"env": info, "args": vars(args)}
+    status = 0
+    if args.check:
+        out["check"], failed = run_check()
+        status = 1 if failed else 0
+    else:
+        torch.manual_seed(0)
+        out["table"], out["ratios"] = run_table(args)
+        out["flop_convention"] = f"fwd 4BHT^2D x 0.5 causal; fwd+bwd x (1 + {BWD_FLOP_FACTOR})"
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.out}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
