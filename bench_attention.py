@@ -13,7 +13,8 @@ Implementations compared (causal, one document per row, H = --heads, B = max(1, 
   sdpa_prior    torch SDPA with the GGD prior materialised as a float attn_mask (H x T x T, with gradient)
   flex          torch FlexAttention: the same GGD prior + SSMax as a score_mod, causal block mask, compiled
 FLOPs follow Triton's tutorial: forward 4 B H T^2 D x 0.5 (causal); the backward counts 2.5x the forward, so a
-forward+backward step counts 3.5x. Peak memory is torch.cuda.max_memory_allocated above the inputs.
+forward+backward step counts 3.5x. Forwards are timed with autograd recording (as in training). Peak memory is
+torch.cuda.max_memory_allocated above the inputs, for one call.
 A failure (OOM or anything else) in one configuration is recorded and the others still run.
 """
 import argparse
@@ -104,14 +105,22 @@ def impl_fn(name, pb):
     raise ValueError(f"unknown impl {name!r}")
 
 
-_FLEX = None
-
-
 def _compiled_flex(flex_attention):
-    global _FLEX
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
+    # every (B, T, D) point compiles anyway; a fresh dynamo cache per point keeps the table clear of the recompile
+    # limit, past which dynamo would silently fall back to the unfused eager flex_attention
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _peak_mb(fn):
+    """Peak memory of one call above what was allocated before it (measured outside do_bench, whose L2 flush
+    buffer would count otherwise)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def measure(name, pb, rep):
@@ -121,36 +130,32 @@ def measure(name, pb, rep):
     fwd_flops = 4 * B * H * T * T * D * 0.5
     res = {}
     grads = [t for t in leaves(pb) if t.requires_grad]
-    with torch.no_grad():
-        fn()  # compile / warm up
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
-        ms = triton.testing.do_bench(fn, warmup=10, rep=rep)
+    # the forward is timed with autograd recording, as in training (and FlexAttention compiles once, not twice)
+    fn()  # compile / warm up
+    res["fwd_peak_mb"] = _peak_mb(fn)
+    ms = triton.testing.do_bench(fn, warmup=10, rep=rep)
     res["fwd_ms"] = ms
     res["fwd_tflops"] = fwd_flops / ms * 1e-9
-    res["fwd_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
 
     def step():
         fn().backward(pb["do"])
-    try:  # a failing backward (OOM, unsupported) still leaves the forward numbers in the table
-        step()  # compile the backward
-        torch.cuda.synchronize()
+
+    def clear():
         for t in grads:
             t.grad = None
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    try:  # a failing backward (OOM, unsupported) still leaves the forward numbers in the table
+        step()  # compile the backward
+        clear()
+        res["fwdbwd_peak_mb"] = _peak_mb(step)
+        clear()
         ms = triton.testing.do_bench(step, warmup=5, rep=rep, grad_to_none=grads)
         res["fwdbwd_ms"] = ms
         res["fwdbwd_tflops"] = fwd_flops * (1 + BWD_FLOP_FACTOR) / ms * 1e-9
-        res["fwdbwd_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     except torch.cuda.OutOfMemoryError:
         res["bwd_status"] = "OOM"
     except Exception as e:  # noqa: BLE001
         res["bwd_status"] = f"error: {type(e).__name__}: {_first_line(e)}"
-    for t in grads:
-        t.grad = None
+    clear()
     return res
 
 
@@ -161,6 +166,7 @@ def _first_line(e):
 def run_table(args):
     lengths = [1024, 4096] if args.quick else args.lengths
     head_dims = [64] if args.quick else args.head_dims
+    rep = min(args.rep, 50) if args.quick else args.rep
     rows = []
     print(f"{'D':>4} {'T':>6} {'B':>3} {'impl':<13} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} "
           f"{'peak MB':>9}")
@@ -172,7 +178,7 @@ def run_table(args):
                 pb = None
                 try:
                     pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda")
-                    row.update(measure(name, pb, args.rep))
+                    row.update(measure(name, pb, rep))
                     row["status"] = "ok"
                 except torch.cuda.OutOfMemoryError:
                     row["status"] = "OOM"
@@ -222,6 +228,8 @@ CHECKS = [
      dict(prior="bam_negative", docs="short")),
     ("fp16 D128 T1024 bam+ssmax(scale_prior)", 1, 2, 1024, 1024, 128, torch.float16,
      dict(prior="bam", ssmax=True, scale_prior=True)),
+    ("bf16 D128 T1500 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout", 2, 4, 1500, 1500, 128,
+     torch.bfloat16, dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True)),
 ]
 
 
@@ -252,12 +260,15 @@ def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0):
         kw["scale_prior"] = opt.get("scale_prior", False)
     if "q_offset" in opt:
         kw["q_offset"] = opt["q_offset"]
+    if opt.get("noncontiguous"):  # the model's layout: (B, T, H, D) in memory, viewed as (B, H, T, D)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     return (q, k, v, do), kw, frozen
 
 
 def _run_once(fn, tensors, kw, frozen, dtype, device):
-    q, k, v, do = (t.detach().clone().to(device) for t in tensors)  # fresh leaves: no shared .grad
-    q, k, v = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+    # fresh leaves (no shared .grad); preserve_format keeps a (B, T, H, D) memory layout
+    q, k, v, do = (t.detach().clone().to(device) for t in tensors)
+    q, k, v = (t.to(dtype).detach().requires_grad_(True) for t in (q, k, v))
     named = {"q": q, "k": k, "v": v}
     kw = dict(kw)
     if "prior" in kw:

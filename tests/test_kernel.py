@@ -269,10 +269,10 @@ def test_kernel_backward_is_deterministic():
 
 def test_kernel_optional_inputs_and_no_grad_inputs():
     """prior / row_scale / doc_start None, and tensors that do not require grad, give None gradients."""
-    q, k, v = qkv(1, 2, 20, 20, 32, seed=6)
+    q, k, v = (t.to(DEVICE) for t in qkv(1, 2, 20, 20, 32, seed=6))
     q.requires_grad_(True)  # only q needs a gradient
-    rs = torch.rand(1, 2, 20) + 0.5  # no grad
-    prior = bam_prior([0.0, 0.1], [0.5, 1.0], [0.0, 0.0])  # no grad
+    rs = torch.rand(1, 2, 20, device=DEVICE) + 0.5  # no grad
+    prior = tuple(t.to(DEVICE) for t in bam_prior([0.0, 0.1], [0.5, 1.0], [0.0, 0.0]))  # no grad
     out = attention(q, k, v, prior=prior, row_scale=rs, impl="triton")
     out.square().sum().backward()
     q_ref = q.detach().clone().requires_grad_(True)
@@ -308,9 +308,10 @@ def test_kernel_matches_flex_attention_forward():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
         ref = fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    out = attention(q, k, v, doc_start=ds, prior=(alpha, beta, mu_raw), row_scale=rs, scale_prior=True,
-                    impl="triton")
-    assert rel_err(out, ref) < 1e-4
+    dev = lambda t: t.to(DEVICE)
+    out = attention(dev(q), dev(k), dev(v), doc_start=dev(ds), prior=(dev(alpha), dev(beta), dev(mu_raw)),
+                    row_scale=dev(rs), scale_prior=True, impl="triton")
+    assert rel_err(out.cpu(), ref) < 1e-4
 
 
 def test_kernel_dispatch(monkeypatch):
