@@ -4,6 +4,7 @@ Training-step time of BAM+SSMax relative to NoPE (the cost of the prior and SSMa
     python bench.py                       # CPU: a tiny model; CUDA: the l12 config with the Triton kernel
     python bench.py --all --out b.json    # all 10 variants, and the results as JSON
     python bench.py --model_size=l12 --batch_size=16 --compile
+    python bench.py --long_forward=131072 # one forward of l12 BAM+SSMax at 131K tokens: time and peak memory
 
 One step = forward + backward + RAdam update over one micro-batch, exactly what train.py does per micro-batch
 (document-masked, autocast). Every variant is built from the same seed; the variants are timed in interleaved
@@ -46,7 +47,42 @@ def parse_args(argv=None):
     p.add_argument("--all", action="store_true", help="time all 10 variants, not just nope and bam+ssmax")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--out", default=None, help="write the results to this JSON file")
+    p.add_argument("--long_forward", type=int, default=0,
+                   help="instead: time one no-grad forward of this many tokens (bam+ssmax, default size l12 on CUDA) "
+                        "with logits for the last position only, and report its peak memory")
     return p.parse_args(argv)
+
+
+@torch.no_grad()
+def long_forward(args, device, size_args, V, dtype):
+    """The memory claim of the kernel: a 100K+-token forward of the 120M model on one GPU (no T x T tensor)."""
+    n_layer, n_embd, n_head = size_args
+    T = args.long_forward
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=512,
+                          pos_encoding="bam", ssmax=True, tokenizer="bench")).to(device).eval()
+    idx = torch.randint(0, V, (1, T), device=device)
+    ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with ctx:
+        logits, _ = model(idx, logits_at=1)
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    result = {"tokens": T, "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "dtype": dtype,
+              "device": str(device), "seconds": seconds, "peak_bytes": peak, "finite": bool(torch.isfinite(logits).all())}
+    print(f"{T:,}-token forward, {n_layer} layers x {n_embd} ({n_head} heads), bam+ssmax, {dtype} on {device}: "
+          f"{seconds:.2f} s, peak {'GPU allocated' if cuda else 'RSS'} {peak / 2**30:.2f} GiB, finite={result['finite']}")
+    return result
 
 
 def name(pe, ss):
@@ -70,6 +106,12 @@ def main(argv=None):
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
+    if args.long_forward:
+        result = long_forward(args, device, (n_layer, n_embd, n_head), V, dtype)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
     variants = ALL if args.all else [("nope", False), ("bam", True)]
 
     # synthetic stream: random tokens, end-of-text (id V-1) with probability 1/doc_len -> document masking is active

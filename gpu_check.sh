@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU checks, in one go (about 5 minutes on an H100/H200): `bash gpu_check.sh` (or `make gpu-check`).
+# Everything lands in results/gpu/ (logs and JSON); copy the numbers into the README's GPU section.
+#   1. the compiled Triton kernel vs the PyTorch reference: values and every gradient, fp32 / bf16
+#   2. the kernel test suite on the GPU (compiled, not interpreted)
+#   3. kernel vs SDPA-flash (no prior), SDPA with a materialised prior, FlexAttention (same prior): TFLOP/s, memory
+#   4. a training step of l12: BAM+SSMax vs NoPE time ratio, tokens/s and MFU, bf16 + torch.compile
+#   5. a 131,072-token forward of l12 BAM+SSMax in bf16: time and peak memory
+#   6. train.py end to end for a few steps on the demo data, bf16 + torch.compile, then a passkey evaluation
+# Each step runs even if an earlier one failed; the exit status says whether all passed.
+set -u
+cd "$(dirname "$0")"
+PY=${PYTHON:-python}
+OUT=results/gpu
+mkdir -p "$OUT"
+status=0
+run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  if "$@" 2>&1 | tee "$OUT/$name.log"; then echo "=== $name: ok ($((SECONDS - t0)) s)"
+  else echo "=== $name: FAILED ($((SECONDS - t0)) s)"; status=1; fi
+}
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU here: nothing to check')" || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+
+run kernel_check      $PY bench_attention.py --check
+run kernel_tests      env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py
+run attention_bench   $PY bench_attention.py --quick --out "$OUT/bench_attention.json"
+run step_ratio        $PY bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
+run long_forward      $PY bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
+rm -rf /tmp/bam_gpu_run /tmp/bam_gpu_demo_data
+run demo_data         $PY prepare_demo.py --out_dir /tmp/bam_gpu_demo_data
+run train_compiled    $PY train.py config/demo_cpu.py --data_dir=/tmp/bam_gpu_demo_data --out_dir=/tmp/bam_gpu_run \
+                      --device=cuda --dtype=bfloat16 --compile=True --max_iters=40 --eval_interval=20 --log_interval=10
+run passkey_gpu       $PY eval_passkey.py --ckpt /tmp/bam_gpu_run --template demo --max_length 65536 --samples 10 \
+                      --out "$OUT/passkey"
+exit $status
