@@ -245,10 +245,69 @@ if triton is not None:
         return (kpos <= qpos) & (kpos >= ds)
 
     @triton.jit
-    def _q_block_ranges(qpos, row_ok, ds_rows, q_first, q_last_valid, Tk,
-                        HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Key-block ranges for one query block (forward and dQ): [lo, u0) masked (document boundary),
+    def _tile_scores(qk, qpos, kpos, ds, r, c, beta, mu, sm_scale, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
+                     HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, EPS: tl.constexpr):
+        """The (masked) final scores of a tile from its raw q.k products, as every kernel computes them: prior,
+        _scores, then -inf where the key is not visible. qpos, kpos, ds (the queries' doc_start) and r broadcast
+        against qk (the dK/dV kernel passes them transposed). Returns s (base 2), l and the prior terms
+        B, d - mu, x, log2 x (constants without a prior) that the dQ kernel's parameter gradients need."""
+        bias = 0.0
+        dm = 0.0
+        x = 1.0
+        log2x = 0.0
+        if HAS_PRIOR:
+            bias, dm, x, log2x = _prior_tile(qpos, kpos, c, beta, mu, EPS)
+        s, l = _scores(qk, bias, r, sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
+        if MASKED:
+            if HAS_DOC:
+                vis = _visible(qpos, kpos, ds)
+            else:
+                vis = kpos <= qpos
+            s = tl.where(vis, s, float("-inf"))
+        return s, l, bias, dm, x, log2x
+
+    @triton.jit
+    def _program_ids(H):
+        """(block index, batch * head index, batch, head) of this program; b and h are 64-bit so that base offsets
+        such as b * stride_b do not overflow (B * H * T * D may exceed 2^31)."""
+        pid = tl.program_id(0)
+        bh = tl.program_id(1)
+        return pid, bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+
+    @triton.jit
+    def _head_prior(PC, PBETA, PMU, h, HAS_PRIOR: tl.constexpr):
+        """The head's prior scalars c = exp(theta_alpha), theta_beta, mu (unused zeros without a prior)."""
+        c = 0.0
+        beta = 0.0
+        mu = 0.0
+        if HAS_PRIOR:
+            c = tl.load(PC + h)
+            beta = tl.load(PBETA + h)
+            mu = tl.load(PMU + h)
+        return c, beta, mu
+
+    @triton.jit
+    def _row_state(DS_ptr, RS_ptr, srt, offs_m, qpos, row_ok,
+                   HAS_DOC: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A block of query rows' doc_start (0 without documents) and SSMax row_scale r (1 without SSMax).
+        DS_ptr points at this batch's doc_start, RS_ptr at this (batch, head)'s row_scale."""
+        if HAS_DOC:
+            ds_rows = tl.load(DS_ptr + qpos, mask=row_ok, other=0)
+        else:
+            ds_rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+        if HAS_RS:
+            r_rows = tl.load(RS_ptr + offs_m * srt, mask=row_ok, other=0.0)
+        else:
+            r_rows = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        return ds_rows, r_rows
+
+    @triton.jit
+    def _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk,
+                        HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Key-block ranges for query block pid_m (forward and dQ): [lo, u0) masked (document boundary),
         [u0, u1) unmasked, [u1, hi) masked (diagonal). Blocks before lo / from hi on are never loaded."""
+        q_first = q_offset + pid_m * BLOCK_M
+        q_last_valid = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
         hi = q_last_valid // BLOCK_N + 1  # last key needed = last valid query position (causal)
         causal_lo = (q_first + 1) // BLOCK_N  # blocks < causal_lo lie entirely at or below the diagonal
         if HAS_DOC:
@@ -275,16 +334,9 @@ if triton is not None:
             kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             qk = _dot(q, kT, None, DOT_PREC)
-            bias = 0.0
-            if HAS_PRIOR:
-                bias, _dm, _x, _lx = _prior_tile(qpos[:, None], offs_n[None, :], c, beta, mu, EPS)
-            s, _l = _scores(qk, bias, r_rows[:, None], sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
-            if MASKED:
-                if HAS_DOC:
-                    vis = _visible(qpos[:, None], offs_n[None, :], ds_rows[:, None])
-                else:
-                    vis = offs_n[None, :] <= qpos[:, None]
-                s = tl.where(vis, s, float("-inf"))
+            s, _l, _b, _dm, _x, _lx = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None],
+                                                   r_rows[:, None], c, beta, mu, sm_scale, MASKED, HAS_DOC,
+                                                   HAS_PRIOR, HAS_RS, SCALE_PRIOR, EPS)
             # online softmax; a row with nothing visible yet has m = -inf: subtract 0 instead (no -inf - -inf)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -305,10 +357,7 @@ if triton is not None:
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr,
                   EPS: tl.constexpr, DOT_PREC: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
-        h = (bh % H).to(tl.int64)
+        pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
         qpos = q_offset + offs_m
@@ -318,24 +367,10 @@ if triton is not None:
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
-        if HAS_DOC:
-            ds_rows = tl.load(DS + b * sdsb + qpos, mask=row_ok, other=0)
-        else:
-            ds_rows = tl.zeros([BLOCK_M], dtype=tl.int32)
-        if HAS_RS:
-            r_rows = tl.load(RS + b * srb + h * srh + offs_m * srt, mask=row_ok, other=0.0)
-        else:
-            r_rows = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        c = 0.0
-        beta = 0.0
-        mu = 0.0
-        if HAS_PRIOR:
-            c = tl.load(PC + h)
-            beta = tl.load(PBETA + h)
-            mu = tl.load(PMU + h)
-        q_last = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
-        lo, u0, u1, hi = _q_block_ranges(qpos, row_ok, ds_rows, q_offset + pid_m * BLOCK_M, q_last, Tk,
-                                         HAS_DOC, BLOCK_N)
+        ds_rows, r_rows = _row_state(DS + b * sdsb, RS + b * srb + h * srh, srt, offs_m, qpos, row_ok,
+                                     HAS_DOC, HAS_RS, BLOCK_M)
+        c, beta, mu = _head_prior(PC, PBETA, PMU, h, HAS_PRIOR)
+        lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -363,10 +398,7 @@ if triton is not None:
     @triton.jit
     def _attn_bwd_preprocess(O, DO, DELTA, sob, soh, sot, sod, sdob, sdoh, sdot, sdod, H, Tq,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
-        h = (bh % H).to(tl.int64)
+        pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_m < Tq)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -390,21 +422,11 @@ if triton is not None:
             # padded query rows: LSE = +inf makes P = 0, and dO = 0, so they add nothing
             lse = tl.load(LSE_ptr + offs_m, mask=row_ok, other=float("inf"))
             qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
-            bias = 0.0
-            if HAS_PRIOR:
-                bias, _dm, _x, _lx = _prior_tile(qpos[None, :], offs_n[:, None], c, beta, mu, EPS)
-            if HAS_RS:
-                r = tl.load(RS_ptr + offs_m * srt, mask=row_ok, other=0.0)
-            else:
-                r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-            sT, _l = _scores(qkT, bias, r[None, :], sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
-            if MASKED:
-                if HAS_DOC:
-                    ds = tl.load(DS_ptr + qpos, mask=row_ok, other=0)
-                    vis = _visible(qpos[None, :], offs_n[:, None], ds[None, :])
-                else:
-                    vis = offs_n[:, None] <= qpos[None, :]
-                sT = tl.where(vis, sT, float("-inf"))
+            # doc_start is only needed (and loaded) for the masked tiles
+            ds, r = _row_state(DS_ptr, RS_ptr, srt, offs_m, qpos, row_ok, MASKED and HAS_DOC, HAS_RS, BLOCK_M)
+            sT, _l, _b, _dm, _x, _lx = _tile_scores(qkT, qpos[None, :], offs_n[:, None], ds[None, :], r[None, :],
+                                                    c, beta, mu, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS,
+                                                    SCALE_PRIOR, EPS)
             pT = tl.exp2(sT - lse[None, :])
             do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -425,10 +447,7 @@ if triton is not None:
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
                        SCALE_PRIOR: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
-        pid_n = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
-        h = (bh % H).to(tl.int64)
+        pid_n, bh, b, h = _program_ids(H)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < Tk
         offs_d = tl.arange(0, BLOCK_D)
@@ -436,13 +455,7 @@ if triton is not None:
         kv_mask = kv_ok[:, None] & d_ok[None, :]
         k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        c = 0.0
-        beta = 0.0
-        mu = 0.0
-        if HAS_PRIOR:
-            c = tl.load(PC + h)
-            beta = tl.load(PBETA + h)
-            mu = tl.load(PMU + h)
+        c, beta, mu = _head_prior(PC, PBETA, PMU, h, HAS_PRIOR)
         n0 = pid_n * BLOCK_N
         n_qblocks = (Tq + BLOCK_M - 1) // BLOCK_M
         # query blocks that can see this key block: from the first query at or after n0 ...
@@ -504,19 +517,9 @@ if triton is not None:
             vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             qk = _dot(q, kT, None, DOT_PREC)
-            bias = 0.0
-            dm = 0.0
-            x = 1.0
-            log2x = 0.0
-            if HAS_PRIOR:
-                bias, dm, x, log2x = _prior_tile(qpos[:, None], offs_n[None, :], c, beta, mu, EPS)
-            s, l = _scores(qk, bias, r_rows[:, None], sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
-            if MASKED:
-                if HAS_DOC:
-                    vis = _visible(qpos[:, None], offs_n[None, :], ds_rows[:, None])
-                else:
-                    vis = offs_n[None, :] <= qpos[:, None]
-                s = tl.where(vis, s, float("-inf"))
+            s, l, bias, dm, x, log2x = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None],
+                                                    r_rows[:, None], c, beta, mu, sm_scale, MASKED, HAS_DOC,
+                                                    HAS_PRIOR, HAS_RS, SCALE_PRIOR, EPS)
             p = tl.exp2(s - lse[:, None])
             dp = _dot(do, vT, None, DOT_PREC)
             ds = p * (dp - delta[:, None])
@@ -552,10 +555,7 @@ if triton is not None:
                      HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
                      SCALE_PRIOR: tl.constexpr, NEED_PRIOR_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
                      ACC_DPP: tl.constexpr, ACC_B: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)  # 64-bit base offsets: B * H * T * D may exceed 2^31
-        h = (bh % H).to(tl.int64)
+        pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
         qpos = q_offset + offs_m
@@ -567,24 +567,10 @@ if triton is not None:
                      mask=qd_mask, other=0.0)
         lse = tl.load(LSE + bh * Tq + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
-        if HAS_DOC:
-            ds_rows = tl.load(DS + b * sdsb + qpos, mask=row_ok, other=0)
-        else:
-            ds_rows = tl.zeros([BLOCK_M], dtype=tl.int32)
-        if HAS_RS:
-            r_rows = tl.load(RS + b * srb + h * srh + offs_m * srt, mask=row_ok, other=0.0)
-        else:
-            r_rows = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        c = 0.0
-        beta = 0.0
-        mu = 0.0
-        if HAS_PRIOR:
-            c = tl.load(PC + h)
-            beta = tl.load(PBETA + h)
-            mu = tl.load(PMU + h)
-        q_last = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
-        lo, u0, u1, hi = _q_block_ranges(qpos, row_ok, ds_rows, q_offset + pid_m * BLOCK_M, q_last, Tk,
-                                         HAS_DOC, BLOCK_N)
+        ds_rows, r_rows = _row_state(DS + b * sdsb, RS + b * srb + h * srh, srt, offs_m, qpos, row_ok,
+                                     HAS_DOC, HAS_RS, BLOCK_M)
+        c, beta, mu = _head_prior(PC, PBETA, PMU, h, HAS_PRIOR)
+        lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         zero = tl.zeros([BLOCK_M], dtype=tl.float32)
         a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = zero, zero, zero, zero, zero, zero, zero, zero, zero
