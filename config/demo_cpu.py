@@ -1,0 +1,40 @@
+# The CPU demo (make demo): a ~160K-parameter model trained on prepare_demo.py's synthetic passkey corpus at a
+# 64-token context, then asked for the passkey at up to 64x that length (eval_passkey.py --template demo).
+# Runs on one CPU thread; `make demo` trains two variants at a time. Training is by iteration count, so one seed
+# gives one model. Override anything with --key=value, e.g. --pos_encoding=rope --ssmax=False --seed=2.
+out_dir = "out/demo/bam_ssmax-s1"
+data_dir = "data/demo"
+device = "cpu"
+dtype = "float32"
+compile = False
+seed = 1
+# data: one window = one row; prepare_demo.py writes windows of whole documents of this length
+block_size = 64
+batch_size = 16
+tokens_per_step = 0              # no gradient accumulation: a step is one batch of 16 windows
+gradient_accumulation_steps = 1
+# model: 3 layers, 8 heads of 8 dims
+n_layer = 3
+n_head = 8
+n_embd = 64
+pos_encoding = "bam"
+ssmax = True
+ssmax_init = 1.0                 # the authors' default (1 / log 64 also works, but failed one seed of five at 16x)
+ssmax_prior = True               # the paper's placement: (q.k/sqrt(d) + B) * s log n
+bam_init = "zero"                # theta_alpha = theta_beta = 0: a flat prior (NoPE), the authors' current default
+train_mu = False
+# optimizer (RAdam, decoupled weight decay, cosine to min_lr)
+max_iters = 3000
+learning_rate = 2e-3
+min_lr = 2e-4
+warmup_iters = 0
+weight_decay = 0.1
+grad_clip = 1.0
+prior_lr = 1e-2                  # the prior's two scalars per head learn 5x faster than the weights
+ssmax_lr = 2e-3                  # SSMax s at the base rate: 1e-2 let s collapse to ~0 (or < 0) in some heads
+# logging and checkpoints
+eval_interval = 500
+eval_iters = 8
+log_interval = 100
+ckpt_interval = 3000
+keep_last = 1

@@ -1,0 +1,168 @@
+"""The CPU demo: its corpus (prepare_demo.py), the prior figure (plot_prior.py), the table (demo_table.py) and a
+reduced `make demo` end to end (two variants, a few steps, two lengths)."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import demo_table
+import plot_prior
+import prepare_demo
+from data import EOT, TokenLoader, get_tokenizer, open_shard
+from eval_passkey import TEMPLATES, build_prompt, filler_units
+from model import GPT, GPTConfig, load_model, save_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENC = get_tokenizer("byte")
+# a demo document after its end-of-text: task, filler, needle, filler, question, answer
+DOC_RE = re.compile(r"^@([a-t]*)#(\d{5})([a-t]*)\? (\d{5})$")
+
+
+def _prepare(out, seed=3, windows=300, extra=()):
+    prepare_demo.main(["--out_dir", str(out), "--seed", str(seed), "--train_windows", str(windows),
+                       "--val_windows", "16", *extra])
+
+
+def test_demo_template_filler_is_a_closed_walk_of_the_chain():
+    t = TEMPLATES["demo"]
+    assert prepare_demo.is_walk(t["filler"], closed=True)
+    assert prepare_demo.is_walk("ahe") and not prepare_demo.is_walk("ab")  # a -> h -> e are edges, a -> b is not
+    assert not prepare_demo.is_walk("bgn", closed=True)  # n -> b is not an edge
+
+
+def test_corpus_windows_are_whole_documents_in_the_eval_format(tmp_path):
+    _prepare(tmp_path)
+    loader = TokenLoader(str(tmp_path), "train", 64, 300)
+    assert len(loader) == 300  # every window of the shard, no remainder
+    x, y, doc_start = loader.get_batch(0)
+    eot = EOT["byte"]
+    assert (x[:, 0] == eot).all() and (y[:, -1] == eot).all()  # each window starts and ends on a document boundary
+    docs_per_window = []
+    for row in x.tolist():
+        starts = [i for i, t in enumerate(row) if t == eot] + [len(row)]
+        docs_per_window.append(len(starts) - 1)
+        for a, b in zip(starts, starts[1:]):
+            assert b - a >= 24  # --min_doc_len default
+            m = DOC_RE.match(ENC.decode(row[a + 1:b]))
+            assert m, ENC.decode(row[a + 1:b])
+            assert m[2] == m[4]  # the answer is the key
+            assert prepare_demo.is_walk(m[1] + m[3])  # one walk of the chain, cut by the needle
+    assert {1, 2} <= set(docs_per_window)  # documents of several lengths, so SSMax sees many values of n
+    # the evaluation prompt (+ answer) has the same layout, its filler a repetition of the closed walk
+    t = TEMPLATES["demo"]
+    n = filler_units(ENC, t, 256)
+    prompt, answer, info = build_prompt(ENC, t, 256, 12345, 7)
+    m = DOC_RE.match(ENC.decode(prompt + answer))
+    assert m and m[2] == m[4] == "12345" and m[1] == t["filler"] * 7 and m[3] == t["filler"] * (n - 7)
+    assert info["n_given"] == 1  # the space is given, the 5 digits are scored
+
+
+def test_corpus_is_a_function_of_the_seed(tmp_path):
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        _prepare(tmp_path / name, seed=seed, windows=50)
+    shard = "demo_train_000001.bin"
+    a, b, c = (np.asarray(open_shard(str(tmp_path / n / shard))) for n in "abc")
+    assert np.array_equal(a, b)
+    assert a.shape == c.shape and not np.array_equal(a, c)
+    # one document per window when asked
+    _prepare(tmp_path / "d", windows=20, extra=["--docs_per_window", "1"])
+    d = np.asarray(open_shard(str(tmp_path / "d" / shard)))
+    assert (d == EOT["byte"]).sum() == 21 and (d[:-1:64] == EOT["byte"]).all()
+
+
+def test_demo_table_per_seed_median_and_acceptance(tmp_path, capsys):
+    acc = {"bam_ssmax": [[1, 0.9, 0.6, 0.55], [1, 0.7, 0.5, 0.1], [1, 1.0, 0.9, 0.8]],
+           "rope": [[1, 0.3, 0.1, 0.0], [1, 0.6, 0.2, 0.0], [1, 0.2, 0.0, 0.3]]}
+    rows = []
+    for variant, per_seed in acc.items():
+        for s, accs in enumerate(per_seed, start=1):
+            for L, a in zip((64, 256, 512, 1024), accs):
+                rows.append(dict(label=f"{variant}-s{s}", train_length=64, target_length=L, accuracy=a))
+    (tmp_path / "passkey_summary.json").write_text(json.dumps(rows))
+    demo_table.main([str(tmp_path)])
+    text = (tmp_path / "demo_table.md").read_text()
+    assert text.strip() in capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "| run | seed | 1× | 4× | 8× | 16× |"
+    assert "| bam_ssmax | 2 | 1.00 | 0.70 | 0.50 | 0.10 |" in lines
+    assert "| **bam_ssmax** | **median of 3** | **1.00** | **0.90** | **0.60** | **0.55** |" in lines
+    assert "| **rope** | **median of 3** | **1.00** | **0.30** | **0.10** | **0.00** |" in lines
+    assert "- target (≥ 0.8 at 4×, ≥ 0.5 at 16×) bam_ssmax: NOT met: seed 2: 0.70 at 4×; seed 2: 0.10 at 16×" in lines
+    assert ("- baseline stays low (≤ 0.5 at 4×, ≤ 0.25 at ≥ 8×) rope: NOT met: seed 2: 0.60 at 4×; seed 3: 0.30 at 16×"
+            in lines)
+    assert not any(line.startswith("- stretch") for line in lines)  # no 64x column, nothing to say
+    good = [dict(r, accuracy=1.0) for r in rows if r["label"].startswith("bam")]
+    (tmp_path / "passkey_summary.json").write_text(json.dumps(good))
+    demo_table.main([str(tmp_path), "--out", str(tmp_path / "good.md")])
+    assert "- target (≥ 0.8 at 4×, ≥ 0.5 at 16×) bam_ssmax: met in every seed" in (tmp_path / "good.md").read_text()
+
+
+def test_plot_prior_draws_the_model_prior(tmp_path):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=2, n_head=4, n_embd=16, block_size=32,
+                    bam_init="linear")
+    model = GPT(cfg)
+    with torch.no_grad():
+        model.blocks[1].attn.theta_beta[0] = -0.7  # one anti-local head
+        model.blocks[1].attn.theta_alpha[0] = 1.5
+    save_checkpoint(str(tmp_path / "run" / "ckpt_0000001.pt"), model, step=1)
+    out = tmp_path / "fig" / "prior.png"
+    plot_prior.main(["--ckpt", str(tmp_path / "run"), "--out", str(out), "--max_distance", "1000"])
+    assert out.stat().st_size > 10_000
+    info = json.loads((tmp_path / "fig" / "prior.json").read_text())
+    assert info["heads"] == 8 and info["heads_theta_beta_negative"] == 1
+    assert info["distances"][0] == 1 and info["distances"][-1] == 1000
+    head = info["layers"][1]["heads"][0]
+    assert head["theta_beta"] == pytest.approx(-0.7) and head["theta_alpha"] == pytest.approx(1.5)
+    d = np.array(info["distances"], dtype=np.float64)
+    np.testing.assert_allclose(head["bias"], -math.exp(1.5) * (d + 1e-5) ** -0.7, rtol=1e-5)
+    assert head["bias_at_0"] < -1e3  # theta_beta < 0 blocks the query's own position
+    h3 = info["layers"][0]["heads"][3]  # linear init: theta_beta = 1, theta_alpha = 0, i.e. -|d|
+    np.testing.assert_allclose(h3["bias"], -(d + 1e-5), rtol=1e-5)
+    rope = GPT(GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=8, pos_encoding="rope"))
+    save_checkpoint(str(tmp_path / "rope" / "ckpt_0000001.pt"), rope, step=1)
+    with pytest.raises(SystemExit, match="no positional prior"):
+        plot_prior.main(["--ckpt", str(tmp_path / "rope")])
+
+
+def test_make_demo_reduced_end_to_end(tmp_path):
+    """`make demo` itself with few steps, two variants and two lengths, into a temporary directory; then the same
+    training command again gives the same weights (the same seed gives the same table)."""
+    out, results, data = tmp_path / "out", tmp_path / "results", tmp_path / "data"
+    train_args = "--max_iters=20 --eval_interval=20 --eval_iters=2 --log_interval=10 --ckpt_interval=20"
+    cmd = ["make", "--no-print-directory", "-o", "deps", "demo", f"PYTHON={sys.executable}", "SEEDS=1",
+           "DEMO_VARIANTS=bam_ssmax rope", "DEMO_LENGTHS=64 256", f"DEMO_OUT={out}", f"DEMO_RESULTS={results}",
+           f"DEMO_DATA={data}", "DEMO_PREPARE_ARGS=--train_windows 800 --val_windows 64",
+           f"DEMO_TRAIN_ARGS={train_args}", "DEMO_EVAL_ARGS=--samples 3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((results / "passkey_summary.json").read_text())
+    assert sorted((r["label"], r["target_length"]) for r in summary) == [
+        ("bam_ssmax-s1", 64), ("bam_ssmax-s1", 256), ("rope-s1", 64), ("rope-s1", 256)]
+    assert all(r["n"] == 3 and 0 <= r["accuracy"] <= 1 for r in summary)
+    table = (results / "demo_table.md").read_text()
+    assert "| run | seed | 1× | 4× |" in table and "| bam_ssmax | 1 |" in table and "| rope | 1 |" in table
+    assert table.splitlines()[0] in proc.stdout
+    assert (results / "passkey_accuracy.png").exists() and (results / "prior_bam_ssmax-s1.png").exists()
+    prior = json.loads((results / "prior_bam_ssmax-s1.json").read_text())
+    assert prior["heads"] == 24 and prior["block_size"] == 64
+    model, ckpt = load_model(str(out / "bam_ssmax-s1"))
+    assert ckpt["step"] == 20 and model.config.pos_encoding == "bam" and model.config.ssmax
+    rope, _ = load_model(str(out / "rope-s1"))
+    assert rope.config.pos_encoding == "rope" and not rope.config.ssmax
+
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, "train.py", "config/demo_cpu.py", f"--out_dir={again}",
+                           f"--data_dir={data}/s1", "--pos_encoding=bam", "--ssmax=True", "--seed=1",
+                           *train_args.split()], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model2, _ = load_model(str(again))
+    for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), name
