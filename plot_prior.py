@@ -86,7 +86,7 @@ def plot(layers, dist, block_size, title, path):
     axes[0][0].set_ylabel("log-prior B(d) added to the logits (symlog)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
