@@ -1,7 +1,8 @@
 """
 The CPU demo's data: a synthetic passkey-retrieval corpus in the repo's shard format (data.write_shard).
 
-    python prepare_demo.py [--out_dir data/demo] [--seed 0] [--block_size 64] [--train_docs 65536] [--val_docs 512]
+    python prepare_demo.py [--out_dir data/demo] [--seed 0] [--block_size 64] [--train_windows 65536]
+                           [--val_windows 512] [--min_doc_len 24] [--docs_per_window 0.5,0.3,0.2]
 
 Every document is one passkey prompt written with the byte tokenizer and the "demo" template of eval_passkey.py
 (the one home of the passkey templates), so that the model is evaluated on exactly the format it was trained on:
@@ -15,10 +16,12 @@ Every document is one passkey prompt written with the byte tokenizer and the "de
 - needle: at a uniformly random letter position of the filler; the key is uniform over the 5-digit numbers.
 - the answer " <key>" ends the document, so next-token prediction on it is the retrieval task.
 
-Every document is exactly block_size tokens long. TokenLoader cuts the stream into windows at stride block_size,
-so each training row is one whole document starting with its end-of-text token: the needle and the question are
-never cut apart. Use the same block_size here and in train.py (config/demo_cpu.py). The data is a pure function of
-(seed, block_size, number of documents): the same seed writes the same bytes.
+The stream is cut the way TokenLoader reads it: windows of block_size tokens at stride block_size, each holding
+whole documents (one, or several shorter ones whose lengths sum to block_size, each at least min_doc_len), so a
+training row always starts with an end-of-text token and never cuts a needle from its question. Documents of
+varying length matter: SSMax's n restarts in every document, so the question is seen at many values of n, not
+only near n = block_size. Use the same block_size here and in train.py (config/demo_cpu.py). The data is a pure function of the
+arguments: the same seed writes the same bytes.
 
 Outputs: {out_dir}/demo_val_000000.bin and {out_dir}/demo_train_000001.bin, plus demo_meta.json (the settings).
 """
