@@ -21,8 +21,9 @@ whole documents (one, or several shorter ones whose lengths sum to block_size, e
 training row always starts with an end-of-text token and never cuts a needle from its question. Documents of
 varying length matter: SSMax's n restarts in every document, so the question is seen at many values of n, not
 only near n = block_size. (With --docs_per_window 1 and config/demo_cpu.py otherwise unchanged, BAM+SSMax scored
-0.00 / 0.00 at 4x the training length on seeds 1 / 2, against 1.00 / 0.95 with the default mix.) Use the same block_size here and in train.py (config/demo_cpu.py). The data is a pure function of the
-arguments: the same seed writes the same bytes.
+0.00 / 0.00 at 4x the training length on seeds 1 / 2, against 1.00 / 0.95 with the default mix.) Use the same
+block_size here and in train.py (config/demo_cpu.py). The data is a pure function of the arguments: the same seed
+writes the same bytes.
 
 Outputs: {out_dir}/demo_val_000000.bin and {out_dir}/demo_train_000001.bin, plus demo_meta.json (the settings).
 """
