@@ -93,14 +93,16 @@ def test_demo_table_per_seed_median_and_acceptance(tmp_path, capsys):
     assert "| bam_ssmax | 2 | 1.00 | 0.70 | 0.50 | 0.10 |" in lines
     assert "| **bam_ssmax** | **median of 3** | **1.00** | **0.90** | **0.60** | **0.55** |" in lines
     assert "| **rope** | **median of 3** | **1.00** | **0.30** | **0.10** | **0.00** |" in lines
-    assert "- target (≥ 0.8 at 4×, ≥ 0.5 at 16×) bam_ssmax: NOT met: seed 2: 0.70 at 4×; seed 2: 0.10 at 16×" in lines
-    assert ("- baseline stays low (≤ 0.5 at 4×, ≤ 0.25 at ≥ 8×) rope: NOT met: seed 2: 0.60 at 4×; seed 3: 0.30 at 16×"
+    assert ("- target (≥ 0.8 at 4×, ≥ 0.5 at 16×) bam_ssmax: NOT met: seed 2: 0.70 at 4×; seed 2: 0.10 at 16×"
             in lines)
+    assert ("- baseline stays low (≤ 0.5 at 4×, ≤ 0.25 at ≥ 8×) rope: NOT met: seed 2: 0.60 at 4×; "
+            "seed 3: 0.30 at 16×" in lines)
     assert not any(line.startswith("- stretch") for line in lines)  # no 64x column, nothing to say
     good = [dict(r, accuracy=1.0) for r in rows if r["label"].startswith("bam")]
     (tmp_path / "passkey_summary.json").write_text(json.dumps(good))
     demo_table.main([str(tmp_path), "--out", str(tmp_path / "good.md")])
-    assert "- target (≥ 0.8 at 4×, ≥ 0.5 at 16×) bam_ssmax: met in every seed" in (tmp_path / "good.md").read_text()
+    good_text = (tmp_path / "good.md").read_text()
+    assert "- target (≥ 0.8 at 4×, ≥ 0.5 at 16×) bam_ssmax: met in every seed" in good_text
 
 
 def test_plot_prior_draws_the_model_prior(tmp_path):
