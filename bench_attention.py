@@ -19,7 +19,6 @@ A failure (OOM or anything else) in one configuration is recorded and the others
 """
 import argparse
 import json
-import math
 import platform
 import sys
 import time

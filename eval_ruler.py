@@ -39,10 +39,8 @@ Where this differs from RULER, and why:
     back-off step is 100 words instead of 500 (see haystack_step).
 """
 import argparse
-import bisect
 import hashlib
 import json
-import math
 import os
 import random
 import re

@@ -10,7 +10,6 @@ and SSMax multiplies each query row's logits by s_h * log(n_i), n_i = keys visib
 
 Also here: checkpoint save/load (the one place), the size presets, the optimizer groups and prior inspection.
 """
-import math
 import os
 import re
 from dataclasses import asdict, dataclass, fields

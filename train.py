@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
 from data import TokenLoader
-from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, config_diff, find_checkpoint, load_checkpoint,
+from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, config_diff, load_checkpoint,
                    load_state, save_checkpoint)
 
 # ----------------------------------------------------------------------------------------------------------

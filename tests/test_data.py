@@ -298,7 +298,7 @@ def test_loader_windows_and_determinism(corpus):
 
 
 def test_loader_ranks_are_disjoint(corpus):
-    d, T, B, ga = corpus["dir"], 16, 3, 2
+    T, B, ga = 16, 3, 2
     ranks = [TokenLoader(corpus["dir"], "train", T, B, rank=r, world_size=2) for r in range(2)]
     n_steps = len(ranks[0]) // (B * ga * 2)
     seen = [set(), set()]

@@ -2,7 +2,6 @@
 tokenizer, tiny checkpoints)."""
 import csv
 import json
-import os
 import random
 import re
 import uuid
@@ -166,19 +165,24 @@ def test_generator(task):
         assert s["input_tokens"] + R.TOKENS_TO_GENERATE > L - 900
 
 
+def expected_essay_context(sents, sample):
+    """RULER's essay context rebuilt independently: the sentence runs between the needle depths, joined by spaces."""
+    pos = [0] + [int(len(sents) * (d / 100)) for d in sample["depths"]] + [len(sents)]
+    parts = []
+    for i in range(1, len(pos)):
+        parts.append(" ".join(sents[pos[i - 1]:pos[i]]))
+        if i - 1 < len(sample["needles"]):
+            parts.append(sample["needles"][i - 1])
+    return " ".join(parts)
+
+
 def test_essay_needles_sit_at_sentence_boundaries_from_depths():
     for task in ("niah_single_2", "niah_multikey_1", "niah_multiquery"):
         for index in range(4):
             s = R.generate_sample(task, 3000, ENC, ESSAY, seed=11, index=index)
             sents = ESSAY.sentences(s["num_haystack"])
             assert len(s["depths"]) == len(s["needles"]) and set(s["depths"]) <= set(R.DEPTHS)
-            pos = [0] + [int(len(sents) * (d / 100)) for d in s["depths"]] + [len(sents)]
-            parts = []
-            for i in range(1, len(pos)):
-                parts.append(" ".join(sents[pos[i - 1]:pos[i]]))
-                if i - 1 < len(s["needles"]):
-                    parts.append(s["needles"][i - 1])
-            assert context_of(s, R.TASKS[task]) == " ".join(parts)
+            assert context_of(s, R.TASKS[task]) == expected_essay_context(sents, s)
 
 
 def test_essay_context_with_empty_sentence_runs():
@@ -189,13 +193,7 @@ def test_essay_context_with_empty_sentence_runs():
             for seed in range(3):
                 s = R.build_input(task, n, random.Random(seed), ESSAY)
                 sents = ESSAY.sentences(n)
-                pos = [0] + [int(len(sents) * (d / 100)) for d in s["depths"]] + [len(sents)]
-                parts = []
-                for i in range(1, len(pos)):
-                    parts.append(" ".join(sents[pos[i - 1]:pos[i]]))
-                    if i - 1 < len(s["needles"]):
-                        parts.append(s["needles"][i - 1])
-                assert context_of(s, R.TASKS[task]) == " ".join(parts)
+                assert context_of(s, R.TASKS[task]) == expected_essay_context(sents, s)
     assert context_of(R.build_input("niah_multikey_1", 0, random.Random(0), ESSAY), R.TASKS["niah_multikey_1"]) \
         .startswith(" One of the special magic numbers for ")
 
