@@ -1,9 +1,12 @@
 """
 Tokenizers, the token shard format and the batch loader: the one place that knows how tokens are stored.
 
-Tokenizers (spec §0): tiktoken "gpt2" for FineWeb, and "byte", an offline tiktoken encoding of the 256 byte
-values plus <|endoftext|> = 256, for tests and the CPU demo. Every document is prefixed with end-of-text,
-which also marks where it starts.
+Tokenizers: "mistral", the authors' Mistral v3 SentencePiece model (32,768 tokens, one token per digit), offline
+from the mistral-common package; tiktoken "gpt2"; and "byte", an offline tiktoken encoding of the 256 byte values
+plus <|endoftext|> = 256, for tests and the CPU demo. get_tokenizer() gives all three one interface (Tokenizer).
+A document is stored as the authors store it with their tokenizer, BOS ... EOS (mistral), and as end-of-text +
+text with gpt2 and byte. Either way one token opens every document (DOC_START), and the document mask starts
+there.
 
 A shard is a 256-byte header (magic, format version, token count as int64, tokenizer name) followed by the
 tokens as uint16, named {prefix}_val_{i:06d}.bin / {prefix}_train_{i:06d}.bin. prepare_fineweb.py writes them.
@@ -16,15 +19,21 @@ import functools
 import os
 import re
 import struct
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 
-TOKENIZERS = ("gpt2", "byte")
-# Known without building the encoding, so a trainer on an offline node can size the model from a gpt2 shard.
-VOCAB_SIZE = {"gpt2": 50257, "byte": 257}
-EOT = {"gpt2": 50256, "byte": 256}
-VAL_TOKENS = 3_932_160  # the validation split: the first 3,932,160 tokens of the stream (spec §0)
+TOKENIZERS = ("gpt2", "byte", "mistral")
+# Known without building the tokenizer, so a trainer on an offline node can size the model from a shard.
+VOCAB_SIZE = {"gpt2": 50257, "byte": 257, "mistral": 32768}
+EOT = {"gpt2": 50256, "byte": 256, "mistral": 2}        # ends a text: end-of-text, or SentencePiece's EOS
+DOC_START = {"gpt2": 50256, "byte": 256, "mistral": 1}  # opens every document and drives the document mask
+DOC_END = {"gpt2": None, "byte": None, "mistral": 2}    # closes every document (the authors' BOS ... EOS)
+VAL_TOKENS = 3_932_160  # the validation split: the first 3,932,160 tokens of the stream (the authors' split)
+GAP_TOKENS = 1_000_000  # the authors skip this many tokens between the validation and the training data
+MISTRAL_MODEL = ("mistral_common", "data/mistral_instruct_tokenizer_240323.model.v3")
 SPLITS = ("train", "val")
 
 MAGIC = 0x42414D31  # "BAM1"
@@ -37,25 +46,79 @@ _SHARD_RE = re.compile(r"^(.+)_(train|val)_(\d{6})\.bin$")
 # ----------------------------------------------------------------------------------------------------------
 # Tokenizers
 # ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tokenizer:
+    """What every caller needs from a tokenizer, whichever library is behind it (tiktoken or SentencePiece)."""
+    name: str
+    n_vocab: int
+    eot_token: int           # ends a text: generation stops at it
+    doc_start: int           # the first token of every document
+    doc_end: Optional[int]   # the last token of every document (None: documents are not closed)
+    word_boundary: bool      # every separately encoded text starts a word (SentencePiece's dummy prefix)
+    encode_ordinary: Callable[[str], List[int]]  # text -> ids; special-token strings are plain text
+    decode: Callable[[List[int]], str]           # ids -> text; a cut multi-byte character becomes U+FFFD
+    token_bytes: Callable[[int], bytes]          # the bytes one token stands for (b"" for a control token)
+
+    def document(self, text):
+        """One document as the shards hold it: doc_start + tokens (+ doc_end)."""
+        end = [] if self.doc_end is None else [self.doc_end]
+        return [self.doc_start] + self.encode_ordinary(text) + end
+
+
 @functools.lru_cache(maxsize=None)
-def get_tokenizer(name: str):
-    """A tiktoken Encoding. Decode with enc.decode(tokens) (errors="replace" by default), never .decode() on
-    raw bytes: a byte-level window can start or end inside a multi-byte character."""
+def get_tokenizer(name: str) -> Tokenizer:
+    """gpt2 (tiktoken; needs the network once), byte (offline tiktoken encoding of the 256 byte values plus
+    end-of-text = 256) or mistral (the authors' Mistral v3 SentencePiece model, from the mistral-common package).
+    Decode with tok.decode(tokens), never .decode() on raw bytes: a byte-level window can cut a character."""
+    if name == "mistral":
+        return _sentencepiece(name)
     import tiktoken
 
     if name == "gpt2":
         try:
-            return tiktoken.get_encoding("gpt2")
+            enc = tiktoken.get_encoding("gpt2")
         except Exception as e:  # tiktoken downloads the gpt2 ranks on first use
             raise RuntimeError(f"could not load the tiktoken 'gpt2' encoding ({type(e).__name__}: {e}). It is "
                                "downloaded on first use, so this needs network access once; offline, use "
-                               "--tokenizer byte") from e
-    if name == "byte":
+                               "--tokenizer mistral (the authors') or --tokenizer byte") from e
+    elif name == "byte":
         # Single bytes only and no merges, so the split pattern cannot change the result: any chunking works,
         # and short chunks are the fastest.
-        return tiktoken.Encoding("byte", pat_str=r"[\s\S]{1,64}", mergeable_ranks={bytes([i]): i for i in range(256)},
-                                 special_tokens={"<|endoftext|>": EOT["byte"]})
-    raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
+        enc = tiktoken.Encoding("byte", pat_str=r"[\s\S]{1,64}", mergeable_ranks={bytes([i]): i for i in range(256)},
+                                special_tokens={"<|endoftext|>": EOT["byte"]})
+    else:
+        raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
+    return Tokenizer(name, enc.n_vocab, EOT[name], DOC_START[name], DOC_END[name], False, enc.encode_ordinary,
+                     enc.decode, enc.decode_single_token_bytes)
+
+
+def _sentencepiece(name):
+    """The model file ships inside the installed mistral-common wheel: nothing is downloaded or copied."""
+    import importlib.resources
+
+    package, path = MISTRAL_MODEL
+    try:
+        import sentencepiece
+
+        proto = importlib.resources.files(package).joinpath(path).read_bytes()
+    except (ImportError, OSError) as e:
+        raise RuntimeError(f"the {name} tokenizer needs the sentencepiece and mistral-common packages "
+                           f"({type(e).__name__}: {e}); pip install -r requirements.txt") from e
+    sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+    found = (sp.get_piece_size(), sp.eos_id(), sp.bos_id())
+    if found != (VOCAB_SIZE[name], EOT[name], DOC_START[name]):
+        raise RuntimeError(f"{package}/{path} has vocab, EOS, BOS = {found}, expected "
+                           f"{(VOCAB_SIZE[name], EOT[name], DOC_START[name])}: another mistral-common release?")
+
+    def token_bytes(t):
+        if sp.is_byte(t):  # byte fallback pieces "<0x0A>"
+            return bytes([int(sp.id_to_piece(t)[3:5], 16)])
+        if sp.is_control(t) or sp.is_unknown(t):
+            return b""
+        return sp.id_to_piece(t).replace("\u2581", " ").encode("utf-8")
+
+    return Tokenizer(name, sp.get_piece_size(), EOT[name], DOC_START[name], DOC_END[name], True,
+                     lambda text: sp.encode(text), lambda ids: sp.decode([int(t) for t in ids]), token_bytes)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -121,7 +184,7 @@ def shard_paths(data_dir, split):
     """Sorted shard paths of one split. Errors, saying how to make them, if there are none."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    how = ("create them with `python prepare_fineweb.py` (FineWeb, writes data/fineweb10B), "
+    how = ("create them with `python prepare_fineweb.py` (FineWeb, mistral tokens, writes data/fineweb_mistral), "
            "`python prepare_demo.py` (the CPU demo data), or `python prepare_fineweb.py --local_files FILE.jsonl "
            f"--tokenizer byte --out_dir {data_dir}` for your own text")
     if not os.path.isdir(data_dir):
@@ -183,11 +246,11 @@ def read_tokens(data_dir, split, n_tokens, offset=0):
 # ----------------------------------------------------------------------------------------------------------
 # Batches
 # ----------------------------------------------------------------------------------------------------------
-def doc_starts(x, eot):
-    """For each position t, the last s <= t with x[s] == eot (end-of-text starts each document), else 0.
+def doc_starts(x, start_token):
+    """For each position t, the last s <= t with x[s] == start_token (DOC_START of the tokenizer), else 0.
     Key j is visible to query i iff doc_start[i] <= j <= i."""
     pos = torch.arange(x.shape[-1], device=x.device).expand_as(x)
-    return torch.where(x == eot, pos, torch.zeros_like(pos)).cummax(dim=-1).values
+    return torch.where(x == start_token, pos, torch.zeros_like(pos)).cummax(dim=-1).values
 
 
 class TokenLoader:
@@ -203,7 +266,7 @@ class TokenLoader:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         self.block_size, self.batch_size, self.rank, self.world_size = block_size, batch_size, rank, world_size
         self.extents, self.tokenizer = _split_extents(data_dir, split, tokenizer)
-        self.eot, self.vocab_size = EOT[self.tokenizer], VOCAB_SIZE[self.tokenizer]
+        self.doc_start, self.vocab_size = DOC_START[self.tokenizer], VOCAB_SIZE[self.tokenizer]
         windows = np.array([(n - 1) // block_size for _, n in self.extents], dtype=np.int64)
         self.num_windows = int(windows.sum())
         if self.num_windows == 0:
@@ -239,4 +302,4 @@ class TokenLoader:
         rows.sort(key=lambda r: r[0])
         buf = torch.from_numpy(np.stack([r for _, r in rows]))
         x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
-        return x, y, doc_starts(x, self.eot)
+        return x, y, doc_starts(x, self.doc_start)

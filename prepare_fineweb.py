@@ -1,12 +1,19 @@
 """
 Tokenize a text corpus into bam-gpt shards (format: data.py).
 
-    python prepare_fineweb.py                  # FineWeb sample-10BT, gpt2 -> data/fineweb10B (needs network)
-    python prepare_fineweb.py --local_files my.jsonl --tokenizer byte --out_dir data/mytext   # fully offline
+    python prepare_fineweb.py                  # 11.9B mistral tokens of FineWeb sample-100BT -> data/fineweb_mistral
+    python prepare_fineweb.py --tokenizer gpt2 # the same with gpt2 tokens -> data/fineweb_gpt2 (network)
+    python prepare_fineweb.py --local_files my.jsonl --tokenizer mistral --out_dir data/mytext   # fully offline
 
-Every document is prefixed with end-of-text and the documents are concatenated in stream order. The first
---val_tokens tokens (default 3,932,160, spec §0) form the validation shard {prefix}_val_000000.bin; the rest
-is cut into training shards of --shard_size tokens, {prefix}_train_000001.bin, ...
+The default is what config/bam_120m.py consumes: 20,000 steps x 589,824 tokens = 11.8B training tokens, more than
+FineWeb sample-10BT holds (~10B gpt2 tokens, which is why the authors' "roughly one epoch" repeats data), so it
+streams sample-100BT and stops at --max_tokens 11.9B (validation + training; ~100M tokens to spare).
+
+Every document is tokenized as the authors do, with the tokenizer's document tokens (data.py): BOS ... EOS with
+mistral, end-of-text + text with gpt2 and byte; the documents are concatenated in stream order. The first
+--val_tokens tokens (default 3,932,160) form the validation shard {prefix}_val_000000.bin; the next --gap_tokens
+(default 1,000,000, the authors' gap) are skipped, so that only a document longer than the gap can reach into
+both splits; the rest is cut into training shards of --shard_size tokens, {prefix}_train_000001.bin, ...
 
 --local_files takes .jsonl/.json (one document per record, in --text_column), .parquet (same) or .txt files,
 paths or globs, read in the order given (globs sorted). A .txt file is ONE document (its whole text): that keeps
@@ -31,23 +38,29 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from data import EOT, TOKENIZERS, VAL_TOKENS, VOCAB_SIZE, get_tokenizer, open_shard, write_shard
+from data import (DOC_START, EOT, GAP_TOKENS, TOKENIZERS, VAL_TOKENS, VOCAB_SIZE, get_tokenizer, open_shard,
+                  write_shard)
 
 SHARD_RE = re.compile(r"^.+_(train|val)_\d{6}\.bin$")
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+FINEWEB_MAX_TOKENS = 11_900_000_000  # config/bam_120m.py's 11,796,480,000 training tokens + validation + spare
+LEGACY_SETTINGS = {"gap_tokens": 0}  # what a ledger written before a setting existed did
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="HuggingFaceFW/fineweb", help="Hugging Face dataset (streamed)")
-    p.add_argument("--name", default="sample-10BT", help="dataset config name")
+    p.add_argument("--name", default="sample-100BT", help="dataset config name")
     p.add_argument("--split", default="train")
     p.add_argument("--local_files", nargs="+", help="local .jsonl/.json/.parquet/.txt paths or globs (replaces --dataset)")
     p.add_argument("--text_column", default="text")
-    p.add_argument("--tokenizer", default="gpt2", choices=TOKENIZERS)
+    p.add_argument("--tokenizer", default="mistral", choices=TOKENIZERS, help="mistral: the authors' tokenizer")
     p.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per training shard")
     p.add_argument("--val_tokens", type=int, default=VAL_TOKENS, help="tokens in the validation shard")
-    p.add_argument("--max_tokens", type=int, default=None, help="stop after this many tokens in total (val + train)")
+    p.add_argument("--gap_tokens", type=int, default=GAP_TOKENS, help="tokens skipped between val and train")
+    p.add_argument("--max_tokens", type=int, default=None,
+                   help=f"stop after this many tokens in total (val + train; default {FINEWEB_MAX_TOKENS:,} for "
+                        "a Hugging Face dataset, everything for --local_files)")
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--out_dir", default=None, help="default: data/fineweb10B for FineWeb, else data/<prefix>")
     p.add_argument("--prefix", default=None, help="shard name prefix; default: derived from the dataset or first file")
@@ -56,14 +69,18 @@ def parse_args(argv=None):
         v = getattr(args, k)
         if v is not None and v < 1:
             p.error(f"--{k} must be at least 1, got {v}")
+    if args.gap_tokens < 0:
+        p.error(f"--gap_tokens must be >= 0, got {args.gap_tokens}")
+    if args.max_tokens is None and not args.local_files:
+        args.max_tokens = FINEWEB_MAX_TOKENS
     if args.local_files:
         args.files = expand_files(args.local_files)
     if args.prefix is None:
         stem = os.path.basename(args.files[0]).split(".")[0] if args.local_files else args.dataset.split("/")[-1]
         args.prefix = re.sub(r"[^a-z0-9]+", "", stem.lower()) or "data"
     if args.out_dir is None:
-        default_fineweb = not args.local_files and (args.dataset, args.name) == ("HuggingFaceFW/fineweb", "sample-10BT")
-        args.out_dir = "data/fineweb10B" if default_fineweb else os.path.join("data", args.prefix)
+        fineweb = not args.local_files and args.dataset == "HuggingFaceFW/fineweb"
+        args.out_dir = f"data/fineweb_{args.tokenizer}" if fineweb else os.path.join("data", args.prefix)
     return args
 
 
@@ -108,11 +125,10 @@ def source_rows(args):
 
 
 def tokenize(tokenizer_name, text):
-    """[eot] + tokens of one document as uint16 (empty for a document without text)."""
+    """The tokens of one document (Tokenizer.document) as uint16 (empty for a document without text)."""
     if not text:
         return np.zeros(0, dtype=np.uint16)
-    enc = get_tokenizer(tokenizer_name)
-    toks = np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=np.int64)
+    toks = np.array(get_tokenizer(tokenizer_name).document(text), dtype=np.int64)
     if toks.max() >= 65536:
         raise ValueError(f"token id {toks.max()} does not fit the uint16 shards (tokenizer {tokenizer_name})")
     return toks.astype(np.uint16)
@@ -144,7 +160,8 @@ def reusable_shards(args, settings, meta_path):
     with open(meta_path) as f:
         meta = json.load(f)
     old = meta["settings"]
-    differ = {k: (old.get(k), v) for k, v in settings.items() if k != "max_tokens" and old.get(k) != v}
+    differ = {k: (old.get(k, LEGACY_SETTINGS.get(k)), v) for k, v in settings.items()
+              if k != "max_tokens" and old.get(k, LEGACY_SETTINGS.get(k)) != v}
     if differ:
         raise ValueError(f"{args.out_dir} holds a preparation with other settings ("
                          + ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
@@ -172,7 +189,8 @@ def main(argv=None):
     source = {"local_files": [os.path.abspath(f) for f in args.files]} if args.local_files else \
         {"dataset": args.dataset, "name": args.name, "split": args.split}
     settings = dict(source=source, text_column=args.text_column, tokenizer=args.tokenizer, prefix=args.prefix,
-                    shard_size=args.shard_size, val_tokens=args.val_tokens, max_tokens=args.max_tokens)
+                    shard_size=args.shard_size, val_tokens=args.val_tokens, gap_tokens=args.gap_tokens,
+                    max_tokens=args.max_tokens)
     meta_path = os.path.join(args.out_dir, "meta.json")
     shards, old_meta = reusable_shards(args, settings, meta_path)
     if old_meta and old_meta["complete"] and len(shards) == len(old_meta["shards"]) \
@@ -180,7 +198,7 @@ def main(argv=None):
         print(f"{args.out_dir}: all {len(shards)} shards are already complete and valid; nothing to do")
         return old_meta
     meta = dict(settings=settings, tokenizer=args.tokenizer, vocab_size=VOCAB_SIZE[args.tokenizer],
-                eot=EOT[args.tokenizer], complete=False, shards=shards)
+                eot=EOT[args.tokenizer], doc_start=DOC_START[args.tokenizer], complete=False, shards=shards)
     write_json(meta_path, meta)  # first, so that shards never exist without the ledger that vouches for them
     for f in os.listdir(args.out_dir):  # leftovers of an interrupted write
         if f.startswith(args.prefix + "_") and f.endswith(".bin.tmp"):
@@ -193,16 +211,18 @@ def main(argv=None):
     index = len(shards)
     buf, fill = np.empty(planned_size(args, index), dtype=np.uint16), 0
     total, docs, t0, t_first = done, 0, time.time(), None
+    skip = args.gap_tokens if index == 1 else 0  # the gap follows the validation shard (a resume may start there)
 
     def flush(next_doc, next_offset):
-        nonlocal buf, fill, index
+        nonlocal buf, fill, index, skip
         name = shard_name(args, index)
         write_shard(os.path.join(args.out_dir, name), buf[:fill], args.tokenizer)
-        shards.append(dict(file=name, tokens=fill, documents=int(np.count_nonzero(buf[:fill] == EOT[args.tokenizer])),
-                           next_doc=next_doc, next_offset=next_offset))
+        docs_in = int(np.count_nonzero(buf[:fill] == DOC_START[args.tokenizer]))
+        shards.append(dict(file=name, tokens=fill, documents=docs_in, next_doc=next_doc, next_offset=next_offset))
         write_json(meta_path, meta)
         index += 1
         buf, fill = np.empty(planned_size(args, index), dtype=np.uint16), 0
+        skip = args.gap_tokens if index == 1 else 0
 
     rows = itertools.islice(source_rows(args), start_doc, None)
     work = functools.partial(tokenize, args.tokenizer)
@@ -221,6 +241,10 @@ def main(argv=None):
             docs += 1
             pos = 0
             while pos < len(toks):
+                if skip:  # the gap: these tokens are in no split
+                    drop = min(skip, len(toks) - pos)
+                    pos, skip = pos + drop, skip - drop
+                    continue
                 take = min(len(toks) - pos, len(buf) - fill, (args.max_tokens or np.inf) - total)
                 buf[fill:fill + take] = toks[pos:pos + take]
                 fill, pos, total = fill + take, pos + take, total + take

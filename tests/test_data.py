@@ -14,7 +14,7 @@ import prepare_fineweb
 from data import (EOT, VOCAB_SIZE, TokenLoader, doc_starts, get_tokenizer, open_shard, read_tokens, shard_paths,
                   shard_tokenizer, write_shard)
 
-SMALL = ["--tokenizer", "byte", "--shard_size", "1000", "--val_tokens", "500"]
+SMALL = ["--tokenizer", "byte", "--shard_size", "1000", "--val_tokens", "500", "--gap_tokens", "0"]
 WORDS = "the quick brown fox jumps over a lazy dog naïve café 日本語 🙂 <|endoftext|> 42\n".split(" ")
 
 
@@ -80,8 +80,51 @@ def test_byte_tokenizer_is_offline(monkeypatch):
     assert isinstance(enc.decode([0xE6, 0x97, 256, 0xFF]), str)  # a cut multi-byte character must not crash
 
 
+def test_mistral_tokenizer_is_offline_and_round_trips(monkeypatch):
+    def no_network(*a, **k):
+        raise AssertionError("the mistral tokenizer must not touch the network")
+
+    monkeypatch.setattr(socket, "socket", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    get_tokenizer.cache_clear()
+    tok = get_tokenizer("mistral")
+    assert (tok.n_vocab, tok.doc_start, tok.eot_token, tok.doc_end) == (VOCAB_SIZE["mistral"], 1, 2, 2) == \
+        (32768, 1, 2, 2)
+    text = "The pass key is 12345. naïve café 日本語 🙂 3.14159\nnew line <s> </s> [INST]"
+    ids = tok.encode_ordinary(text)
+    assert tok.decode(ids) == text
+    assert not {0, 1, 2, 3} & set(ids)  # special-token strings are plain text
+    digits = tok.encode_ordinary(" 12345")  # one token per digit after one leading space token
+    assert [tok.decode([t]) for t in digits] == [" ", "1", "2", "3", "4", "5"]
+    assert tok.document("hi") == [1] + tok.encode_ordinary("hi") + [2]
+    assert tok.token_bytes(tok.encode_ordinary("a\nb")[1]) == b"\n"  # byte fallback
+    assert tok.word_boundary and not get_tokenizer("byte").word_boundary
+    get_tokenizer.cache_clear()
+
+
+def test_prepare_mistral_gap_and_documents(tmp_path):
+    texts = make_docs(60, seed=3)
+    path = write_jsonl(tmp_path / "m.jsonl", texts)
+    meta = prepare_fineweb.main(["--local_files", path, "--tokenizer", "mistral", "--out_dir", str(tmp_path / "m"),
+                                 "--val_tokens", "300", "--gap_tokens", "0", "--shard_size", "100000", "--num_proc", "1"])
+    full = stream(tmp_path / "m")
+    tok = get_tokenizer("mistral")
+    assert full.tolist() == [t for x in texts for t in tok.document(x)]  # BOS ... EOS, in stream order
+    assert meta["documents"] == len(texts) and meta["doc_start"] == 1
+    gap = 250
+    meta = prepare_fineweb.main(["--local_files", path, "--tokenizer", "mistral", "--out_dir", str(tmp_path / "g"),
+                                 "--val_tokens", "300", "--gap_tokens", str(gap), "--shard_size", "100000",
+                                 "--num_proc", "1"])
+    assert meta["settings"]["gap_tokens"] == gap and meta["tokens"] == len(full) - gap
+    np.testing.assert_array_equal(stream(tmp_path / "g"), np.concatenate([full[:300], full[300 + gap:]]))
+    loader = TokenLoader(str(tmp_path / "g"), "train", block_size=32, batch_size=2)
+    x, _, starts = loader.get_batch(0)
+    for row, st in zip(x.tolist(), starts.tolist()):  # the document mask starts at BOS
+        assert all(row[s] == 1 for s in st if s > 0) and all(st[i] == i for i, t in enumerate(row) if t == 1)
+
+
 def test_tokenizer_errors(monkeypatch):
-    with pytest.raises(ValueError, match=r"unknown tokenizer 'bpe'.*gpt2.*byte"):
+    with pytest.raises(ValueError, match=r"unknown tokenizer .bpe.*gpt2.*byte.*mistral"):
         get_tokenizer("bpe")
     import tiktoken
 
@@ -182,10 +225,8 @@ def test_prepare_input_errors(tmp_path):
 
 def test_prepare_rejects_large_token_ids(monkeypatch):
     class Huge:
-        eot_token = 0
-
-        def encode_ordinary(self, text):
-            return [70000]
+        def document(self, text):
+            return [0, 70000]
 
     monkeypatch.setattr(prepare_fineweb, "get_tokenizer", lambda name: Huge())
     with pytest.raises(ValueError, match="does not fit the uint16"):
@@ -273,7 +314,7 @@ def test_doc_starts():
 def test_loader_windows_and_determinism(corpus):
     d, T, B = corpus["dir"], 16, 4
     loader = TokenLoader(d, "train", block_size=T, batch_size=B, tokenizer="byte")
-    assert (loader.tokenizer, loader.eot, loader.vocab_size) == ("byte", 256, 257)
+    assert (loader.tokenizer, loader.doc_start, loader.vocab_size) == ("byte", 256, 257)
     shards = [np.asarray(open_shard(p), dtype=np.int64) for p in shard_paths(d, "train")]
     # consecutive stride-T windows of T+1 tokens inside each shard, in shard order
     windows = [s[a:a + T + 1] for s in shards for a in range(0, len(s) - T, T)]
