@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
-from data import TokenLoader
+from data import VAL_TOKENS, TokenLoader
 from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, config_diff, load_checkpoint,
                    load_state, save_checkpoint)
 
@@ -43,7 +43,7 @@ from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, config_d
 # ----------------------------------------------------------------------------------------------------------
 # I/O
 out_dir = "out"                  # run directory (see the module docstring)
-data_dir = "data/fineweb10B"     # token shards written by prepare_fineweb.py / prepare_demo.py
+data_dir = "data/fineweb_mistral"  # token shards written by prepare_fineweb.py / prepare_demo.py
 init_from = "scratch"            # "scratch" | "resume" (same as resume=True)
 resume = False                   # continue from the newest checkpoint in out_dir: model, optimizer, step, RNG
 eval_interval = 250              # validation loss every this many steps (also at step 0 and at the end)
@@ -56,6 +56,7 @@ batch_size = 48                  # sequences per micro-batch per process
 block_size = 512                 # training context length
 gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (each process does this / world size)
 tokens_per_step = 589824         # > 0 overrides the above: accumulation = this / (batch_size * block_size * world size)
+allow_data_repeat = False        # let the run read its training data more than once (else it refuses to start)
 # model
 model_size = ""                  # "" or l6 | l8 | l12 | l15 | l18 | l24 (spec §1): overrides n_layer, n_head, n_embd
 n_layer = 12
@@ -165,6 +166,20 @@ def resolve_config(c, world_size):
     if errors:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(errors))
     return c
+
+
+def check_data_budget(c, train_windows, tokens_per_update):
+    """Refuse a run that would wrap around its training data (the loader repeats it), unless allow_data_repeat."""
+    T = c["block_size"]
+    needed, have = c["max_iters"] * tokens_per_update, train_windows * T
+    if needed <= have or c["allow_data_repeat"]:
+        return
+    total = math.ceil((VAL_TOKENS + 1.001 * needed) / 1e8) * 1e8  # + validation, + what shard ends lose
+    raise ConfigError(f"the run reads {needed:,} training tokens ({c['max_iters']} steps x {tokens_per_update:,}) but "
+                      f"{c['data_dir']} holds {have:,} in whole {T}-token windows: {needed - have:,} missing, so "
+                      f"data would repeat. Get them with `python prepare_fineweb.py --name sample-100BT --tokenizer "
+                      f"{c['tokenizer']} --max_tokens {int(total)} --out_dir {c['data_dir']}` (resumes and extends), "
+                      "lower max_iters, or pass --allow_data_repeat=True")
 
 
 def model_args_from(c, vocab_size, tokenizer):
@@ -290,6 +305,7 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
         log(f"note: the val split holds {len(val_loader)} windows = {eval_iters} batches; eval_iters "
             f"{c['eval_iters']} -> {eval_iters}")
     c.update(tokenizer=train_loader.tokenizer, vocab_size=train_loader.vocab_size, world_size=world_size)
+    check_data_budget(c, len(train_loader), tokens_per_update)
 
     # ---- model and optimizer ----
     model_args = model_args_from(c, train_loader.vocab_size, train_loader.tokenizer)

@@ -1,10 +1,22 @@
-# The paper's l12 ("120M") BAM+SSMax run (spec §0, §6):
+# The paper's l12 ("120M") BAM+SSMax run, in the authors' setup:
+#     python prepare_fineweb.py                                    # 11.9B mistral tokens -> data/fineweb_mistral
 #     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py
+# Data as the authors build it: their Mistral v3 tokenizer (32,768 tokens; l12 has 121,130,496 parameters, the
+# paper's 121.13M), every document BOS ... EOS with the document mask starting at BOS, validation = the first
+# 3,932,160 tokens, then a 1,000,000-token gap, then training. The recipe reads 20,000 x 589,824 = 11.8B tokens,
+# more than FineWeb sample-10BT holds, so prepare_fineweb.py takes them from sample-100BT: no token is seen twice
+# (train.py refuses to start when the data would repeat; allow_data_repeat=True permits it).
+# gpt2 is one flag away (148.07M parameters with its 50,304 padded vocabulary):
+#     python prepare_fineweb.py --tokenizer gpt2 && train.py config/bam_120m.py --data_dir=data/fineweb_gpt2
+# What still differs from the authors' runs: the authors' sample-10BT stream repeated ~15% of its data where this
+# reads fresh sample-100BT documents, and the order of documents within FineWeb's shards is the one that
+# Hugging Face streams (the same for both).
 # Every other variant of the sweep uses the same recipe, e.g.
 #     ... train.py config/bam_120m.py --pos_encoding=rope --ssmax=False --out_dir=out/l12_rope
 # (pos_encoding: nope | sinusoidal | rope | alibi | bam; ssmax: True | False; other sizes: --model_size=l6 ... l24).
 out_dir = "out/l12_bam_ssmax"
-data_dir = "data/fineweb10B"   # python prepare_fineweb.py (gpt2 tokenizer)
+data_dir = "data/fineweb_mistral"  # python prepare_fineweb.py (mistral tokenizer, sample-100BT, 11.9B tokens)
+allow_data_repeat = False
 
 model_size = "l12"             # 12 layers, n_embd 768, 16 heads of 48
 pos_encoding = "bam"
@@ -17,7 +29,7 @@ bam_init = "zero"              # theta_alpha = theta_beta = 0: BAM starts as NoP
 block_size = 512
 batch_size = 48
 tokens_per_step = 589824
-max_iters = 20000              # ~11.8B tokens, roughly one epoch of FineWeb-10B
+max_iters = 20000              # 11.8B tokens, each read once
 
 # RAdam (0.9, 0.95), decoupled weight decay 0.1 on >= 2-D weights, cosine 1e-3 -> 1e-4 without warmup
 learning_rate = 1e-3

@@ -3,7 +3,7 @@
 #     torchrun --standalone --nproc_per_node=8 train.py config/bam_1b.py
 # Every variant is reachable the same way: --pos_encoding=nope|sinusoidal|rope|alibi|bam --ssmax=True|False.
 out_dir = "out/l24_bam_ssmax"
-data_dir = "data/fineweb10B"
+data_dir = "data/fineweb_mistral"  # python prepare_fineweb.py (enough for this run too: same tokens)
 model_size = "l24"
 pos_encoding = "bam"
 ssmax = True

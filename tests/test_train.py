@@ -13,7 +13,7 @@ import torch
 import train
 from configurator import ConfigError
 from data import TokenLoader, get_tokenizer, write_shard
-from model import POS_ENCODINGS, GPT, load_checkpoint, load_model
+from model import POS_ENCODINGS, GPT, GPTConfig, load_checkpoint, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
@@ -152,6 +152,33 @@ def test_configs_resolve():
         assert (c["learning_rate"], c["min_lr"], c["weight_decay"], c["grad_clip"]) == (1e-3, 1e-4, 0.1, 1.0)
         assert (c["beta1"], c["beta2"], c["warmup_iters"], c["seed"], c["dtype"]) == (0.9, 0.95, 0, 42, "bfloat16")
         assert c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] == 589824
+
+
+def test_paper_config_has_the_papers_parameter_count():
+    """config/bam_120m.py is the authors' setup: mistral data, no repeat, and l12 with the 32,768-token vocabulary
+    has the paper's 121.13M parameters (gpt2's 50,257 would give 148.07M)."""
+    from configurator import configure
+    c = configure({k: getattr(train, k) for k in train.config_keys}, [os.path.join(ROOT, "config", "bam_120m.py")])
+    c = train.resolve_config(c, world_size=1)
+    assert c["data_dir"] == "data/fineweb_mistral" and c["allow_data_repeat"] is False
+    vocab = get_tokenizer("mistral").n_vocab
+    assert vocab == 32768
+    model = GPT(GPTConfig(**train.model_args_from(c, vocab, "mistral")))
+    assert model.config.padded_vocab_size == 32768 and model.num_params() == 121_130_496
+    assert round(model.num_params() / 1e6, 2) == 121.13
+
+
+def test_a_run_that_would_repeat_data_is_refused(data_dir, tmp_path):
+    windows = len(TokenLoader(data_dir, "train", 32, 4))
+    steps = windows // 4 + 1  # one step more than the data holds
+    r = run_cli(tiny(data_dir, tmp_path / "run", max_iters=steps), timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    missing = steps * 128 - windows * 32
+    assert f"{missing:,} missing" in r.stderr and "prepare_fineweb.py --name sample-100BT" in r.stderr
+    assert "--allow_data_repeat=True" in r.stderr and not (tmp_path / "run").exists()
+    c = dict(max_iters=steps, block_size=32, allow_data_repeat=True, data_dir=data_dir, tokenizer="byte")
+    train.check_data_budget(c, windows, 128)  # allowed: no error
+    train.check_data_budget(dict(c, allow_data_repeat=False, max_iters=steps - 1), windows, 128)  # fits
 
 
 # ----------------------------------------------------------------------------------------------------------
