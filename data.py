@@ -88,8 +88,13 @@ def get_tokenizer(name: str) -> Tokenizer:
                                 special_tokens={"<|endoftext|>": EOT["byte"]})
     else:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
-    return Tokenizer(name, enc.n_vocab, EOT[name], DOC_START[name], DOC_END[name], False, enc.encode_ordinary,
-                     enc.decode, enc.decode_single_token_bytes)
+    return tiktoken_tokenizer(enc, EOT[name])
+
+
+def tiktoken_tokenizer(enc, eot):
+    """A tiktoken Encoding as a Tokenizer whose documents are eot + text (gpt2, byte, and tests' own encodings)."""
+    return Tokenizer(enc.name, enc.n_vocab, eot, eot, None, False, enc.encode_ordinary, enc.decode,
+                     enc.decode_single_token_bytes)
 
 
 def _sentencepiece(name):

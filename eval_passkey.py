@@ -2,23 +2,30 @@
 Passkey retrieval, the paper's headline experiment (spec §7, with the decisions of §0).
 
     python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...] [--lengths 4096 8192 | --max_length N |
-        --preset paper32k|extreme] [--samples 20] [--depths equidistant|random|beginning|end]
+        --preset paper|extreme] [--samples 20] [--depths equidistant|random|beginning|end]
         [--template paper] [--seed 1234] [--dtype auto] [--out results/passkey]
 
 A prompt is [task] + filler x k + [needle with a 5-digit key] + filler x (N - k) + [question], N as large as the
 target length allows; the model is then teacher-forced on the answer " <key>" and a sample is correct iff every
 scored answer token is the argmax (no partial credit), which is the same as greedy decoding reproducing the key.
 
-What is scored: the answer is the tokenization of " " + str(key). Leading answer tokens that decode to whitespace
-only are given, not scored (the authors' Mistral tokenizer: one leading space token, then one token per digit; the
-byte tokenizer: b" " then 5 digit bytes). Every other answer token is scored, so with a tokenizer that merges the
-space into the digits (gpt2: " 12345" -> " 123" + "45") all answer tokens are scored. Logits outside the
-tokenizer's vocabulary (the model pads its vocabulary to a multiple of 64) are never predicted.
+What is scored: the answer is the tokenization of " " + str(key). Given, not scored: the leading answer tokens
+that decode to whitespace only, then the tokens of the template's given_digits leading digits (the extreme preset:
+1) as far as they are whole tokens. With the authors' Mistral tokenizer that is exactly their scoring: the "▁"
+token (and the first digit) given, one token per digit scored. The byte tokenizer scores the same digits as
+bytes. gpt2 merges digits, and the space into them (" 12345" -> " 123" + "45"): every answer token is scored
+there, and a given digit inside a merged token is scored with it. Logits outside the tokenizer's vocabulary (the
+model pads its vocabulary to a multiple of 64) are never predicted.
 
-Pieces: each piece is tokenized on its own, without special tokens, and the token lists are concatenated (spec §7).
-The authors' SentencePiece tokenizer starts every separately tokenized piece with a word boundary; tiktoken does
-not, so every piece after the task is tokenized as sep + piece (sep = " " unless the template sets "sep"). Without
-it a byte model would read "...there.The grass is green..." where the authors' model read "there. The grass".
+Pieces: each piece is tokenized on its own, without special tokens, and the token lists are concatenated, as the
+authors do. Their SentencePiece tokenizer (mistral) starts every separately tokenized piece with a word boundary;
+tiktoken does not, so with gpt2 and byte every piece after the task is tokenized as sep + piece (sep = " " unless
+the template sets "sep"). Without it a byte model would read "...there.The grass is green..." where the authors'
+model read "there. The grass".
+
+Presets: paper = the authors' public evaluate.py, lengths int(linspace(0, 32768, 10))[1:] (3,640 ... 32,768) and 20
+samples (paper32k is the same); extreme = their 500K run: 10K ... 100K step 10K, 200K ... 500K step 100K, 10
+samples, 6-digit keys with the first digit given, fp32.
 
 Lengths: by default the training length of each checkpoint x 1, 2, 4, ... up to --max_length (default 32 x the
 largest training length); with several checkpoints the union of their grids, and every checkpoint is evaluated at
@@ -77,11 +84,14 @@ TEMPLATES = {
 }
 PIECE_SEP = " "
 
+PAPER_LENGTHS = [int(x) for x in np.linspace(0, 32768, 10)][1:]  # the authors' public evaluate.py
+# lengths, samples, and what a preset changes in the template (digits, given_digits) and in the precision
 PRESETS = {
-    "paper32k": [int(x) for x in np.linspace(0, 32768, 10)][1:],  # the authors' public evaluate.py (spec §7)
-    "extreme": list(range(10_000, 100_001, 10_000)) + list(range(200_000, 500_001, 100_000)),  # their 500K run
+    "paper": dict(lengths=PAPER_LENGTHS, samples=20),
+    "paper32k": dict(lengths=PAPER_LENGTHS, samples=20),  # the earlier name of "paper"
+    "extreme": dict(lengths=list(range(10_000, 100_001, 10_000)) + list(range(200_000, 500_001, 100_000)),
+                    samples=10, template=dict(digits=6, given_digits=1), dtype="float32"),  # their 500K run
 }
-PRESET_SAMPLES = {"extreme": 10}  # the extreme-length run used 10 samples per length; everything else 20
 DEFAULT_SAMPLES = 20
 DEPTH_MODES = ("equidistant", "random", "beginning", "end")
 TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
@@ -99,6 +109,8 @@ def check_template(template):
         raise ValueError("the passkey template's needle must contain {pass_key}")
     if not isinstance(template["digits"], int) or template["digits"] < 1:
         raise ValueError(f"template digits must be a positive int, got {template['digits']!r}")
+    if not 0 <= template.get("given_digits", 0) < template["digits"]:
+        raise ValueError(f"template given_digits must lie in [0, digits), got {template.get('given_digits')!r}")
 
 
 def template_hash(template):
@@ -108,7 +120,7 @@ def template_hash(template):
 def _pieces(enc, template):
     """Token lists of the key-independent pieces (each tokenized on its own, no special tokens)."""
     check_template(template)
-    sep = template.get("sep", PIECE_SEP)
+    sep = template.get("sep", "" if enc.word_boundary else PIECE_SEP)
     pieces = dict(task=enc.encode_ordinary(template["task"]),
                   filler=enc.encode_ordinary(sep + template["filler"]),
                   question=enc.encode_ordinary(sep + template["question"]))
@@ -121,11 +133,13 @@ def _needle(enc, template, sep, key):
     return enc.encode_ordinary(sep + template["needle"].format(pass_key=key))
 
 
-def answer_tokens(enc, key):
-    """(tokens of " " + str(key), n_given): the leading tokens that decode to whitespace only are given, not scored."""
+def answer_tokens(enc, key, given_digits=0):
+    """(tokens of " " + str(key), n_given): the leading tokens that decode to whitespace and at most the first
+    given_digits digits are given, not scored (see the module docstring)."""
     answer = enc.encode_ordinary(" " + str(key))
+    given = str(key)[:given_digits]
     n_given = 0
-    while n_given < len(answer) - 1 and not enc.decode([answer[n_given]]).strip():
+    while n_given < len(answer) - 1 and given.startswith(enc.decode(answer[:n_given + 1]).strip()):
         n_given += 1
     return answer, n_given
 
@@ -172,7 +186,7 @@ def build_prompt(enc, template, target_len, key, k):
         else:
             k -= 1
     tokens = pieces["task"] + pieces["filler"] * k + needle + pieces["filler"] * after + pieces["question"]
-    answer, n_given = answer_tokens(enc, key)
+    answer, n_given = answer_tokens(enc, key, template.get("given_digits", 0))
     info = dict(target_length=int(target_len), length=len(tokens), n_filler=k + after, k=k,
                 depth=k / (k + after) if k + after else 0.0, key=key,
                 needle_start=len(pieces["task"]) + k * F, n_given=n_given, answer_text=" " + str(key))
@@ -260,7 +274,7 @@ def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
     """Which (run, length) pairs to skip, and why, decided before anything runs."""
     skipped = []
     shortest = min_prompt_length(enc, template)
-    answer_len = len(answer_tokens(enc, 10 ** template["digits"] - 1)[0])
+    answer_len = len(answer_tokens(enc, 10 ** template["digits"] - 1)[0])  # the widest key
     for L in lengths:
         for r in runs:
             if L < shortest:
@@ -450,16 +464,18 @@ def _int_list(values):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths (spec §7).")
+    ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths (the paper's headline "
+                                             "experiment).")
     ec.add_common_args(ap, default_out="results/passkey")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--lengths", nargs="+", help="target lengths in tokens (space or comma separated)")
     g.add_argument("--max_length", type=int, help="default grid: training length x 1, 2, 4, ... up to this "
                                                   "(default 32 x the largest training length)")
-    g.add_argument("--preset", choices=sorted(PRESETS), help="paper32k: int(linspace(0, 32768, 10))[1:]; "
-                                                             "extreme: 10K..100K step 10K, 200K..500K step 100K")
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="paper (= paper32k): int(linspace(0, 32768, 10))[1:], 20 samples; extreme: 10K..100K step "
+                        "10K, 200K..500K step 100K, 10 samples, 6 digits with the first given, float32")
     ap.add_argument("--samples", type=int, default=None,
-                    help=f"samples per length (default {DEFAULT_SAMPLES}; {PRESET_SAMPLES['extreme']} with the extreme preset)")
+                    help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)")
     ap.add_argument("--depths", choices=DEPTH_MODES, default="equidistant")
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument("--batch_tokens", type=int, default=65536,
@@ -471,26 +487,27 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    samples = args.samples or PRESET_SAMPLES.get(args.preset, DEFAULT_SAMPLES)
+    preset = PRESETS.get(args.preset, {})
+    samples = args.samples or preset.get("samples", DEFAULT_SAMPLES)
     if samples < 1 or args.depth_bins < 1:
         raise SystemExit("--samples and --depth_bins must be positive")
     if args.seed < 0:
         raise SystemExit("--seed must be >= 0")
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
-    dtype = ec.resolve_dtype(device, args.dtype)
+    dtype = ec.resolve_dtype(device, preset.get("dtype", "auto") if args.dtype == "auto" else args.dtype)
     if torch.device(device).type == "cpu":
         ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
     torch.manual_seed(args.seed)
     runs, enc = ec.load_runs(args.ckpt, device)
     for r in runs:
         r["ckpt_path"] = os.path.abspath(r["ckpt_path"])
-    template = TEMPLATES[args.template]
+    template = dict(TEMPLATES[args.template], **preset.get("template", {}))
     check_template(template)
     if args.lengths:
         lengths = _int_list(args.lengths)
     elif args.preset:
-        lengths = PRESETS[args.preset]
+        lengths = preset["lengths"]
     else:
         lengths = default_lengths([r["block_size"] for r in runs], args.max_length)
 

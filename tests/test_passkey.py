@@ -11,7 +11,7 @@ import torch.nn as nn
 import eval_common
 import eval_passkey as ep
 import model as model_mod
-from data import get_tokenizer
+from data import get_tokenizer, tiktoken_tokenizer
 from model import GPT, GPTConfig, save_checkpoint
 
 PAPER = ep.TEMPLATES["paper"]
@@ -60,8 +60,12 @@ def test_paper_template_is_the_authors_verbatim():
 
 
 def test_length_grids():
-    assert ep.PRESETS["paper32k"] == [3640, 7281, 10922, 14563, 18204, 21845, 25486, 29127, 32768]
-    assert ep.PRESETS["extreme"] == [10_000 * i for i in range(1, 11)] + [100_000 * i for i in range(2, 6)]
+    paper = [3640, 7281, 10922, 14563, 18204, 21845, 25486, 29127, 32768]
+    assert ep.PRESETS["paper"] == ep.PRESETS["paper32k"] == dict(lengths=paper, samples=20)
+    extreme = ep.PRESETS["extreme"]
+    assert extreme["lengths"] == [10_000 * i for i in range(1, 11)] + [100_000 * i for i in range(2, 6)]
+    assert (extreme["samples"], extreme["template"], extreme["dtype"]) == (10, dict(digits=6, given_digits=1),
+                                                                          "float32")
     assert ep.default_lengths([32], 8192) == [32 * 2**i for i in range(9)]
     assert ep.default_lengths([512]) == [512 * 2**i for i in range(6)]  # 32 x the training length
     # several training lengths: the union of their grids, capped at max_length
@@ -131,7 +135,8 @@ def merging_tokenizer():
     for tok in [b" 1", b"23", b" 123", b"99", b"9999", b"45"]:
         ranks[tok] = len(ranks)
     pat = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    return tiktoken.Encoding("merge-test", pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+    return tiktoken_tokenizer(tiktoken.Encoding("merge-test", pat_str=pat, mergeable_ranks=ranks,
+                                                special_tokens={"<|endoftext|>": len(ranks)}), len(ranks))
 
 
 def test_prompt_with_merging_tokenizer():
@@ -193,6 +198,26 @@ def test_score_sample_on_stub(enc):
 
     # the padded vocabulary (ids >= vocab_size) is never predicted
     assert ep.score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (True, digits)
+
+
+def test_mistral_scores_exactly_the_five_digits():
+    """The authors' tokenizer: " 12345" -> "▁▁" + one token per digit; the space token is given, the 5 digit
+    tokens are scored. Pieces start at a word boundary on their own, so no separator is added."""
+    enc = get_tokenizer("mistral")
+    prompt, answer, info = ep.build_prompt(enc, PAPER, 1000, 12345, 2)
+    scored = answer[info["n_given"]:]
+    assert info["n_given"] == 1 and [enc.decode([t]) for t in scored] == list("12345")
+    assert answer == enc.encode_ordinary(" 12345") and enc.decode(answer[:1]) == " "
+    text = enc.decode(prompt)
+    assert text.startswith(PAPER["task"] + " " + PAPER["filler"] + " " + PAPER["filler"] + " The pass key is 12345.")
+    assert text.endswith("again. " + PAPER["question"]) and "  " not in text
+    assert len(prompt) <= 1000
+    six = dict(PAPER, digits=6, given_digits=1)  # the extreme preset: the first digit is given too
+    _, answer, info = ep.build_prompt(enc, six, 1000, 123456, 0)
+    assert info["n_given"] == 2 and [enc.decode([t]) for t in answer[2:]] == list("23456")
+    byte = get_tokenizer("byte")
+    assert ep.answer_tokens(byte, 123456, 1) == (list(b" 123456"), 2)
+    assert ep.answer_tokens(merging_tokenizer(), 123456, 1)[1] == 0  # " 123" merges the given digit: scored
 
 
 def test_score_batch_all_answer_tokens_when_space_merges():
