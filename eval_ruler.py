@@ -1,35 +1,41 @@
 """
-RULER's needle-in-a-haystack family (spec §9): the 8 NIAH subtasks of NVIDIA/RULER @ c3f5e3b
+RULER's needle-in-a-haystack family: the 8 NIAH subtasks of NVIDIA/RULER @ c3f5e3b
 (scripts/data/synthetic/niah.py, constants.py, synthetic.yaml), generated here, answered by greedy decoding
 with the model's KV cache, and scored with RULER's string_match_all.
 
     python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...]
-        [--lengths 1024,2048] [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir data/fineweb10B]
+        [--lengths 1024,2048] [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir DIR]
+    python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json   # RULER's protocol
 
 Writes <out>/ruler_samples.jsonl (one record per checkpoint x task x length x sample; reopening resumes),
 <out>/ruler_summary.{json,csv} (score per checkpoint x task x length, plus the average over tasks) and
 <out>/ruler_scores.png (one panel per checkpoint: a line per task, the average in bold).
 
 What is RULER's, verbatim: the template, the answer prefix, the base-model template, the needle, the noise
-sentence, the singular rewrite, the task table, the order of the random draws within a sample, the needle
-shuffle with Random(seed), the depths round(linspace(0, 100, 40)) and where needles go, the binary search on
-the haystack size with RULER's steps and the per-sample back-off, tokens_to_generate = 128, and the metric.
+sentence, the singular rewrite, the task table, the keys ("adjective-noun" over wonderwords' adjective and noun
+lists, 910 distinct adjectives x 6,782 nouns = 6,171,620 keys, read as RULER reads them), the order of the random draws
+within a sample, the needle shuffle with Random(seed), the depths round(linspace(0, 100, 40)) and where needles
+go, the binary search on the haystack size with RULER's steps and the per-sample back-off, tokens_to_generate =
+128, and the metric.
 
-Where this differs from RULER, and why:
+--preset paper is RULER's protocol: the Paul Graham essays (--haystack_file, required), no stop but end-of-text,
+500 samples, lengths 4K-128K. The defaults differ from RULER, for a quick look at small models:
+  - Essay haystack: without --haystack_file, text decoded from the validation split in --data_dir.
+  - Stopping: RULER's base-model runs have no stop words (config_tasks.sh STOP_WORDS=""): they generate all
+    128 tokens or stop at end-of-text. By default generation here also stops at the first token containing a
+    newline (the answer is one line, and it saves most of the 128 steps), and the output is cut there. A model
+    that starts its answer with a line break therefore scores 0 where RULER would read on. --no_newline_stop
+    (or --preset paper) restores RULER's behaviour.
+  - Lengths: the training length x 1, 2, 4, ... up to --max_length 32768 (RULER: 4K-128K).
+
+Where this always differs from RULER, and why:
   - Sentences: RULER splits the essay with NLTK's punkt; bam-gpt may not depend on nltk, so split_sentences()
     is a small rule-based stand-in (see its docstring for how it differs).
-  - Word keys: RULER samples "adjective-noun" from wonderwords' lists (~1.5K x 6.8K words); here from the
-    few hundred of each in ruler_words.txt. With ~100K pairs instead of ~10M a distractor needle could reuse
-    the queried key, so keys are redrawn until they differ from the sample's real keys (RULER's huge list
-    makes that redraw practically never happen there).
-  - Stopping: RULER's base-model runs have no stop words (config_tasks.sh STOP_WORDS=""): they generate all
-    128 tokens or stop at end-of-text. Here generation also stops at the first token containing a newline
-    (the issue asks for it; the answer is one line, and it saves most of the 128 steps), and the output is cut
-    there. A model that starts its answer with a line break therefore scores 0 where RULER would read on.
-    --no_newline_stop restores RULER's behaviour.
-  - Start of document: the prompt is prefixed with end-of-text, which starts every training document (spec
-    §0), and that token counts toward the input: 1 + tokens(input) + 128 <= length. (RULER counts tokens
-    without the BOS its HF models add.)
+  - Keys: a key that equals one of the sample's real keys is redrawn (a distractor must not repeat the queried
+    key); with 6.2M keys this practically never happens, so the draws are RULER's.
+  - Start of document: the prompt is prefixed with the tokenizer's document-start token (BOS for mistral, as
+    RULER's HF models add it; end-of-text for gpt2 and byte), which starts every training document, and that
+    token counts toward the input: 1 + tokens(input) + 128 <= length. (RULER counts tokens without the BOS.)
   - Randomness: one random.Random per (seed, task, length, sample, attempt) instead of one global stream, so a
     sample does not depend on how many were drawn before it: any --samples N gives the same first N samples,
     and a resumed run draws exactly what an uninterrupted one would. The binary search has its own stream.
@@ -39,6 +45,7 @@ Where this differs from RULER, and why:
     back-off step is 100 words instead of 500 (see haystack_step).
 """
 import argparse
+import bisect
 import hashlib
 import json
 import os
@@ -46,6 +53,7 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -55,7 +63,7 @@ from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
 from eval_common import (_plt, add_common_args, autocast, check_settings, fits_in_memory, fmt_bytes,
                          geometric_lengths, load_runs, pick_device, resolve_dtype, ResultLog, write_table)
 
-# ---- RULER's strings (spec §9; scripts/data/synthetic/constants.py and niah.py). Data: do not edit. -----------
+# ---- RULER's strings (scripts/data/synthetic/constants.py and niah.py). Data: do not edit. ------------------
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
             "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
             "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
@@ -79,6 +87,7 @@ TASKS = {
     "niah_multiquery": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=4),
 }
 KEY_FIELDS = ("run", "ckpt", "task", "length", "sample", "haystack")
+RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # RULER's SEQ_LENGTHS (scripts/run.sh)
 MAX_ATTEMPTS = 1000
 
 
@@ -163,23 +172,52 @@ class Essay:
 
 
 # ---- keys and values -------------------------------------------------------------------------------------
-WORDS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ruler_words.txt")
+class PairList(Sequence):
+    """RULER's key list, sorted(set(f"{adj}-{noun}" for adj in adjs for noun in nouns)), indexed without building
+    its ~6 million strings. Sorted by adj + "-", the adjectives fall into groups: a group holds one adjective and
+    every other one that starts with it + "-" (e.g. "blue" and "blue-eyed"). Every key of a group sorts before
+    every key of the next, a one-adjective group's keys are the adjective + "-" + the sorted nouns, and only the
+    rare many-adjective groups (whose keys interleave or coincide) are built and sorted as strings."""
+
+    def __init__(self, adjs, nouns):
+        self.nouns = sorted(set(nouns))
+        self.blocks, self.starts, group = [], [], []
+        for a in sorted(set(adjs), key=lambda a: a + "-") + [None]:
+            if a is not None and group and (a + "-").startswith(group[0] + "-"):
+                group.append(a)
+                continue
+            if group:
+                block = group[0] if len(group) == 1 else sorted({f"{g}-{n}" for g in group for n in self.nouns})
+                self.starts.append(self.starts[-1] + self._size(self.blocks[-1]) if self.blocks else 0)
+                self.blocks.append(block)
+            group = [a]
+        self.length = self.starts[-1] + self._size(self.blocks[-1])
+
+    def _size(self, block):
+        return len(self.nouns) if isinstance(block, str) else len(block)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        if not -self.length <= i < self.length:
+            raise IndexError(i)
+        i %= self.length
+        b = bisect.bisect_right(self.starts, i) - 1
+        block, j = self.blocks[b], i - self.starts[b]
+        return f"{block}-{self.nouns[j]}" if isinstance(block, str) else block[j]
+
+    def __contains__(self, key):
+        i = bisect.bisect_left(self, key)
+        return i < self.length and self[i] == key
 
 
-def load_words(path=WORDS_FILE):
-    """RULER's key list: sorted(set(f"{adj}-{noun}")) over the adjective and noun lists."""
-    sections, current = {}, None
-    with open(path) as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if re.fullmatch(r"\[\w+\]", line):
-                current = sections.setdefault(line[1:-1], [])
-            elif line and current is not None:
-                current.extend(line.split())
-    adjs, nouns = sections.get("adjectives"), sections.get("nouns")
-    if not adjs or not nouns:
-        raise ValueError(f"{path} needs an [adjectives] and a [nouns] section")
-    return sorted({f"{a}-{n}" for a in adjs for n in nouns})
+def wonderwords_lists():
+    """The adjective and noun lists exactly as RULER's niah.py reads them from the wonderwords package."""
+    from wonderwords import random_word
+
+    return (random_word._get_words_from_text_file("adjectivelist.txt"),
+            random_word._get_words_from_text_file("nounlist.txt"))
 
 
 _WORDS = None
@@ -188,8 +226,14 @@ _WORDS = None
 def words():
     global _WORDS
     if _WORDS is None:
-        _WORDS = load_words()
+        _WORDS = PairList(*wonderwords_lists())
     return _WORDS
+
+
+def words_digest():
+    """Identifies the key list in a results file's settings."""
+    adjs, nouns = wonderwords_lists()
+    return hashlib.sha1("\n".join(adjs + ["--"] + nouns).encode()).hexdigest()[:12]
 
 
 def random_value(kind, rng):
@@ -296,13 +340,18 @@ class TokenCounter:
     """Token counts of prompts, piece by piece with a cache (the essay's sentences and the noise line recur in
     every probe of the binary search, so a 100K-token prompt costs dictionary look-ups, not a tokenization).
     Pieces are cut before a space or newline, where the pre-tokenizer of the byte and gpt2 encodings always
-    splits, so the sum is the exact count for them; for other tokenizers it is an estimate, and every final
-    sample is still checked with a full tokenization (generate_sample)."""
+    splits, so the sum is the exact count for them. SentencePiece (mistral) splits before a space too, but
+    would give a piece encoded on its own a word boundary of its own: a piece after the first is counted
+    behind a word, "a" + piece, less that word's tokens. Every final sample is still checked with a full
+    tokenization (generate_sample)."""
 
     def __init__(self, enc, max_entries=1_000_000):
         self.enc, self.cache, self.max_entries = enc, {}, max_entries
+        self.base = len(enc.encode_ordinary("a"))
 
     def count(self, text):
+        if self.enc.word_boundary and text[:1].isspace():
+            return len(self.enc.encode_ordinary("a" + text)) - self.base
         return len(self.enc.encode_ordinary(text))
 
     def count_pieces(self, pieces):
@@ -363,7 +412,7 @@ def fit_haystack(task, max_len, counter, essay=None, seed=42):
 def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, counter=None):
     """Sample `index` of a task at a length: the fitted haystack size, backed off by one step (RULER) while
     the real tokenization does not fit. Each attempt draws afresh from Random(seed/task/length/index/attempt).
-    Returns build_input's dict plus input_ids ([end-of-text] + tokens), input_tokens, attempts and
+    Returns build_input's dict plus input_ids ([doc_start] + tokens), input_tokens, attempts and
     answer_token_pos (RULER's token_position_answer: where the first answer starts, in input_ids)."""
     counter = counter or TokenCounter(enc)
     fit = fit or fit_haystack(task, max_len, counter, essay, seed)
@@ -372,7 +421,7 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, 
     used = fit["num_haystack"]
     for attempt in range(MAX_ATTEMPTS):
         s = build_input(task, used, random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}"), essay, seed)
-        ids = [enc.eot_token] + enc.encode_ordinary(s["input_text"])
+        ids = [enc.doc_start] + enc.encode_ordinary(s["input_text"])
         if len(ids) + TOKENS_TO_GENERATE <= max_len:
             break
         used = max(fit["min_haystack"], used - fit["step"])
@@ -390,7 +439,7 @@ def newline_tokens(enc):
     out = set()
     for t in range(enc.n_vocab):
         try:
-            if b"\n" in enc.decode_single_token_bytes(t):
+            if b"\n" in enc.token_bytes(t):
                 out.add(t)
         except KeyError:  # a hole in the vocabulary
             pass
@@ -456,9 +505,9 @@ def val_text(data_dir, n_tokens):
     total = min(VAL_TOKENS, sum(len(open_shard(p)) for p in paths))
     tokens = read_tokens(data_dir, "val", min(total, n_tokens))
     enc = get_tokenizer(name)
-    cuts = np.flatnonzero(tokens == enc.eot_token)
-    docs = np.split(tokens, cuts)
-    return "\n\n".join(enc.decode([int(t) for t in d if t != enc.eot_token]) for d in docs)
+    docs = np.split(tokens, np.flatnonzero(tokens == enc.doc_start))
+    marks = {enc.doc_start, enc.eot_token}
+    return "\n\n".join(enc.decode([int(t) for t in d if t not in marks]) for d in docs)
 
 
 def load_essay(haystack_file, data_dir, max_len):
@@ -557,10 +606,13 @@ def print_table(rows, runs, tasks, lengths):
 
 # ---- main ------------------------------------------------------------------------------------------------
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks, spec §9)")
+    p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks)")
     add_common_args(p, default_out="results/ruler")
     p.set_defaults(seed=42)  # RULER's seed
     p.add_argument("--tasks", default="all", help=f"'all' or a comma list of: {', '.join(TASKS)}")
+    p.add_argument("--preset", choices=["paper"], default=None,
+                   help="paper: RULER's protocol: Paul Graham's essays (--haystack_file required), no newline stop, "
+                        "500 samples, lengths 4K-128K")
     p.add_argument("--lengths", default=None,
                    help="comma list of total lengths (prompt + 128 answer tokens); default: train length x 1, 2, "
                         "4, ... up to --max_length")
@@ -569,10 +621,13 @@ def parse_args(argv):
     p.add_argument("--haystack_file", default=None,
                    help="essay haystack: RULER's PaulGrahamEssays.json, a JSON list, or plain text; "
                         "default: text decoded from the validation shard in --data_dir")
-    p.add_argument("--data_dir", default="data/fineweb10B")
+    p.add_argument("--data_dir", default="data/fineweb_mistral")
     p.add_argument("--no_newline_stop", action="store_true",
                    help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)")
     args = p.parse_args(argv)
+    if args.preset == "paper":
+        args.no_newline_stop = True
+        args.lengths = args.lengths or ",".join(map(str, RULER_LENGTHS))
     args.tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
@@ -581,6 +636,11 @@ def parse_args(argv):
         args.lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
     if args.samples < 1:
         p.error("--samples must be >= 1")
+    essay_tasks = any(TASKS[t]["type_haystack"] == "essay" for t in args.tasks)
+    if args.preset == "paper" and essay_tasks and not args.haystack_file:
+        raise SystemExit("eval_ruler.py: error: --preset paper needs RULER's essay haystack: run RULER's "
+                         "scripts/data/synthetic/json/download_paulgraham_essay.py (github.com/NVIDIA/RULER; it writes "
+                         "PaulGrahamEssays.json) and pass --haystack_file PaulGrahamEssays.json")
     return args
 
 
@@ -602,7 +662,7 @@ def main(argv=None):
     # what makes records comparable; the haystack, checkpoint, task and length are in every record's key
     check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=resolve_dtype(device, args.dtype),
                                tokenizer=runs[0]["tokenizer"], tokens_to_generate=TOKENS_TO_GENERATE,
-                               words=hashlib.sha1("\n".join(words()).encode()).hexdigest()[:12]))
+                               words=words_digest()))
     log = ResultLog(jsonl, KEY_FIELDS)
 
     skipped = {}

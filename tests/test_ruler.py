@@ -3,7 +3,10 @@ tokenizer, tiny checkpoints)."""
 import csv
 import json
 import random
+import os
 import re
+import subprocess
+import sys
 import uuid
 from collections import Counter
 
@@ -13,10 +16,11 @@ import torch
 
 import eval_ruler as R
 import model as model_mod
-from data import get_tokenizer, write_shard
+from data import get_tokenizer, tiktoken_tokenizer, write_shard
 from model import GPT, GPTConfig, save_checkpoint
 
 ENC = get_tokenizer("byte")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Strings copied from the spec (§9), which copies them from NVIDIA/RULER @ c3f5e3b.
 SPEC_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
@@ -51,7 +55,7 @@ _SENTS = [
 ESSAY_TEXT = "\n\n".join(" ".join(random.Random(i).sample(_SENTS, 7)) for i in range(60))
 ESSAY = R.Essay(ESSAY_TEXT, "essay:test")
 NUM = re.compile(r"^\d{7}$")
-WORD_SET = set(R.words())
+WORDS = R.words()
 UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
@@ -61,7 +65,7 @@ def check_type(value, kind):
     elif kind == "uuids":
         assert UUID4.match(value) and str(uuid.UUID(value)) == value, value
     else:
-        assert value in WORD_SET and value.count("-") == 1, value
+        assert value in WORDS, value
 
 
 def context_of(sample, cfg):
@@ -210,6 +214,39 @@ def test_keys_are_distinct_and_distractors_avoid_them(monkeypatch):
         assert len(set(s["keys"])) == 4
 
 
+def test_key_list_is_rulers_sorted_set_of_pairs():
+    """PairList indexes sorted(set(f"{a}-{n}")) without building it, also when one adjective + "-" starts
+    another ("blue", "blue-eyed"), when keys coincide ("blue" + "eyed-cat" = "blue-eyed" + "cat") and with
+    duplicate, spaced or hyphenated words, as in wonderwords' lists."""
+    adjs = ["blue", "red", "blue-eyed", "ad hoc", "a", "blue", "x-rated", "blue-eyed-ish", "bluer", "a-b"]
+    nouns = ["cat", "eyed-cat", "b c", "arm-rest", "ATM", "zoo", "ish-dog", "b"]
+    pairs = R.PairList(adjs, nouns)
+    ref = sorted({f"{a}-{n}" for a in adjs for n in nouns})
+    assert len(pairs) == len(ref) and [pairs[i] for i in range(len(ref))] == ref and pairs[-1] == ref[-1]
+    assert all(k in pairs for k in ref) and "blue-dog" not in pairs and "zzz" not in pairs
+    assert random.Random(3).choice(pairs) == random.Random(3).choice(ref)  # the same draws as RULER's list
+    adjs, nouns = R.wonderwords_lists()
+    assert (len(adjs), len(set(adjs)), len(nouns), len(WORDS)) == (912, 910, 6782, 910 * 6782)
+
+
+@pytest.mark.slow
+def test_key_list_equals_rulers_on_the_real_lists():
+    adjs, nouns = R.wonderwords_lists()
+    ref = sorted(list(set([f"{adj}-{noun}" for adj in adjs for noun in nouns])))  # RULER's niah.py
+    assert len(ref) == len(WORDS) and all(WORDS[i] == w for i, w in enumerate(ref))
+
+
+def test_paper_preset(tmp_path):
+    r = subprocess.run([sys.executable, "eval_ruler.py", "--ckpt", str(tmp_path / "none"), "--preset", "paper"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and r.stderr.startswith("eval_ruler.py: error:")
+    assert "download_paulgraham_essay.py" in r.stderr and "--haystack_file" in r.stderr
+    args = R.parse_args(["--ckpt", "x", "--preset", "paper", "--haystack_file", "pg.json"])
+    assert args.no_newline_stop and args.samples == 500 and args.lengths == [4096, 8192, 16384, 32768, 65536, 131072]
+    args = R.parse_args(["--ckpt", "x", "--preset", "paper", "--tasks", "niah_single_1"])  # no essay task
+    assert args.lengths[-1] == 131072
+
+
 def test_needles_are_shuffled_with_a_fresh_random_seed():
     s = R.generate_sample("niah_multivalue", 3000, ENC, ESSAY, seed=5, index=2)
     needles = [R.NEEDLE.format(type_needle_v="numbers", key=s["keys"][0], value=v) for v in s["values"][0]]
@@ -261,13 +298,13 @@ def gpt2_like_encoding():
         b = g.encode()
         if b not in ranks:
             ranks[b] = len(ranks)
-    return tiktoken.Encoding("gpt2like", pat_str=pat, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": len(ranks)})
+    return tiktoken_tokenizer(tiktoken.Encoding("gpt2like", pat_str=pat, mergeable_ranks=ranks,
+                                                special_tokens={"<|endoftext|>": len(ranks)}), len(ranks))
 
 
-@pytest.mark.parametrize("enc_name", ["byte", "gpt2like"])
+@pytest.mark.parametrize("enc_name", ["byte", "gpt2like", "mistral"])
 def test_piece_counts_equal_full_tokenization(enc_name):
-    enc = ENC if enc_name == "byte" else gpt2_like_encoding()
+    enc = gpt2_like_encoding() if enc_name == "gpt2like" else get_tokenizer(enc_name)
     counter = R.TokenCounter(enc)
     for task in R.TASKS:
         for n in (R.min_haystack(task), 7, 60, 400):
