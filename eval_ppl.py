@@ -24,12 +24,13 @@ Either way the result is one cross-entropy per target, which is then averaged th
 
 Data (--data):
   val      (default) the validation split of the prepared data (data.py): its first VAL_TOKENS tokens, with
-           the end-of-text tokens REMOVED so that documents run together with no document mask, as the
-           authors did for FineWeb-10B (spec §8, §12.11), cut into consecutive rows of seq_len + 1 tokens.
+           the document tokens (end-of-text; BOS and EOS with mistral) REMOVED so that documents run together
+           with no document mask, as the authors did for FineWeb-10B, cut into consecutive rows of seq_len + 1.
            --keep_eot keeps them (still no document mask: at inference a sequence is one document).
   hf:NAME[:CONFIG]  a Hugging Face dataset, streamed (needs network), e.g. hf:wikimedia/wikipedia:20231101.en
            (the paper's): the first articles in dataset order that have at least seq_len + 1 tokens when
-           tokenized with the checkpoint's tokenizer (end-of-text first, our BOS), truncated to seq_len + 1.
+           tokenized with the checkpoint's tokenizer (its document-start token first: BOS with mistral, as the
+           authors, end-of-text with gpt2 and byte), truncated to seq_len + 1.
 If the data holds fewer than --num_seqs sequences, all of them are used and the output says so.
 
 Outputs in --out: ppl_samples.jsonl (one record per checkpoint x mode x sequence: per-window CE sums and
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import EOT, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
+from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
 from eval_common import (ResultLog, add_common_args, autocast, fits_in_memory, fmt_bytes, load_runs, peak_memory_bytes,
                          pick_device, plot_curves, reset_peak_memory, resolve_dtype, return_freed_memory_to_os,
                          write_table)
@@ -147,8 +148,9 @@ def val_sequences(data_dir, tokenizer_name, seq_len, keep_eot=False):
         notes.append(f"the validation split in {data_dir} holds {available} tokens, fewer than the "
                      f"{VAL_TOKENS} of the protocol; using all of them")
     tokens = read_tokens(data_dir, "val", n)
-    if not keep_eot:
-        tokens = tokens[tokens != EOT[tokenizer_name]]
+    if not keep_eot:  # the document tokens: end-of-text (gpt2, byte), BOS and EOS (mistral)
+        marks = [t for t in (DOC_START[tokenizer_name], DOC_END[tokenizer_name]) if t is not None]
+        tokens = tokens[~np.isin(tokens, marks)]
     rows = len(tokens) // (seq_len + 1)
     what = f"{len(tokens)} validation tokens{'' if keep_eot else ' (end-of-text removed)'} in {data_dir}"
     if rows == 0:
@@ -187,7 +189,7 @@ def hf_texts(name, config, split="train", text_column="text"):
 
 
 def hf_sequences(texts, tokenizer, seq_len, num_seqs):
-    """The first num_seqs texts (in order) that tokenize ([eot] + text) to at least seq_len + 1 tokens, each
+    """The first num_seqs texts (in order) that tokenize ([doc_start] + text) to at least seq_len + 1 tokens, each
     truncated to seq_len + 1. Returns (rows (N, seq_len + 1) int64, number of texts read)."""
     rows, read = [], 0
     bar = tqdm(total=num_seqs, desc=f"finding texts of >= {seq_len + 1} tokens", leave=False)
@@ -195,7 +197,7 @@ def hf_sequences(texts, tokenizer, seq_len, num_seqs):
         read += 1
         if not text:
             continue
-        toks = [tokenizer.eot_token] + tokenizer.encode_ordinary(text)  # whole text: a cut could change tokens
+        toks = [tokenizer.doc_start] + tokenizer.encode_ordinary(text)  # whole text: a cut could change tokens
         if len(toks) >= seq_len + 1:
             rows.append(np.asarray(toks[:seq_len + 1], dtype=np.int64))
             bar.update(1)
@@ -263,7 +265,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=16,
                    help="sliding mode: windows per forward (halved until it fits in memory)")
     p.add_argument("--data", default="val", help="val, or hf:NAME[:CONFIG] (e.g. hf:wikimedia/wikipedia:20231101.en)")
-    p.add_argument("--data_dir", default="data/fineweb10B", help="prepared shards for --data val")
+    p.add_argument("--data_dir", default="data/fineweb_mistral", help="prepared shards for --data val")
     p.add_argument("--keep_eot", action="store_true", help="--data val: keep the end-of-text tokens (default: removed)")
     p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
     args = p.parse_args(argv)
