@@ -12,7 +12,7 @@ A shard is a 256-byte header (magic, format version, token count as int64, token
 tokens as uint16, named {prefix}_val_{i:06d}.bin / {prefix}_train_{i:06d}.bin. prepare_fineweb.py writes them.
 
 Batches are consecutive, non-overlapping windows of the token stream in stream order (the authors do not
-shuffle, spec §6). A batch is a pure function of (step, micro_step, rank), so a resumed run sees exactly the
+shuffle). A batch is a pure function of (step, micro_step, rank), so a resumed run sees exactly the
 batches an uninterrupted one would, and ranks never share a window within an epoch.
 """
 import functools

@@ -1,5 +1,5 @@
 """
-Passkey retrieval, the paper's headline experiment (spec §7, with the decisions of §0).
+Passkey retrieval, the paper's headline experiment, with the authors' prompts and scoring.
 
     python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...] [--lengths 4096 8192 | --max_length N |
         --preset paper|extreme] [--samples 20] [--depths equidistant|random|beginning|end]
@@ -60,7 +60,7 @@ import eval_common as ec
 
 # The ONE home of the passkey templates. Each entry: task, filler, needle (with {pass_key}), question, digits,
 # and optionally sep (the text put in front of every piece after the task; default PIECE_SEP). "paper" is the
-# authors' public protocol, verbatim (spec §7): strings are data, do not edit them.
+# authors' public protocol, verbatim (their evaluate.py): strings are data, do not edit them.
 TEMPLATES = {
     "paper": {
         "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -145,7 +145,7 @@ def answer_tokens(enc, key, given_digits=0):
 
 
 def filler_units(enc, template, target_len):
-    """N of spec §7: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
+    """N of the authors' layout: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
     pieces, sep = _pieces(enc, template)
     widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
     room = target_len - len(pieces["task"]) - len(widest) - len(pieces["question"])

@@ -1,6 +1,6 @@
 """
-Perplexity along the position axis (spec §8): the view that shows where a model stops extrapolating, next to
-the single number that hides it.
+Perplexity along the position axis (the paper's protocol): the view that shows where a model stops extrapolating,
+next to the single number that hides it.
 
     python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 --mode full sliding
 

@@ -4,13 +4,13 @@
 # Data as the authors build it: their Mistral v3 tokenizer (32,768 tokens; l12 has 121,130,496 parameters, the
 # paper's 121.13M), every document BOS ... EOS with the document mask starting at BOS, validation = the first
 # 3,932,160 tokens, then a 1,000,000-token gap, then training. The recipe reads 20,000 x 589,824 = 11.8B tokens,
-# more than FineWeb sample-10BT holds, so prepare_fineweb.py takes them from sample-100BT: no token is seen twice
-# (train.py refuses to start when the data would repeat; allow_data_repeat=True permits it).
+# more than FineWeb sample-10BT (about 10B gpt2 tokens) provides, so prepare_fineweb.py takes them from
+# sample-100BT and no token is read twice (train.py refuses to start a run that would repeat data;
+# allow_data_repeat=True permits it).
 # gpt2 is one flag away (148.07M parameters with its 50,304 padded vocabulary):
 #     python prepare_fineweb.py --tokenizer gpt2 && train.py config/bam_120m.py --data_dir=data/fineweb_gpt2
-# What still differs from the authors' runs: the authors' sample-10BT stream repeated ~15% of its data where this
-# reads fresh sample-100BT documents, and the order of documents within FineWeb's shards is the one that
-# Hugging Face streams (the same for both).
+# What still differs from the authors' runs: their sample-10BT stream (about 10B gpt2 tokens) was shorter than the
+# 11.8B tokens read, so part of it was read twice; this run reads fresh sample-100BT documents instead.
 # Every other variant of the sweep uses the same recipe, e.g.
 #     ... train.py config/bam_120m.py --pos_encoding=rope --ssmax=False --out_dir=out/l12_rope
 # (pos_encoding: nope | sinusoidal | rope | alibi | bam; ssmax: True | False; other sizes: --model_size=l6 ... l24).
