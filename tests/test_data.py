@@ -277,6 +277,31 @@ def test_prepare_resume_is_byte_identical(corpus, tmp_path, monkeypatch, capsys)
         prepare(d, files, "--shard_size", "2000")
 
 
+@pytest.mark.parametrize("crash_after", [1, 2])  # after the val shard (the gap comes next), after the first train shard
+def test_prepare_resume_across_the_gap(corpus, tmp_path, monkeypatch, crash_after):
+    gap = ["--gap_tokens", "700"]
+    prepare(tmp_path / "ref", [corpus["path"]], *gap)
+    reference = shard_bytes(tmp_path / "ref")
+    full = stream(corpus["dir"])  # the same corpus without a gap
+    np.testing.assert_array_equal(stream(tmp_path / "ref"), np.concatenate([full[:500], full[1200:]]))
+    real_write, calls = prepare_fineweb.write_shard, []
+
+    def crash(path, tokens, name):
+        if len(calls) == crash_after:
+            raise KeyboardInterrupt
+        calls.append(path)
+        real_write(path, tokens, name)
+
+    monkeypatch.setattr(prepare_fineweb, "write_shard", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(tmp_path / "d", [corpus["path"]], *gap)
+    monkeypatch.setattr(prepare_fineweb, "write_shard", real_write)
+    prepare(tmp_path / "d", [corpus["path"]], *gap)
+    assert shard_bytes(tmp_path / "d") == reference
+    with pytest.raises(ValueError, match="gap_tokens: 700 there, 0 now"):
+        prepare(tmp_path / "d", [corpus["path"]])
+
+
 def test_prepare_max_tokens_then_extend(corpus, tmp_path):
     d = tmp_path / "d"
     meta = prepare(d, [corpus["path"]], "--max_tokens", "2200")
