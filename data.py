@@ -279,7 +279,8 @@ class TokenLoader:
             if split == "val":
                 raise ValueError(f"block_size {block_size} is longer than the validation split ({longest} tokens)")
             raise ValueError(f"block_size {block_size} is longer than every train shard in {data_dir} "
-                             f"(the longest has {longest} tokens)")
+                             f"(the longest has {longest} tokens); prepare more data (prepare_fineweb.py "
+                             "--max_tokens) or use a smaller block_size")
         self.cum_windows = np.cumsum(windows)  # shard s holds windows [cum[s-1], cum[s])
 
     def __len__(self):

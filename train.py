@@ -298,8 +298,11 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
                             "pass --resume=True to continue that run, or choose another --out_dir")
 
     # ---- data ----
-    train_loader = TokenLoader(c["data_dir"], "train", c["block_size"], c["batch_size"], rank, world_size)
-    val_loader = TokenLoader(c["data_dir"], "val", c["block_size"], c["batch_size"], tokenizer=train_loader.tokenizer)
+    try:
+        train_loader = TokenLoader(c["data_dir"], "train", c["block_size"], c["batch_size"], rank, world_size)
+        val_loader = TokenLoader(c["data_dir"], "val", c["block_size"], c["batch_size"], tokenizer=train_loader.tokenizer)
+    except ValueError as e:  # data that cannot be used (too short, mixed tokenizers, a broken shard): say why
+        raise ConfigError(str(e)) from e
     eval_iters = min(c["eval_iters"], max(1, len(val_loader) // c["batch_size"]))
     if eval_iters < c["eval_iters"]:
         log(f"note: the val split holds {len(val_loader)} windows = {eval_iters} batches; eval_iters "

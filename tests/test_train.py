@@ -176,6 +176,8 @@ def test_a_run_that_would_repeat_data_is_refused(data_dir, tmp_path):
     missing = steps * 128 - windows * 32
     assert f"{missing:,} missing" in r.stderr and "prepare_fineweb.py --name sample-100BT" in r.stderr
     assert "--allow_data_repeat=True" in r.stderr and not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="longer than every train shard.*prepare more data"):  # not one window
+        train.main(tiny(data_dir, tmp_path / "run", block_size=20_000))
     c = dict(max_iters=steps, block_size=32, allow_data_repeat=True, data_dir=data_dir, tokenizer="byte")
     train.check_data_budget(c, windows, 128)  # allowed: no error
     train.check_data_budget(dict(c, allow_data_repeat=False, max_iters=steps - 1), windows, 128)  # fits
