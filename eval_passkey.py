@@ -50,32 +50,8 @@ import torch
 from tqdm import tqdm
 
 import eval_common as ec
+from templates import PASSKEY_TEMPLATES as TEMPLATES, PIECE_SEP
 
-# The ONE home of the passkey templates. Each entry: task, filler, needle (with {pass_key}), question, digits,
-# and optionally sep (the text put in front of every piece after the task; default PIECE_SEP). "paper" is the
-# authors' public protocol, verbatim (spec §7): strings are data, do not edit them.
-TEMPLATES = {
-    "paper": {
-        "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-                "I will quiz you about the important information there.",
-        "filler": "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
-        "needle": "The pass key is {pass_key}. Remember it. {pass_key} is the pass key.",
-        "question": "What is the pass key? The pass key is",
-        "digits": 5,
-    },
-    # The CPU demo (prepare_demo.py trains on exactly these pieces, byte tokenizer): "@" opens the task, the
-    # filler is a closed walk of prepare_demo.CHAIN (training documents use fresh random walks of that chain),
-    # "#" announces the key and "?" asks for it. No separator: every byte is one symbol.
-    "demo": {
-        "task": "@",
-        "filler": "bgnfmheldi",
-        "needle": "#{pass_key}",
-        "question": "?",
-        "digits": 5,
-        "sep": "",
-    },
-}
-PIECE_SEP = " "
 
 PRESETS = {
     "paper32k": [int(x) for x in np.linspace(0, 32768, 10)][1:],  # the authors' public evaluate.py (spec §7)

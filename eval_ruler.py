@@ -54,18 +54,12 @@ from tqdm import tqdm
 from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
 from eval_common import (_plt, add_common_args, autocast, check_settings, fits_in_memory, fmt_bytes,
                          geometric_lengths, load_runs, pick_device, resolve_dtype, ResultLog, write_table)
+from templates import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
+                       RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR,
+                       RULER_TEMPLATE as TEMPLATE)
 
-# ---- RULER's strings (spec §9; scripts/data/synthetic/constants.py and niah.py). Data: do not edit. -----------
-TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
-            "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
-            "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
-ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
-MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
-NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 TOKENS_TO_GENERATE = 128
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
-SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))  # applied in this order
 
 # scripts/synthetic.yaml. num_needle_k is raised to max(num_k, num_q) when a sample is built (multiquery: 4).
 TASKS = {

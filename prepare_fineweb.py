@@ -26,14 +26,15 @@ import json
 import multiprocessing as mp
 import os
 import re
+import sys
 import time
 
 import numpy as np
 from tqdm import tqdm
 
-from data import EOT, TOKENIZERS, VAL_TOKENS, VOCAB_SIZE, get_tokenizer, open_shard, write_shard
+from data import (EOT, SHARD_RE, TOKENIZERS, VAL_TOKENS, VOCAB_SIZE, DataError, get_tokenizer, open_shard,
+                  shard_name, write_shard)
 
-SHARD_RE = re.compile(r"^.+_(train|val)_\d{6}\.bin$")
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -75,9 +76,9 @@ def expand_files(patterns):
             raise FileNotFoundError(f"--local_files: no file matches {pat!r}")
         for f in hits:
             if file_format(f) is None:
-                raise ValueError(f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} (optionally .gz/.zst/.bz2/.xz)")
+                raise DataError(f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} (optionally .gz/.zst/.bz2/.xz)")
             if os.path.getsize(f) == 0:  # caught here: datasets' json builder fails on it with a bare StopIteration
-                raise ValueError(f"--local_files: {f} is empty")
+                raise DataError(f"--local_files: {f} is empty")
         files += hits
     return files
 
@@ -103,7 +104,7 @@ def source_rows(args):
     for ds, column in streams:
         for row in ds:
             if column not in row:
-                raise KeyError(f"no column {column!r} in the data (columns: {sorted(row)}); use --text_column")
+                raise DataError(f"no column {column!r} in the data (columns: {sorted(row)}); use --text_column")
             yield row[column]
 
 
@@ -114,12 +115,8 @@ def tokenize(tokenizer_name, text):
     enc = get_tokenizer(tokenizer_name)
     toks = np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=np.int64)
     if toks.max() >= 65536:
-        raise ValueError(f"token id {toks.max()} does not fit the uint16 shards (tokenizer {tokenizer_name})")
+        raise DataError(f"token id {toks.max()} does not fit the uint16 shards (tokenizer {tokenizer_name})")
     return toks.astype(np.uint16)
-
-
-def shard_name(args, index):
-    return f"{args.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
 def planned_size(args, index):
@@ -146,7 +143,7 @@ def reusable_shards(args, settings, meta_path):
     old = meta["settings"]
     differ = {k: (old.get(k), v) for k, v in settings.items() if k != "max_tokens" and old.get(k) != v}
     if differ:
-        raise ValueError(f"{args.out_dir} holds a preparation with other settings ("
+        raise DataError(f"{args.out_dir} holds a preparation with other settings ("
                          + ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
                          + "); choose another --out_dir, or delete its shards and meta.json to start over")
     keep, end = [], 0
@@ -163,6 +160,75 @@ def reusable_shards(args, settings, meta_path):
         keep.append(entry)
         end += entry["tokens"]
     return keep, meta
+
+
+class ShardWriter:
+    """Fills the shards in order (val first, then train, each of its planned size) and records every finished one
+    in the ledger, meta.json, with where in the source stream the next one starts."""
+
+    def __init__(self, args, meta, meta_path):
+        self.args, self.meta, self.meta_path = args, meta, meta_path
+        self.index = len(meta["shards"])
+        self.buf, self.fill = np.empty(planned_size(args, self.index), dtype=np.uint16), 0
+
+    def add(self, toks, limit):
+        """Copy as much of toks as fits the current shard and `limit` more tokens. Returns the count copied."""
+        take = min(len(toks), len(self.buf) - self.fill, limit)
+        self.buf[self.fill:self.fill + take] = toks[:take]
+        self.fill += take
+        return take
+
+    def full(self):
+        return self.fill == len(self.buf)
+
+    def flush(self, next_doc, next_offset):
+        args, eot = self.args, EOT[self.args.tokenizer]
+        name = shard_name(args.prefix, "val" if self.index == 0 else "train", self.index)
+        tokens = self.buf[:self.fill]
+        write_shard(os.path.join(args.out_dir, name), tokens, args.tokenizer)
+        self.meta["shards"].append(dict(file=name, tokens=self.fill, documents=int(np.count_nonzero(tokens == eot)),
+                                        next_doc=next_doc, next_offset=next_offset))
+        write_json(self.meta_path, self.meta)
+        self.index += 1
+        self.buf, self.fill = np.empty(planned_size(args, self.index), dtype=np.uint16), 0
+
+
+def tokenize_into(args, writer, start_doc, start_offset, done):
+    """Tokenize the source from row start_doc (skipping the first start_offset tokens of that row, which the kept
+    shards hold) into the writer, up to --max_tokens. Returns (tokens in total, documents read, time of the first
+    document)."""
+    total, docs, t_first, nxt = done, 0, None, (start_doc, start_offset)
+    rows = itertools.islice(source_rows(args), start_doc, None)
+    work = functools.partial(tokenize, args.tokenizer)
+    pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
+    bar = tqdm(total=args.max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"tokenizing -> {args.out_dir}")
+    try:
+        for row, toks in enumerate(pool.imap(work, rows, chunksize=16) if pool else map(work, rows), start=start_doc):
+            if total == args.max_tokens:
+                break
+            t_first = t_first or time.time()
+            if row == start_doc:
+                toks = toks[start_offset:]  # the part of this document already in the kept shards
+            if len(toks) == 0:
+                continue
+            docs += 1
+            pos = 0
+            while pos < len(toks) and total != args.max_tokens:
+                take = writer.add(toks[pos:], (args.max_tokens or np.inf) - total)
+                pos, total = pos + take, total + take
+                bar.update(take)
+                nxt = (row, pos) if pos < len(toks) else (row + 1, 0)  # where the stream continues
+                if writer.full():
+                    writer.flush(*nxt)
+            if docs % 1000 == 0:
+                bar.set_postfix(docs=f"{docs:,}", refresh=False)
+    finally:
+        bar.close()
+        if pool:
+            pool.terminate()
+    if writer.fill:
+        writer.flush(*nxt)  # the source ended (or --max_tokens was reached) inside this shard
+    return total, docs, t_first
 
 
 def main(argv=None):
@@ -190,57 +256,11 @@ def main(argv=None):
     start_doc, start_offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     if shards:
         print(f"resuming after {len(shards)} complete shards ({done:,} tokens): skipping {start_doc:,} source rows")
-    index = len(shards)
-    buf, fill = np.empty(planned_size(args, index), dtype=np.uint16), 0
-    total, docs, t0, t_first = done, 0, time.time(), None
-
-    def flush(next_doc, next_offset):
-        nonlocal buf, fill, index
-        name = shard_name(args, index)
-        write_shard(os.path.join(args.out_dir, name), buf[:fill], args.tokenizer)
-        shards.append(dict(file=name, tokens=fill, documents=int(np.count_nonzero(buf[:fill] == EOT[args.tokenizer])),
-                           next_doc=next_doc, next_offset=next_offset))
-        write_json(meta_path, meta)
-        index += 1
-        buf, fill = np.empty(planned_size(args, index), dtype=np.uint16), 0
-
-    rows = itertools.islice(source_rows(args), start_doc, None)
-    work = functools.partial(tokenize, args.tokenizer)
-    pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
-    try:
-        results = pool.imap(work, rows, chunksize=16) if pool else map(work, rows)
-        bar = tqdm(total=args.max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"tokenizing -> {args.out_dir}")
-        for row, toks in enumerate(results, start=start_doc):
-            if total == args.max_tokens:
-                break
-            t_first = t_first or time.time()
-            if row == start_doc:
-                toks = toks[start_offset:]  # the part of this document already in the kept shards
-            if len(toks) == 0:
-                continue
-            docs += 1
-            pos = 0
-            while pos < len(toks):
-                take = min(len(toks) - pos, len(buf) - fill, (args.max_tokens or np.inf) - total)
-                buf[fill:fill + take] = toks[pos:pos + take]
-                fill, pos, total = fill + take, pos + take, total + take
-                bar.update(take)
-                nxt = (row, pos) if pos < len(toks) else (row + 1, 0)  # where the stream continues
-                if fill == len(buf):
-                    flush(*nxt)
-                if total == args.max_tokens:
-                    break
-            if docs % 1000 == 0:
-                bar.set_postfix(docs=f"{docs:,}", refresh=False)
-        bar.set_postfix(docs=f"{docs:,}")
-        bar.close()
-    finally:
-        if pool:
-            pool.terminate()
-    if fill:
-        flush(*nxt)  # the source ended (or --max_tokens was reached) inside this shard
+    t0 = time.time()
+    total, docs, t_first = tokenize_into(args, ShardWriter(args, meta, meta_path), start_doc, start_offset, done)
     if not shards:
-        raise ValueError(f"the source has no text: no tokens were written ({source}); check the input and --text_column")
+        raise DataError(f"the source has no text: no tokens were written ({source}); check the input and "
+                        "--text_column")
     ours = {s["file"] for s in shards}
     for f in os.listdir(args.out_dir):  # shards of an earlier, longer preparation that this one no longer reaches
         if SHARD_RE.match(f) and f.startswith(args.prefix + "_") and f not in ours:
@@ -260,4 +280,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (DataError, FileNotFoundError, FileExistsError) as e:  # expected failures: a message, no traceback
+        sys.exit(f"prepare_fineweb.py: error: {e}")
