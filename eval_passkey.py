@@ -50,6 +50,7 @@ import torch
 from tqdm import tqdm
 
 import eval_common as ec
+from model import autocast
 from templates import PASSKEY_TEMPLATES as TEMPLATES, PIECE_SEP
 
 
@@ -186,11 +187,6 @@ def make_samples(enc, template, target_len, samples, depths="equidistant", seed=
 # ----------------------------------------------------------------------------------------------------------
 # Scoring
 # ----------------------------------------------------------------------------------------------------------
-def _model_device(model):
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def score_batch(model, prompts, answers, n_given=0):
     """Teacher-forced exact match for prompts of one token length with answers of one length.
 
@@ -201,7 +197,7 @@ def score_batch(model, prompts, answers, n_given=0):
     m = len(answers[0]) - n_given
     if m < 1:
         raise ValueError("nothing to score: every answer token is given")
-    idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=_model_device(model))
+    idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=ec.model_device(model))
     with torch.inference_mode():
         logits, _ = model(idx, logits_at=m)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -286,7 +282,7 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
                 for c in range(0, len(idxs), b):
                     chunk = idxs[c:c + b]
                     t0 = time.perf_counter()
-                    with ec.autocast(device, dtype):
+                    with autocast(device, dtype):
                         results = score_batch(r["model"], [prompts[i][0] for i in chunk],
                                               [prompts[i][1] for i in chunk], n_given)
                     dt = (time.perf_counter() - t0) / len(chunk)
@@ -418,9 +414,9 @@ def _int_list(values):
             try:
                 x = int(part)
             except ValueError:
-                raise SystemExit(f"--lengths takes integers (token counts), got {part!r}")
+                raise ec.EvalError(f"--lengths takes integers (token counts), got {part!r}")
             if x < 1:
-                raise SystemExit(f"--lengths must be positive, got {x}")
+                raise ec.EvalError(f"--lengths must be positive, got {x}")
             out.append(x)
     return sorted(set(out))
 
@@ -449,9 +445,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     samples = args.samples or PRESET_SAMPLES.get(args.preset, DEFAULT_SAMPLES)
     if samples < 1 or args.depth_bins < 1:
-        raise SystemExit("--samples and --depth_bins must be positive")
+        raise ec.EvalError("--samples and --depth_bins must be positive")
     if args.seed < 0:
-        raise SystemExit("--seed must be >= 0")
+        raise ec.EvalError("--seed must be >= 0")
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, args.dtype)
@@ -495,7 +491,7 @@ def main(argv=None):
                       for r in runs],
                 skipped=skipped, scored_this_call=scored, wall_seconds=round(wall, 2),
                 peak_rss_mib=round(ec.peak_memory_bytes("cpu") / 2**20, 1),
-                peak_gpu_mib=round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                peak_gpu_mib=round(ec.peak_memory_bytes(device) / 2**20, 1)
                 if torch.device(device).type == "cuda" else None,
                 figures=[os.path.basename(p) for p in figures])
     with open(os.path.join(args.out, "passkey_meta.json"), "w") as f:
@@ -508,4 +504,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ec.EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
+        sys.exit(f"eval_passkey.py: error: {e}")
