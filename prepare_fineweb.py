@@ -199,6 +199,8 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
     document)."""
     total, docs, t_first, nxt = done, 0, None, (start_doc, start_offset)
     rows = itertools.islice(source_rows(args), start_doc, None)
+    first = next(rows, StopIteration)  # opens the source: a missing column fails here, before the progress bar
+    rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
     work = functools.partial(tokenize, args.tokenizer)
     pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
     bar = tqdm(total=args.max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"tokenizing -> {args.out_dir}")
