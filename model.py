@@ -44,7 +44,8 @@ class GPTConfig:
     pos_encoding: str = "bam"        # nope | sinusoidal | rope | alibi | bam
     ssmax: bool = True               # Scalable-Softmax: logits * s_h * log(n_i)
     ssmax_init: float = 1.0          # s starts at 1.0 in the authors' code (spec §4)
-    ssmax_prior: bool = True         # BAM+SSMax scales content AND prior, (l + B) * s log n (the authors' default)
+    ssmax_prior: bool = True         # BAM+SSMax scales content AND prior, (l + B) * s log n (the authors' default);
+                                     # attention() takes it as scale_prior
     bam_init: str = "zero"           # zero (theta_alpha = theta_beta = 0, NoPE-equivalent) | alibi | linear | "A,B"
     train_mu: bool = False           # theta_mu is frozen at 0 in the paper (mu = 0)
     rope_theta: float = 500000.0
