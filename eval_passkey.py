@@ -107,11 +107,11 @@ def answer_tokens(enc, key):
     return answer, n_given
 
 
-def filler_units(enc, template, target_len):
+def filler_units(enc, template, target_length):
     """N of spec §7: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
     pieces, sep = _pieces(enc, template)
     widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
-    room = target_len - len(pieces["task"]) - len(widest) - len(pieces["question"])
+    room = target_length - len(pieces["task"]) - len(widest) - len(pieces["question"])
     return max(0, room // len(pieces["filler"]))
 
 
@@ -122,10 +122,10 @@ def min_prompt_length(enc, template):
     return len(pieces["task"]) + len(widest) + len(pieces["question"])
 
 
-def build_prompt(enc, template, target_len, key, k):
+def build_prompt(enc, template, target_length, key, k):
     """The prompt for one sample: k filler units before the needle, N - k after it (N = filler_units).
 
-    Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_len: with a tokenizer where some
+    Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_length: with a tokenizer where some
     key tokenizes longer than the widest one used for N, filler units are dropped after the needle (then before it).
     info: target_length, length (realised), n_filler, k, depth (= k / n_filler, 0 without filler), key,
     needle_start (token index of the needle), n_given (answer tokens given, not scored), answer_text.
@@ -135,22 +135,22 @@ def build_prompt(enc, template, target_len, key, k):
     if len(str(key)) != template["digits"]:
         raise ValueError(f"key {key} does not have {template['digits']} digits")
     needle = _needle(enc, template, sep, key)
-    n = filler_units(enc, template, target_len)
+    n = filler_units(enc, template, target_length)
     if not 0 <= k <= n:
-        raise ValueError(f"depth index k={k} outside [0, {n}] filler units for length {target_len}")
+        raise ValueError(f"depth index k={k} outside [0, {n}] filler units for length {target_length}")
     fixed = len(pieces["task"]) + len(needle) + len(pieces["question"])
-    if fixed > target_len:
-        raise ValueError(f"target length {target_len} is shorter than the prompt without filler ({fixed} tokens)")
+    if fixed > target_length:
+        raise ValueError(f"target length {target_length} is shorter than the prompt without filler ({fixed} tokens)")
     F = len(pieces["filler"])
     after = n - k
-    while fixed + (k + after) * F > target_len:
+    while fixed + (k + after) * F > target_length:
         if after:
             after -= 1
         else:
             k -= 1
     tokens = pieces["task"] + pieces["filler"] * k + needle + pieces["filler"] * after + pieces["question"]
     answer, n_given = answer_tokens(enc, key)
-    info = dict(target_length=int(target_len), length=len(tokens), n_filler=k + after, k=k,
+    info = dict(target_length=int(target_length), length=len(tokens), n_filler=k + after, k=k,
                 depth=k / (k + after) if k + after else 0.0, key=key,
                 needle_start=len(pieces["task"]) + k * F, n_given=n_given, answer_text=" " + str(key))
     return tokens, answer, info
@@ -169,16 +169,16 @@ def depth_indices(n, samples, mode, rng):
     raise ValueError(f"depths must be one of {DEPTH_MODES}, got {mode!r}")
 
 
-def make_samples(enc, template, target_len, samples, depths="equidistant", seed=1234):
+def make_samples(enc, template, target_length, samples, depths="equidistant", seed=1234):
     """All samples of one target length: a list of (prompt, answer, info), info["sample"] = index. The keys (and
-    random depths) come from default_rng([seed, target_len]) alone, so they do not depend on the other lengths."""
-    rng = np.random.default_rng([seed, target_len])
+    random depths) come from default_rng([seed, target_length]) alone, so they do not depend on the other lengths."""
+    rng = np.random.default_rng([seed, target_length])
     d = template["digits"]
     keys = rng.integers(10 ** (d - 1), 10 ** d, size=samples)  # uniform over the d-digit numbers
-    ks = depth_indices(filler_units(enc, template, target_len), samples, depths, rng)
+    ks = depth_indices(filler_units(enc, template, target_length), samples, depths, rng)
     out = []
     for i in range(samples):
-        prompt, answer, info = build_prompt(enc, template, target_len, int(keys[i]), int(ks[i]))
+        prompt, answer, info = build_prompt(enc, template, target_length, int(keys[i]), int(ks[i]))
         info["sample"] = i
         out.append((prompt, answer, info))
     return out
@@ -350,17 +350,17 @@ def _safe(label):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
 
 
-def _train_col(lengths, train_len):
+def _train_col(lengths, train_length):
     """Column coordinate of the training length on a heatmap whose columns are `lengths` (log interpolation)."""
-    if train_len in lengths:
-        return lengths.index(train_len)
-    if train_len < lengths[0]:
+    if train_length in lengths:
+        return lengths.index(train_length)
+    if train_length < lengths[0]:
         return -0.5
-    if train_len > lengths[-1]:
+    if train_length > lengths[-1]:
         return len(lengths) - 0.5
-    j = next(i for i, L in enumerate(lengths) if L > train_len)
+    j = next(i for i, L in enumerate(lengths) if L > train_length)
     lo, hi = math.log(lengths[j - 1]), math.log(lengths[j])
-    return j - 1 + (math.log(train_len) - lo) / (hi - lo)
+    return j - 1 + (math.log(train_length) - lo) / (hi - lo)
 
 
 def make_figures(summary, by_depth, runs, out, depth_bins=10):
