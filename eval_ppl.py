@@ -371,7 +371,8 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
                 data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
     batch, ok, need, free = fitting_batch(args, run, mode, device)
     if not ok:
-        msg = (f"skipped: a forward over {args.seq_len if mode == 'full' else context} tokens needs ~{fmt_bytes(need)}, "
+        length = args.seq_len if mode == "full" else context
+        msg = (f"skipped: a forward over {length} tokens needs ~{fmt_bytes(need)}, "
                f"{args.memory_fraction:.0%} of free memory is {fmt_bytes(args.memory_fraction * free)}")
         print(f"{name}: {msg}")
         return [dict(base, scope="skipped", note=msg)], name

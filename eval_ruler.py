@@ -478,7 +478,8 @@ def haystack_label(task, essay):
 # ---- summary and figure ----------------------------------------------------------------------------------
 def summarize(records, runs, tasks, lengths, n_samples, skipped):
     """Rows (label, task, target_length) with RULER's score over this configuration's records, then an "average"
-    row per (label, target_length) over the tasks scored there. `skipped` maps (run label or None, task or None, length) to why."""
+    row per (label, target_length) over the tasks scored there. `skipped` maps (run label or None, task or None,
+    length) to why."""
     by = {}
     for r in records:
         if r["sample"] < n_samples:

@@ -473,7 +473,8 @@ def load_model(path, device="cpu"):
     known = {f.name for f in fields(GPTConfig)}
     unknown = set(ckpt["model_args"]) - known
     if unknown:
-        raise CheckpointError(f"checkpoint {ckpt['path']!r} has model settings this code does not know: {sorted(unknown)}")
+        raise CheckpointError(f"checkpoint {ckpt['path']!r} has model settings this code does not know: "
+                              f"{sorted(unknown)}")
     model = GPT(GPTConfig(**ckpt["model_args"]))
     load_state(model, ckpt)
     return model.to(device).eval(), ckpt

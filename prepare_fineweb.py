@@ -76,7 +76,8 @@ def expand_files(patterns):
             raise FileNotFoundError(f"--local_files: no file matches {pat!r}")
         for f in hits:
             if file_format(f) is None:
-                raise DataError(f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} (optionally .gz/.zst/.bz2/.xz)")
+                raise DataError(f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} "
+                                "(optionally .gz/.zst/.bz2/.xz)")
             if os.path.getsize(f) == 0:  # caught here: datasets' json builder fails on it with a bare StopIteration
                 raise DataError(f"--local_files: {f} is empty")
         files += hits

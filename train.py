@@ -302,7 +302,8 @@ def write_run_files(c, tokens_per_update, argv, start_step):
             prev = json.load(f)
         earlier = prev.pop("earlier_launches", []) + [prev]
     with open(env_path, "w") as f:
-        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, earlier_launches=earlier), f, indent=2)
+        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, earlier_launches=earlier), f,
+                  indent=2)
     metrics_path = os.path.join(c["out_dir"], "metrics.jsonl")
     kept = []
     if c["resume"] and os.path.exists(metrics_path):
