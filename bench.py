@@ -16,13 +16,12 @@ import json
 import platform
 import statistics
 import time
-from contextlib import nullcontext
 
 import torch
 
 from data import doc_starts
-from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig
-from train import peak_flops
+from eval_common import peak_memory_bytes, reset_peak_memory
+from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, autocast, peak_flops
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
@@ -62,22 +61,17 @@ def long_forward(args, device, size_args, V, dtype):
     model = GPT(GPTConfig(vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=512,
                           pos_encoding="bam", ssmax=True, tokenizer="bench")).to(device).eval()
     idx = torch.randint(0, V, (1, T), device=device)
-    ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     cuda = device.type == "cuda"
+    reset_peak_memory(device)
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    with ctx:
+    with autocast(device, dtype):
         logits, _ = model(idx, logits_at=1)
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = peak_memory_bytes(device)  # CUDA: allocated since the reset; CPU: the process's peak RSS
     result = {"tokens": T, "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "dtype": dtype,
               "device": str(device), "seconds": seconds, "peak_bytes": peak, "finite": bool(torch.isfinite(logits).all())}
     print(f"{T:,}-token forward, {n_layer} layers x {n_embd} ({n_head} heads), bam+ssmax, {dtype} on {device}: "
@@ -87,6 +81,53 @@ def long_forward(args, device, size_args, V, dtype):
 
 def name(pe, ss):
     return pe + ("+ssmax" if ss else "")
+
+
+def time_step(run, x, y, doc_start, dtype, scaler):
+    """One training step of a variant: (wall ms, process CPU ms)."""
+    device = x.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with autocast(device, dtype):
+        _, loss = run["step_fn"](x, y, doc_start=doc_start)
+    scaler.scale(loss).backward()
+    scaler.step(run["opt"])
+    scaler.update()
+    run["opt"].zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return 1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)
+
+
+def report(runs, B, T, device):
+    """Medians and ratios against nope, printed as a table. Returns {variant: results}."""
+    cuda = device.type == "cuda"
+    peak = peak_flops(torch.cuda.get_device_name(device)) if cuda else None
+    base = statistics.median(runs["nope"]["ms"])
+    base_cpu = statistics.median(runs["nope"]["cpu_ms"])
+    results = {}
+    print(f"\n{'variant':<18}{'median ms':>11}{'min ms':>9}{'vs nope':>9}{'tokens/s':>12}"
+          + ("   MFU" if peak else f"{'CPU ms':>9}{'vs nope':>9}"))
+    for key, run in runs.items():
+        med, cpu = statistics.median(run["ms"]), statistics.median(run["cpu_ms"])
+        tok_s = B * T / (med / 1000)
+        mfu = run["model"].flops_per_token(T) * tok_s / peak if peak else None
+        results[key] = {"median_ms": med, "min_ms": min(run["ms"]), "ratio_vs_nope": med / base, "tokens_per_s": tok_s,
+                        "mfu": mfu, "median_cpu_ms": cpu, "cpu_ratio_vs_nope": cpu / base_cpu, "ms": run["ms"],
+                        "cpu_ms": run["cpu_ms"]}
+        print(f"{key:<18}{med:>11.2f}{min(run['ms']):>9.2f}{med / base:>9.3f}{tok_s:>12,.0f}"
+              + (f"{100 * mfu:>6.1f}%" if mfu is not None else f"{cpu:>9.2f}{cpu / base_cpu:>9.3f}"))
+    r = results["bam+ssmax"]
+    ratio = r["ratio_vs_nope"]
+    print(f"\nbam+ssmax / nope step time: {ratio:.3f} ({r['median_ms']:.2f} ms vs {base:.2f} ms, medians of wall time; "
+          f"{r['min_ms'] / results['nope']['min_ms']:.3f} on the fastest steps"
+          + ("" if cuda else f"; {r['cpu_ratio_vs_nope']:.3f} in process CPU time, which a busy machine disturbs less")
+          + f"); target <= 1.25: {'met' if ratio <= 1.25 else 'NOT met'}")
+    if cuda and peak is None:
+        print(f"note: no bf16 peak known for {torch.cuda.get_device_name(device)!r}; MFU not reported")
+    return results
 
 
 def main(argv=None):
@@ -104,7 +145,6 @@ def main(argv=None):
     B = args.batch_size or (16 if cuda else 8)
     steps = args.steps or (50 if cuda else 20)
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
     if args.long_forward:
         result = long_forward(args, device, (n_layer, n_embd, n_head), V, dtype)
@@ -130,56 +170,20 @@ def main(argv=None):
         runs[name(pe, ss)] = {"model": model, "step_fn": torch.compile(model) if args.compile else model,
                               "opt": opt, "ms": [], "cpu_ms": []}
 
-    def step(run):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        with ctx:
-            _, loss = run["step_fn"](x, y, doc_start=doc_start)
-        scaler.scale(loss).backward()
-        scaler.step(run["opt"])
-        scaler.update()
-        run["opt"].zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        return 1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)
-
     print(f"device {device}{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}, "
           f"torch threads {torch.get_num_threads()}, {dtype}, compile={args.compile}")
     print(f"model: {n_layer} layers, n_embd {n_embd}, {n_head} heads, vocab {V}; batch {B} x {T} tokens; "
           f"{args.warmup} warmup + {steps} timed steps per variant, interleaved")
     for run in runs.values():
         for _ in range(args.warmup):
-            step(run)
+            time_step(run, x, y, doc_start, dtype, scaler)
     for _ in range(steps):
         for run in runs.values():
-            wall, cpu = step(run)
+            wall, cpu = time_step(run, x, y, doc_start, dtype, scaler)
             run["ms"].append(wall)
             run["cpu_ms"].append(cpu)
 
-    peak = peak_flops(torch.cuda.get_device_name(device)) if cuda else None
-    base = statistics.median(runs["nope"]["ms"])
-    base_cpu = statistics.median(runs["nope"]["cpu_ms"])
-    results = {}
-    print(f"\n{'variant':<18}{'median ms':>11}{'min ms':>9}{'vs nope':>9}{'tokens/s':>12}"
-          + ("   MFU" if peak else f"{'CPU ms':>9}{'vs nope':>9}"))
-    for key, run in runs.items():
-        med, cpu = statistics.median(run["ms"]), statistics.median(run["cpu_ms"])
-        tok_s = B * T / (med / 1000)
-        mfu = run["model"].flops_per_token(T) * tok_s / peak if peak else None
-        results[key] = {"median_ms": med, "min_ms": min(run["ms"]), "ratio_vs_nope": med / base, "tokens_per_s": tok_s,
-                        "mfu": mfu, "median_cpu_ms": cpu, "cpu_ratio_vs_nope": cpu / base_cpu, "ms": run["ms"],
-                        "cpu_ms": run["cpu_ms"]}
-        print(f"{key:<18}{med:>11.2f}{min(run['ms']):>9.2f}{med / base:>9.3f}{tok_s:>12,.0f}"
-              + (f"{100 * mfu:>6.1f}%" if mfu is not None else f"{cpu:>9.2f}{cpu / base_cpu:>9.3f}"))
-    r = results["bam+ssmax"]
-    ratio = r["ratio_vs_nope"]
-    print(f"\nbam+ssmax / nope step time: {ratio:.3f} ({r['median_ms']:.2f} ms vs {base:.2f} ms, medians of wall time; "
-          f"{r['min_ms'] / results['nope']['min_ms']:.3f} on the fastest steps"
-          + ("" if cuda else f"; {r['cpu_ratio_vs_nope']:.3f} in process CPU time, which a busy machine disturbs less")
-          + f"); target <= 1.25: {'met' if ratio <= 1.25 else 'NOT met'}")
-    if cuda and peak is None:
-        print(f"note: no bf16 peak known for {torch.cuda.get_device_name(device)!r}; MFU not reported")
+    results = report(runs, B, T, device)
     if args.out:
         meta = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
                 "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -187,7 +191,8 @@ def main(argv=None):
                 "model": {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "vocab_size": V},
                 "batch_size": B, "block_size": T, "warmup": args.warmup, "steps": steps}
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "ratio_bam_ssmax_vs_nope": ratio, "variants": results}, f, indent=2)
+            json.dump({"meta": meta, "ratio_bam_ssmax_vs_nope": results["bam+ssmax"]["ratio_vs_nope"],
+                       "variants": results}, f, indent=2)
         print(f"wrote {args.out}")
     return results
 

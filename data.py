@@ -9,7 +9,8 @@ text with gpt2 and byte. Either way one token opens every document (DOC_START), 
 there.
 
 A shard is a 256-byte header (magic, format version, token count as int64, tokenizer name) followed by the
-tokens as uint16, named {prefix}_val_{i:06d}.bin / {prefix}_train_{i:06d}.bin. prepare_fineweb.py writes them.
+tokens as uint16, named shard_name(prefix, split, i) = {prefix}_{split}_{i:06d}.bin. prepare_fineweb.py and
+prepare_demo.py write them.
 
 Batches are consecutive, non-overlapping windows of the token stream in stream order (the authors do not
 shuffle). A batch is a pure function of (step, micro_step, rank), so a resumed run sees exactly the
@@ -40,7 +41,17 @@ MAGIC = 0x42414D31  # "BAM1"
 VERSION = 1
 HEADER_BYTES = 256
 _HEADER = struct.Struct("<IIq32s")  # magic, version, token count, tokenizer name (null-padded ASCII)
-_SHARD_RE = re.compile(r"^(.+)_(train|val)_(\d{6})\.bin$")
+SHARD_RE = re.compile(r"^(.+)_(train|val)_(\d{6})\.bin$")  # prefix, split, index
+
+
+class DataError(ValueError):
+    """A data directory or shard that cannot be used as it is (corrupt, mixed, too short); the message says what
+    to do."""
+
+
+def shard_name(prefix, split, index):
+    """The file name of shard `index` of a split; SHARD_RE parses it back."""
+    return f"{prefix}_{split}_{index:06d}.bin"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,15 +170,15 @@ def _read_header(path):
         raw = f.read(HEADER_BYTES)
     rerun = "rerun the preparation script that wrote it (prepare_fineweb.py resumes and rewrites broken shards)"
     if len(raw) < HEADER_BYTES:
-        raise ValueError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {rerun}")
+        raise DataError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {rerun}")
     magic, version, count, name = _HEADER.unpack_from(raw)
     if magic != MAGIC:
-        raise ValueError(f"{path}: not a bam-gpt token shard (magic {magic:#x}, expected {MAGIC:#x})")
+        raise DataError(f"{path}: not a bam-gpt token shard (magic {magic:#x}, expected {MAGIC:#x})")
     if version != VERSION:
-        raise ValueError(f"{path}: shard format version {version}, this code reads version {VERSION}; {rerun}")
+        raise DataError(f"{path}: shard format version {version}, this code reads version {VERSION}; {rerun}")
     size, expected = os.path.getsize(path), HEADER_BYTES + 2 * count
     if size != expected:
-        raise ValueError(f"{path}: truncated or corrupt shard ({size} bytes, the header promises {count} tokens = "
+        raise DataError(f"{path}: truncated or corrupt shard ({size} bytes, the header promises {count} tokens = "
                          f"{expected} bytes); {rerun}")
     return count, name.rstrip(b"\0").decode("ascii")
 
@@ -176,7 +187,7 @@ def open_shard(path, tokenizer=None):
     """The shard's tokens as a read-only uint16 memmap, after validating the header (and the tokenizer, if given)."""
     count, name = _read_header(path)
     if tokenizer is not None and tokenizer != name:
-        raise ValueError(f"{path} was made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
+        raise DataError(f"{path} was made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
                          f"or prepare the data again with --tokenizer {tokenizer}")
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
 
@@ -195,12 +206,12 @@ def shard_paths(data_dir, split):
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"data directory {data_dir} does not exist; {how}")
     found = sorted((m.group(1), f) for f in os.listdir(data_dir)
-                   if (m := _SHARD_RE.match(f)) and m.group(2) == split)
+                   if (m := SHARD_RE.match(f)) and m.group(2) == split)
     if not found:
         raise FileNotFoundError(f"no {split} shards (*_{split}_NNNNNN.bin) in {data_dir}; {how}")
     prefixes = sorted({p for p, _ in found})
     if len(prefixes) > 1:  # two datasets in one directory would silently be mixed
-        raise ValueError(f"{data_dir} holds {split} shards of several datasets (prefixes {prefixes}); "
+        raise DataError(f"{data_dir} holds {split} shards of several datasets (prefixes {prefixes}); "
                          "keep one dataset per directory")
     return [os.path.join(data_dir, f) for _, f in found]
 
@@ -219,15 +230,15 @@ def _split_extents(data_dir, split, tokenizer=None):
             extents.append((path, count))
     other = "val" if split == "train" else "train"  # train and val must agree too: one model sees both
     for f in sorted(os.listdir(data_dir)):
-        if (m := _SHARD_RE.match(f)) and m.group(2) == other:
+        if (m := SHARD_RE.match(f)) and m.group(2) == other:
             names.setdefault(shard_tokenizer(os.path.join(data_dir, f)), os.path.join(data_dir, f))
     if len(names) > 1:
-        raise ValueError(f"the shards in {data_dir} were made with different tokenizers: "
+        raise DataError(f"the shards in {data_dir} were made with different tokenizers: "
                          + ", ".join(f"{n!r} ({os.path.basename(p)})" for n, p in names.items())
                          + "; keep one dataset per directory")
     name = next(iter(names))
     if tokenizer is not None and tokenizer != name:
-        raise ValueError(f"the shards in {data_dir} were made with the {name!r} tokenizer, not {tokenizer!r}; "
+        raise DataError(f"the shards in {data_dir} were made with the {name!r} tokenizer, not {tokenizer!r}; "
                          f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}")
     return extents, name
 
@@ -277,10 +288,10 @@ class TokenLoader:
         if self.num_windows == 0:
             longest = max(n for _, n in self.extents)
             if split == "val":
-                raise ValueError(f"block_size {block_size} is longer than the validation split ({longest} tokens)")
-            raise ValueError(f"block_size {block_size} is longer than every train shard in {data_dir} "
-                             f"(the longest has {longest} tokens); prepare more data (prepare_fineweb.py "
-                             "--max_tokens) or use a smaller block_size")
+                raise DataError(f"block_size {block_size} is longer than the validation split ({longest} tokens)")
+            raise DataError(f"block_size {block_size} is longer than every train shard in {data_dir} "
+                            f"(the longest has {longest} tokens); prepare more data (prepare_fineweb.py "
+                            "--max_tokens) or use a smaller block_size")
         self.cum_windows = np.cumsum(windows)  # shard s holds windows [cum[s-1], cum[s])
 
     def __len__(self):

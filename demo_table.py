@@ -31,7 +31,7 @@ def load(dirs):
     for d in dirs:
         path = os.path.join(d, "passkey_summary.json")
         if not os.path.exists(path):
-            sys.exit(f"demo_table.py: {path} does not exist; run eval_passkey.py --out {d} first")
+            raise FileNotFoundError(f"{path} does not exist; run eval_passkey.py --out {d} first")
         with open(path) as f:
             rows += json.load(f)
     return rows
@@ -122,7 +122,7 @@ def main(argv=None):
     rows = load(args.dirs)
     table, multiples = collect(rows)
     if not table:
-        sys.exit("demo_table.py: no evaluated (run, length) pair in " + ", ".join(args.dirs))
+        raise ValueError("no evaluated (run, length) pair in " + ", ".join(args.dirs))
     text = markdown(table, multiples, {r["train_length"] for r in rows})
     checks = check(table, multiples)
     if checks:
@@ -135,4 +135,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:  # expected failures: one line, no traceback
+        sys.exit(f"demo_table.py: error: {e}")

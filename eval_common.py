@@ -7,12 +7,21 @@ import csv
 import json
 import math
 import os
-from contextlib import nullcontext
 
 import torch
 
-from data import get_tokenizer
-from model import load_model
+from data import DataError, get_tokenizer
+from model import CheckpointError, load_model
+
+
+class EvalError(ValueError):
+    """An evaluation cannot run as asked (no GPU, checkpoints that cannot be compared, results made with other
+    settings, data too short, ...); the message says what to do."""
+
+
+# What each evaluation's main turns into one line `<script>: error: ...` and exit status 1 (anything else is a bug
+# and keeps its traceback).
+EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError)
 
 
 # ---- options ---------------------------------------------------------------------------------------------
@@ -33,25 +42,21 @@ def pick_device(name="auto"):
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name} was asked for, but this machine has no CUDA GPU; use --device cpu")
+        raise EvalError(f"--device {name} was asked for, but this machine has no CUDA GPU; use --device cpu")
     return name
 
 
-def autocast(device, dtype="auto"):
-    """Autocast context for the chosen precision. float32 (and auto on CPU) runs without autocast."""
-    dev = torch.device(device).type
-    if dtype == "auto":
-        dtype = "bfloat16" if dev == "cuda" else "float32"
-    if dtype == "float32":
-        return nullcontext()
-    return torch.autocast(device_type=dev, dtype=getattr(torch, dtype))
-
-
 def resolve_dtype(device, dtype="auto"):
-    """The precision name that `autocast` uses for this device ("auto" resolved), for logs and result files."""
+    """The precision of --dtype on this device: auto = bfloat16 on CUDA, float32 on CPU (model.autocast takes it)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def model_device(model):
+    """The device of a model's parameters (CPU for a model without any)."""
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------
@@ -63,21 +68,38 @@ def run_label(path):
 
 def load_runs(paths, device):
     """Load every checkpoint; all must share one tokenizer so that they see identical prompts.
-    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt, block_size."""
+    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path, block_size, tokenizer and
+    data_dir (the training data the checkpoint records, or None)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device)
         runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
-                         block_size=model.config.block_size, tokenizer=model.config.tokenizer))
+                         block_size=model.config.block_size, tokenizer=model.config.tokenizer,
+                         data_dir=ckpt.get("config", {}).get("data_dir")))
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
-        raise SystemExit("the checkpoints were trained with different tokenizers "
+        raise EvalError("the checkpoints were trained with different tokenizers "
                          f"({', '.join(r['label'] + ': ' + r['tokenizer'] for r in runs)}); compare them in separate runs")
     labels = [r["label"] for r in runs]
     for i, r in enumerate(runs):  # two run directories with the same name: disambiguate by index
         if labels.count(r["label"]) > 1:
             r["label"] = f"{r['label']}#{i}"
     return runs, get_tokenizer(names.pop())
+
+
+def training_data_dir(runs, data_dir=None):
+    """data_dir if given, else the training data directory that the checkpoints record (they must agree)."""
+    if data_dir:
+        return data_dir
+    recorded = sorted({r["data_dir"] for r in runs if r.get("data_dir")})
+    if not recorded:
+        raise EvalError("the checkpoints record no training data directory; pass --data_dir")
+    if len(recorded) > 1:
+        raise EvalError(f"the checkpoints were trained on different data ({', '.join(recorded)}); pass --data_dir")
+    if not os.path.isdir(recorded[0]):
+        raise EvalError(f"the checkpoints were trained on {recorded[0]!r}, which does not exist from here "
+                        f"({os.getcwd()}); pass --data_dir")
+    return recorded[0]
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
@@ -193,20 +215,20 @@ def write_table(rows, path_prefix):
 def check_settings(jsonl_path, settings):
     """Guard a resumable JSONL against mixing results made with different settings (seed, template, ...).
     The settings live next to it in <jsonl>.settings.json. If the JSONL holds records and the stored settings
-    differ (or are missing), exit with a message naming the differences; otherwise (re)write the settings file."""
+    differ (or are missing), raise EvalError naming the differences; otherwise (re)write the settings file."""
     side = jsonl_path + ".settings.json"
     settings = json.loads(json.dumps(settings))  # normalise (tuples -> lists) so that the comparison is exact
     has_records = os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0
     if has_records:
         if not os.path.exists(side):
-            raise SystemExit(f"{jsonl_path} holds results but no {os.path.basename(side)} says how they were made; "
+            raise EvalError(f"{jsonl_path} holds results but no {os.path.basename(side)} says how they were made; "
                              "use another --out or delete the file to start over")
         with open(side) as f:
             old = json.load(f)
         diff = [f"{k}: {old.get(k, '<absent>')!r} (stored) vs {settings.get(k, '<absent>')!r} (now)"
                 for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
         if diff:
-            raise SystemExit(f"{jsonl_path} was made with other settings, so resuming would mix results:\n  "
+            raise EvalError(f"{jsonl_path} was made with other settings, so resuming would mix results:\n  "
                              + "\n  ".join(diff) + "\nuse another --out, or delete the file to start over")
         return
     os.makedirs(os.path.dirname(os.path.abspath(side)), exist_ok=True)
@@ -276,7 +298,7 @@ def fmt_bytes(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def geometric_lengths(train_len, max_length):
-    """train_len x 1, 2, 4, ... up to max_length (the default length grid of the evaluations)."""
-    n = int(math.floor(math.log2(max(max_length, train_len) / train_len)))
-    return [train_len * 2**k for k in range(n + 1)]
+def geometric_lengths(train_length, max_length):
+    """train_length x 1, 2, 4, ... up to max_length (the default length grid of the evaluations)."""
+    n = int(math.floor(math.log2(max(max_length, train_length) / train_length)))
+    return [train_length * 2**k for k in range(n + 1)]

@@ -57,32 +57,9 @@ import torch
 from tqdm import tqdm
 
 import eval_common as ec
+from model import autocast
+from templates import PASSKEY_TEMPLATES as TEMPLATES, PIECE_SEP
 
-# The ONE home of the passkey templates. Each entry: task, filler, needle (with {pass_key}), question, digits,
-# and optionally sep (the text put in front of every piece after the task; default PIECE_SEP). "paper" is the
-# authors' public protocol, verbatim (their evaluate.py): strings are data, do not edit them.
-TEMPLATES = {
-    "paper": {
-        "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-                "I will quiz you about the important information there.",
-        "filler": "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
-        "needle": "The pass key is {pass_key}. Remember it. {pass_key} is the pass key.",
-        "question": "What is the pass key? The pass key is",
-        "digits": 5,
-    },
-    # The CPU demo (prepare_demo.py trains on exactly these pieces, byte tokenizer): "@" opens the task, the
-    # filler is a closed walk of prepare_demo.CHAIN (training documents use fresh random walks of that chain),
-    # "#" announces the key and "?" asks for it. No separator: every byte is one symbol.
-    "demo": {
-        "task": "@",
-        "filler": "bgnfmheldi",
-        "needle": "#{pass_key}",
-        "question": "?",
-        "digits": 5,
-        "sep": "",
-    },
-}
-PIECE_SEP = " "
 
 PAPER_LENGTHS = [int(x) for x in np.linspace(0, 32768, 10)][1:]  # the authors' public evaluate.py
 # lengths, samples, and what a preset changes in the template (digits, given_digits) and in the precision
@@ -144,11 +121,11 @@ def answer_tokens(enc, key, given_digits=0):
     return answer, n_given
 
 
-def filler_units(enc, template, target_len):
+def filler_units(enc, template, target_length):
     """N of the authors' layout: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
     pieces, sep = _pieces(enc, template)
     widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
-    room = target_len - len(pieces["task"]) - len(widest) - len(pieces["question"])
+    room = target_length - len(pieces["task"]) - len(widest) - len(pieces["question"])
     return max(0, room // len(pieces["filler"]))
 
 
@@ -159,10 +136,10 @@ def min_prompt_length(enc, template):
     return len(pieces["task"]) + len(widest) + len(pieces["question"])
 
 
-def build_prompt(enc, template, target_len, key, k):
+def build_prompt(enc, template, target_length, key, k):
     """The prompt for one sample: k filler units before the needle, N - k after it (N = filler_units).
 
-    Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_len: with a tokenizer where some
+    Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_length: with a tokenizer where some
     key tokenizes longer than the widest one used for N, filler units are dropped after the needle (then before it).
     info: target_length, length (realised), n_filler, k, depth (= k / n_filler, 0 without filler), key,
     needle_start (token index of the needle), n_given (answer tokens given, not scored), answer_text.
@@ -172,22 +149,22 @@ def build_prompt(enc, template, target_len, key, k):
     if len(str(key)) != template["digits"]:
         raise ValueError(f"key {key} does not have {template['digits']} digits")
     needle = _needle(enc, template, sep, key)
-    n = filler_units(enc, template, target_len)
+    n = filler_units(enc, template, target_length)
     if not 0 <= k <= n:
-        raise ValueError(f"depth index k={k} outside [0, {n}] filler units for length {target_len}")
+        raise ValueError(f"depth index k={k} outside [0, {n}] filler units for length {target_length}")
     fixed = len(pieces["task"]) + len(needle) + len(pieces["question"])
-    if fixed > target_len:
-        raise ValueError(f"target length {target_len} is shorter than the prompt without filler ({fixed} tokens)")
+    if fixed > target_length:
+        raise ValueError(f"target length {target_length} is shorter than the prompt without filler ({fixed} tokens)")
     F = len(pieces["filler"])
     after = n - k
-    while fixed + (k + after) * F > target_len:
+    while fixed + (k + after) * F > target_length:
         if after:
             after -= 1
         else:
             k -= 1
     tokens = pieces["task"] + pieces["filler"] * k + needle + pieces["filler"] * after + pieces["question"]
     answer, n_given = answer_tokens(enc, key, template.get("given_digits", 0))
-    info = dict(target_length=int(target_len), length=len(tokens), n_filler=k + after, k=k,
+    info = dict(target_length=int(target_length), length=len(tokens), n_filler=k + after, k=k,
                 depth=k / (k + after) if k + after else 0.0, key=key,
                 needle_start=len(pieces["task"]) + k * F, n_given=n_given, answer_text=" " + str(key))
     return tokens, answer, info
@@ -206,16 +183,16 @@ def depth_indices(n, samples, mode, rng):
     raise ValueError(f"depths must be one of {DEPTH_MODES}, got {mode!r}")
 
 
-def make_samples(enc, template, target_len, samples, depths="equidistant", seed=1234):
+def make_samples(enc, template, target_length, samples, depths="equidistant", seed=1234):
     """All samples of one target length: a list of (prompt, answer, info), info["sample"] = index. The keys (and
-    random depths) come from default_rng([seed, target_len]) alone, so they do not depend on the other lengths."""
-    rng = np.random.default_rng([seed, target_len])
+    random depths) come from default_rng([seed, target_length]) alone, so they do not depend on the other lengths."""
+    rng = np.random.default_rng([seed, target_length])
     d = template["digits"]
     keys = rng.integers(10 ** (d - 1), 10 ** d, size=samples)  # uniform over the d-digit numbers
-    ks = depth_indices(filler_units(enc, template, target_len), samples, depths, rng)
+    ks = depth_indices(filler_units(enc, template, target_length), samples, depths, rng)
     out = []
     for i in range(samples):
-        prompt, answer, info = build_prompt(enc, template, target_len, int(keys[i]), int(ks[i]))
+        prompt, answer, info = build_prompt(enc, template, target_length, int(keys[i]), int(ks[i]))
         info["sample"] = i
         out.append((prompt, answer, info))
     return out
@@ -224,11 +201,6 @@ def make_samples(enc, template, target_len, samples, depths="equidistant", seed=
 # ----------------------------------------------------------------------------------------------------------
 # Scoring
 # ----------------------------------------------------------------------------------------------------------
-def _model_device(model):
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def score_batch(model, prompts, answers, n_given=0):
     """Teacher-forced exact match for prompts of one token length with answers of one length.
 
@@ -239,7 +211,7 @@ def score_batch(model, prompts, answers, n_given=0):
     m = len(answers[0]) - n_given
     if m < 1:
         raise ValueError("nothing to score: every answer token is given")
-    idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=_model_device(model))
+    idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=ec.model_device(model))
     with torch.inference_mode():
         logits, _ = model(idx, logits_at=m)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -324,7 +296,7 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
                 for c in range(0, len(idxs), b):
                     chunk = idxs[c:c + b]
                     t0 = time.perf_counter()
-                    with ec.autocast(device, dtype):
+                    with autocast(device, dtype):
                         results = score_batch(r["model"], [prompts[i][0] for i in chunk],
                                               [prompts[i][1] for i in chunk], n_given)
                     dt = (time.perf_counter() - t0) / len(chunk)
@@ -392,17 +364,17 @@ def _safe(label):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
 
 
-def _train_col(lengths, train_len):
+def _train_col(lengths, train_length):
     """Column coordinate of the training length on a heatmap whose columns are `lengths` (log interpolation)."""
-    if train_len in lengths:
-        return lengths.index(train_len)
-    if train_len < lengths[0]:
+    if train_length in lengths:
+        return lengths.index(train_length)
+    if train_length < lengths[0]:
         return -0.5
-    if train_len > lengths[-1]:
+    if train_length > lengths[-1]:
         return len(lengths) - 0.5
-    j = next(i for i, L in enumerate(lengths) if L > train_len)
+    j = next(i for i, L in enumerate(lengths) if L > train_length)
     lo, hi = math.log(lengths[j - 1]), math.log(lengths[j])
-    return j - 1 + (math.log(train_len) - lo) / (hi - lo)
+    return j - 1 + (math.log(train_length) - lo) / (hi - lo)
 
 
 def make_figures(summary, by_depth, runs, out, depth_bins=10):
@@ -456,9 +428,9 @@ def _int_list(values):
             try:
                 x = int(part)
             except ValueError:
-                raise SystemExit(f"--lengths takes integers (token counts), got {part!r}")
+                raise ec.EvalError(f"--lengths takes integers (token counts), got {part!r}")
             if x < 1:
-                raise SystemExit(f"--lengths must be positive, got {x}")
+                raise ec.EvalError(f"--lengths must be positive, got {x}")
             out.append(x)
     return sorted(set(out))
 
@@ -490,9 +462,9 @@ def main(argv=None):
     preset = PRESETS.get(args.preset, {})
     samples = args.samples or preset.get("samples", DEFAULT_SAMPLES)
     if samples < 1 or args.depth_bins < 1:
-        raise SystemExit("--samples and --depth_bins must be positive")
+        raise ec.EvalError("--samples and --depth_bins must be positive")
     if args.seed < 0:
-        raise SystemExit("--seed must be >= 0")
+        raise ec.EvalError("--seed must be >= 0")
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, preset.get("dtype", "auto") if args.dtype == "auto" else args.dtype)
@@ -536,7 +508,7 @@ def main(argv=None):
                       for r in runs],
                 skipped=skipped, scored_this_call=scored, wall_seconds=round(wall, 2),
                 peak_rss_mib=round(ec.peak_memory_bytes("cpu") / 2**20, 1),
-                peak_gpu_mib=round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                peak_gpu_mib=round(ec.peak_memory_bytes(device) / 2**20, 1)
                 if torch.device(device).type == "cuda" else None,
                 figures=[os.path.basename(p) for p in figures])
     with open(os.path.join(args.out, "passkey_meta.json"), "w") as f:
@@ -549,4 +521,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ec.EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
+        sys.exit(f"eval_passkey.py: error: {e}")

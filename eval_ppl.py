@@ -41,6 +41,7 @@ import argparse
 import hashlib
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -48,9 +49,10 @@ import torch
 from tqdm import tqdm
 
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (ResultLog, add_common_args, autocast, fits_in_memory, fmt_bytes, load_runs, peak_memory_bytes,
-                         pick_device, plot_curves, reset_peak_memory, resolve_dtype, return_freed_memory_to_os,
-                         write_table)
+from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, load_runs,
+                         model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
+                         return_freed_memory_to_os, training_data_dir, write_table)
+from model import autocast
 
 MODES = ("full", "sliding")
 HF_DEFAULT_SEQS = 128  # the authors' public CLI (their Evaluator class used 256)
@@ -65,15 +67,11 @@ def _as_tensor(seq, device):
     return seq.to(device=device, dtype=torch.long)
 
 
-def _device_of(model):
-    return next(model.parameters()).device
-
-
 @torch.no_grad()
 def full_token_losses(model, seq):
     """Full mode: CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1]. Returns a float32
     CPU tensor of seq_len losses; the chunked loss head (reduction="none") never builds a T x vocab tensor."""
-    seq = _as_tensor(seq, _device_of(model))
+    seq = _as_tensor(seq, model_device(model))
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
@@ -96,7 +94,7 @@ def sliding_windows(n, window, stride):
 def sliding_losses(model, seq, window, stride, batch_size=16):
     """Sliding mode: CE of each target of seq (seq_len + 1 tokens), each scored once in the window
     sliding_windows() assigns it. Windows of full length run batch_size at a time. float32 CPU tensor (seq_len,)."""
-    seq = _as_tensor(seq, _device_of(model))
+    seq = _as_tensor(seq, model_device(model))
     x, y = seq[:-1], seq[1:]
     n = x.numel()
     out = torch.empty(n, dtype=torch.float32)
@@ -154,8 +152,8 @@ def val_sequences(data_dir, tokenizer_name, seq_len, keep_eot=False):
     rows = len(tokens) // (seq_len + 1)
     what = f"{len(tokens)} validation tokens{'' if keep_eot else ' (end-of-text removed)'} in {data_dir}"
     if rows == 0:
-        raise SystemExit(f"{what} do not make one sequence of seq_len + 1 = {seq_len + 1} tokens; "
-                         "use a smaller --seq_len or more validation data")
+        raise EvalError(f"{what} do not make one sequence of seq_len + 1 = {seq_len + 1} tokens; "
+                        "use a smaller --seq_len or more validation data")
     desc = f"val:{os.path.abspath(data_dir)}:{'eot' if keep_eot else 'no_eot'}"
     return tokens[:rows * (seq_len + 1)].reshape(rows, seq_len + 1), desc, notes
 
@@ -164,7 +162,7 @@ def parse_hf(spec):
     """'hf:NAME[:CONFIG]' -> (NAME, CONFIG or None)."""
     parts = spec[len("hf:"):].split(":")
     if not parts[0] or len(parts) > 2:
-        raise SystemExit(f"--data {spec!r}: expected hf:NAME or hf:NAME:CONFIG, e.g. hf:wikimedia/wikipedia:20231101.en")
+        raise EvalError(f"--data {spec!r}: expected hf:NAME or hf:NAME:CONFIG, e.g. hf:wikimedia/wikipedia:20231101.en")
     return parts[0], (parts[1] if len(parts) == 2 and parts[1] else None)
 
 
@@ -178,11 +176,11 @@ def hf_texts(name, config, split="train", text_column="text"):
     except StopIteration:
         return
     except Exception as e:
-        raise SystemExit(f"could not stream the Hugging Face dataset {name!r} (config {config!r}): "
-                         f"{type(e).__name__}: {e}\nThis needs network access to huggingface.co; offline, use "
-                         "--data val (the prepared validation split)") from e
+        raise EvalError(f"could not stream the Hugging Face dataset {name!r} (config {config!r}): "
+                        f"{type(e).__name__}: {e}; this needs network access to huggingface.co; offline, use "
+                        "--data val (the prepared validation split)") from e
     if text_column not in first:
-        raise SystemExit(f"{name!r} has no column {text_column!r} (columns: {sorted(first)}); use --text_column")
+        raise EvalError(f"{name!r} has no column {text_column!r} (columns: {sorted(first)}); use --text_column")
     yield first[text_column]
     for row in it:
         yield row[text_column]
@@ -207,10 +205,12 @@ def hf_sequences(texts, tokenizer, seq_len, num_seqs):
     return (np.stack(rows) if rows else np.zeros((0, seq_len + 1), dtype=np.int64)), read
 
 
-def load_sequences(args, tokenizer_name):
+def load_sequences(args, runs):
     """(rows (N, seq_len + 1), data description, notes) for --data, at most --num_seqs rows."""
+    tokenizer_name = runs[0]["tokenizer"]
     if args.data == "val":
-        rows, desc, notes = val_sequences(args.data_dir, tokenizer_name, args.seq_len, args.keep_eot)
+        data_dir = training_data_dir(runs, args.data_dir)
+        rows, desc, notes = val_sequences(data_dir, tokenizer_name, args.seq_len, args.keep_eot)
         wanted = args.num_seqs
     elif args.data.startswith("hf:"):
         name, config = parse_hf(args.data)
@@ -219,10 +219,10 @@ def load_sequences(args, tokenizer_name):
                                   get_tokenizer(tokenizer_name), args.seq_len, wanted)
         desc, notes = f"hf:{name}:{config}", []
         if len(rows) == 0:
-            raise SystemExit(f"none of the {read} texts of {name} ({config}) has seq_len + 1 = {args.seq_len + 1} "
+            raise EvalError(f"none of the {read} texts of {name} ({config}) has seq_len + 1 = {args.seq_len + 1} "
                              "tokens; use a smaller --seq_len")
     else:
-        raise SystemExit(f"--data must be 'val' or 'hf:NAME[:CONFIG]', got {args.data!r}")
+        raise EvalError(f"--data must be 'val' or 'hf:NAME[:CONFIG]', got {args.data!r}")
     if wanted is not None and len(rows) < wanted:
         notes.append(f"asked for {wanted} sequences of {args.seq_len + 1} tokens, the data holds {len(rows)}: "
                      f"using all {len(rows)}")
@@ -265,7 +265,8 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=16,
                    help="sliding mode: windows per forward (halved until it fits in memory)")
     p.add_argument("--data", default="val", help="val, or hf:NAME[:CONFIG] (e.g. hf:wikimedia/wikipedia:20231101.en)")
-    p.add_argument("--data_dir", default="data/fineweb_mistral", help="prepared shards for --data val")
+    p.add_argument("--data_dir", default=None,
+                   help="prepared shards for --data val; default: the training data the checkpoint records")
     p.add_argument("--keep_eot", action="store_true", help="--data val: keep the end-of-text tokens (default: removed)")
     p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
     args = p.parse_args(argv)
@@ -321,76 +322,22 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # nothing here is random; seeded so that nothing ever silently becomes so
     np.random.seed(args.seed)
     runs, _ = load_runs(args.ckpt, device)
-    seqs, data_desc, notes = load_sequences(args, runs[0]["tokenizer"])
+    seqs, data_desc, notes = load_sequences(args, runs)
     for note in notes:
         print(f"note: {note}")
     print(f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of {args.window} tokens; "
           f"device {device}, {dtype}")
-    digests = [seq_digest(r) for r in seqs]
     os.makedirs(args.out, exist_ok=True)
     log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"),
                     ("ckpt", "mode", "data", "seq_len", "window", "context", "stride", "dtype", "seq"))
-    by_key = {log.key(r): r for r in log.records}
-
     rows, series = [], {}
     for run in runs:
-        ckpt = os.path.abspath(run["ckpt_path"])
         for mode in args.mode:
-            context, stride = mode_settings(args, run, mode)
-            name = series_name(run, mode, context, stride)
-            base = dict(run=run["label"], ckpt=ckpt, mode=mode, context=context, stride=stride, window=args.window,
-                        data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype,
-                        train_len=run["block_size"])
-            batch = 1 if mode == "full" else args.batch_size
-            length = args.seq_len if mode == "full" else context
-            ok, need, free = check_memory(run["model"], length, batch, device, args.memory_fraction)
-            while not ok and batch > 1:
-                batch //= 2
-                ok, need, free = check_memory(run["model"], length, batch, device, args.memory_fraction)
-            if not ok:
-                msg = (f"skipped: a forward over {length} tokens needs ~{fmt_bytes(need)}, "
-                       f"{args.memory_fraction:.0%} of free memory is {fmt_bytes(args.memory_fraction * free)}")
-                print(f"{name}: {msg}")
-                rows.append(dict(base, scope="skipped", note=msg))
-                continue
-            key = dict(ckpt=ckpt, mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
-                       context=context, stride=stride, dtype=dtype)
-            records, t0, done_before = [], time.time(), 0
-            reset_peak_memory(device)
-            bar = tqdm(range(len(seqs)), desc=name, unit="seq")
-            for i in bar:
-                rec = by_key.get(log.key(dict(key, seq=i)))
-                if rec is not None:
-                    if rec["tokens_sha1"] != digests[i]:
-                        raise SystemExit(f"{log.path} holds a result for sequence {i} computed on other tokens "
-                                         "(the data changed since); use a fresh --out or delete that file")
-                    done_before += 1
-                else:
-                    t = time.time()
-                    with autocast(device, dtype):
-                        if mode == "full":
-                            losses = full_token_losses(run["model"], seqs[i])
-                        else:
-                            losses = sliding_losses(run["model"], seqs[i], context, stride, batch)
-                    ends, sums, counts = window_sums(losses, args.window)
-                    rec = dict(key, seq=i, tokens_sha1=digests[i], window_ends=ends, loss_sums=sums, counts=counts,
-                               seconds=round(time.time() - t, 3))
-                    log.add(rec)
-                records.append(rec)
-                total = sum(sum(r["loss_sums"]) for r in records) / sum(sum(r["counts"]) for r in records)
-                bar.set_postfix(ppl=f"{math.exp(total):.3f}")
-            bar.close()
-            if done_before:
-                print(f"{name}: {done_before} of {len(seqs)} sequences resumed from {log.path}")
-            out = summarize(records, base)
-            # compute time summed over every sitting; peak memory of this sitting (CPU: the process's peak RSS)
-            out[-1]["seconds"] = round(sum(r["seconds"] for r in records), 3)
-            out[-1]["peak_mem_bytes"] = peak_memory_bytes(device) if done_before < len(seqs) else None
+            out, name = evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log)
             rows += out
             curve = [r for r in out if r["scope"] == "window"]
-            series[name] = ([r["window_end"] for r in curve], [r["ppl"] for r in curve])
-            print(f"{name}: overall ppl {out[-1]['ppl']:.4f} over {out[-1]['n_tokens']} tokens "
-                  f"({time.time() - t0:.1f}s)")
+            if curve:
+                series[name] = ([r["window_end"] for r in curve], [r["ppl"] for r in curve])
 
     prefix = os.path.join(args.out, "ppl_summary")
     write_table(rows, prefix)
@@ -406,13 +353,77 @@ def main(argv=None):
     return rows
 
 
+def fitting_batch(args, run, mode, device):
+    """(batch, ok, needed bytes, free bytes): sliding mode halves --batch_size until a forward fits."""
+    batch = 1 if mode == "full" else args.batch_size
+    length = args.seq_len if mode == "full" else mode_settings(args, run, mode)[0]
+    ok, need, free = check_memory(run["model"], length, batch, device, args.memory_fraction)
+    while not ok and batch > 1:
+        batch //= 2
+        ok, need, free = check_memory(run["model"], length, batch, device, args.memory_fraction)
+    return batch, ok, need, free
+
+
+def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
+    """Score every sequence with one checkpoint in one mode (resuming from `log`). Returns (summary rows, name)."""
+    ckpt = os.path.abspath(run["ckpt_path"])
+    context, stride = mode_settings(args, run, mode)
+    name = series_name(run, mode, context, stride)
+    base = dict(label=run["label"], ckpt=ckpt, mode=mode, context=context, stride=stride, window=args.window,
+                data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
+    batch, ok, need, free = fitting_batch(args, run, mode, device)
+    if not ok:
+        length = args.seq_len if mode == "full" else context
+        msg = (f"skipped: a forward over {length} tokens needs ~{fmt_bytes(need)}, "
+               f"{args.memory_fraction:.0%} of free memory is {fmt_bytes(args.memory_fraction * free)}")
+        print(f"{name}: {msg}")
+        return [dict(base, scope="skipped", note=msg)], name
+    key = dict(ckpt=ckpt, mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
+               context=context, stride=stride, dtype=dtype)
+    by_key = {log.key(r): r for r in log.records}
+    records, t0, done_before = [], time.time(), 0
+    reset_peak_memory(device)
+    bar = tqdm(range(len(seqs)), desc=name, unit="seq")
+    for i in bar:
+        digest = seq_digest(seqs[i])
+        rec = by_key.get(log.key(dict(key, seq=i)))
+        if rec is not None:
+            if rec["tokens_sha1"] != digest:
+                raise EvalError(f"{log.path} holds a result for sequence {i} computed on other tokens "
+                                "(the data changed since); use a fresh --out or delete that file")
+            done_before += 1
+        else:
+            t = time.time()
+            with autocast(device, dtype):
+                if mode == "full":
+                    losses = full_token_losses(run["model"], seqs[i])
+                else:
+                    losses = sliding_losses(run["model"], seqs[i], context, stride, batch)
+            ends, sums, counts = window_sums(losses, args.window)
+            rec = dict(key, seq=i, tokens_sha1=digest, window_ends=ends, loss_sums=sums, counts=counts,
+                       seconds=round(time.time() - t, 3))
+            log.add(rec)
+        records.append(rec)
+        total = sum(sum(r["loss_sums"]) for r in records) / sum(sum(r["counts"]) for r in records)
+        bar.set_postfix(ppl=f"{math.exp(total):.3f}")
+    bar.close()
+    if done_before:
+        print(f"{name}: {done_before} of {len(seqs)} sequences resumed from {log.path}")
+    out = summarize(records, base)
+    # compute time summed over every sitting; peak memory of this sitting (CPU: the process's peak RSS)
+    out[-1]["seconds"] = round(sum(r["seconds"] for r in records), 3)
+    out[-1]["peak_mem_bytes"] = peak_memory_bytes(device) if done_before < len(seqs) else None
+    print(f"{name}: overall ppl {out[-1]['ppl']:.4f} over {out[-1]['n_tokens']} tokens ({time.time() - t0:.1f}s)")
+    return out, name
+
+
 def print_table(rows):
     """Window ends down, one column per checkpoint x mode."""
     names, table = [], {}
     for r in rows:
         if r["scope"] == "skipped":
             continue
-        name = f"{r['run']} {r['mode']}" + (f" W={r['context']} S={r['stride']}" if r["mode"] == "sliding" else "")
+        name = f"{r['label']} {r['mode']}" + (f" W={r['context']} S={r['stride']}" if r["mode"] == "sliding" else "")
         if name not in names:
             names.append(name)
         table.setdefault("overall" if r["scope"] == "overall" else str(r["window_end"]), {})[name] = r["ppl"]
@@ -426,4 +437,7 @@ def print_table(rows):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
+        sys.exit(f"eval_ppl.py: error: {e}")

@@ -51,6 +51,7 @@ import json
 import os
 import random
 import re
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -60,20 +61,16 @@ import torch
 from tqdm import tqdm
 
 from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
-from eval_common import (_plt, add_common_args, autocast, check_settings, fits_in_memory, fmt_bytes,
-                         geometric_lengths, load_runs, pick_device, resolve_dtype, ResultLog, write_table)
+from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
+                         fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, training_data_dir,
+                         write_table)
+from model import autocast
+from templates import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
+                       RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR,
+                       RULER_TEMPLATE as TEMPLATE)
 
-# ---- RULER's strings (scripts/data/synthetic/constants.py and niah.py). Data: do not edit. ------------------
-TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
-            "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
-            "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
-ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
-MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
-NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 TOKENS_TO_GENERATE = 128
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
-SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))  # applied in this order
 
 # scripts/synthetic.yaml. num_needle_k is raised to max(num_k, num_q) when a sample is built (multiquery: 4).
 TASKS = {
@@ -86,7 +83,7 @@ TASKS = {
     "niah_multivalue": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=4, num_needle_q=1),
     "niah_multiquery": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=4),
 }
-KEY_FIELDS = ("run", "ckpt", "task", "length", "sample", "haystack")
+KEY_FIELDS = ("label", "ckpt", "task", "target_length", "sample", "haystack")
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # RULER's SEQ_LENGTHS (scripts/run.sh)
 MAX_ATTEMPTS = 1000
 
@@ -477,9 +474,7 @@ def sample_score(pred, refs):
 def string_match_all(preds, refs):
     """RULER's metric (scripts/eval/synthetic/constants.py): mean over samples of the fraction of references
     contained in the prediction, case-insensitive, x100, rounded to 2 decimals."""
-    score = sum([sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref)
-                 for pred, ref in zip(preds, refs)]) / len(preds) * 100
-    return round(score, 2)
+    return round(sum(sample_score(pred, ref) for pred, ref in zip(preds, refs)) / len(preds) * 100, 2)
 
 
 # ---- the haystack ----------------------------------------------------------------------------------------
@@ -517,8 +512,8 @@ def load_essay(haystack_file, data_dir, max_len):
         try:
             text = val_text(data_dir, 2 * max_len)
         except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"the essay tasks need a haystack: pass --haystack_file (RULER uses Paul Graham's "
-                             f"essays, PaulGrahamEssays.json) or prepared data in --data_dir ({e})")
+            raise EvalError(f"the essay tasks need a haystack: pass --haystack_file (RULER uses Paul Graham's "
+                            f"essays, PaulGrahamEssays.json) or prepared data in --data_dir ({e})") from e
         where = f"val:{os.path.abspath(data_dir)}"
     digest = hashlib.sha1(text.encode("utf-8", "replace")).hexdigest()[:8]
     return Essay(text, f"essay:{where}@{digest}")
@@ -531,12 +526,13 @@ def haystack_label(task, essay):
 
 # ---- summary and figure ----------------------------------------------------------------------------------
 def summarize(records, runs, tasks, lengths, n_samples, skipped):
-    """Rows (run, task, length) with RULER's score over this configuration's records, then an "average" row per
-    (run, length) over the tasks scored there. `skipped` maps (run label or None, task or None, length) to why."""
+    """Rows (label, task, target_length) with RULER's score over this configuration's records, then an "average"
+    row per (label, target_length) over the tasks scored there. `skipped` maps (run label or None, task or None,
+    length) to why."""
     by = {}
     for r in records:
         if r["sample"] < n_samples:
-            by.setdefault((r["run"], r["task"], r["length"]), []).append(r)
+            by.setdefault((r["label"], r["task"], r["target_length"]), []).append(r)
     rows = []
     for run in runs:
         for length in lengths:
@@ -544,7 +540,7 @@ def summarize(records, runs, tasks, lengths, n_samples, skipped):
             for task in tasks:
                 recs = sorted(by.get((run["label"], task, length), []), key=lambda r: r["sample"])
                 why = skipped.get((run["label"], None, length)) or skipped.get((None, task, length))
-                row = dict(run=run["label"], task=task, length=length, train_length=run["block_size"],
+                row = dict(label=run["label"], task=task, target_length=length, train_length=run["block_size"],
                            haystack=recs[0]["haystack"] if recs else None, samples=len(recs), score=None,
                            mean_input_tokens=None, status=why or "missing")
                 if recs:
@@ -553,7 +549,7 @@ def summarize(records, runs, tasks, lengths, n_samples, skipped):
                                status="ok" if len(recs) == n_samples else "partial")
                     scored.append(row["score"])
                 rows.append(dict(row, ckpt=run["ckpt_path"]))
-            rows.append(dict(run=run["label"], task="average", length=length, train_length=run["block_size"],
+            rows.append(dict(label=run["label"], task="average", target_length=length, train_length=run["block_size"],
                              haystack=None, samples=None,
                              score=round(sum(scored) / len(scored), 2) if scored else None,
                              mean_input_tokens=None, status=f"{len(scored)}/{len(tasks)} tasks",
@@ -570,8 +566,8 @@ def plot_scores(rows, runs, tasks, path):
                              squeeze=False)
     for ax, run in zip(axes.ravel(), runs):
         for task in tasks + ["average"]:
-            pts = sorted((r["length"], r["score"]) for r in rows
-                         if r["run"] == run["label"] and r["task"] == task and r["score"] is not None)
+            pts = sorted((r["target_length"], r["score"]) for r in rows
+                         if r["label"] == run["label"] and r["task"] == task and r["score"] is not None)
             if not pts:
                 continue
             xs, ys = zip(*pts)
@@ -600,7 +596,7 @@ def print_table(rows, runs, tasks, lengths):
         print(f"\n{run['label']} (train length {run['block_size']}): string_match_all, % by length")
         print(f"{'task':<18}" + "".join(f"{L:>9}" for L in lengths))
         for task in tasks + ["average"]:
-            cells = {r["length"]: r["score"] for r in rows if r["run"] == run["label"] and r["task"] == task}
+            cells = {r["target_length"]: r["score"] for r in rows if r["label"] == run["label"] and r["task"] == task}
             print(f"{task:<18}" + "".join(f"{'-' if cells.get(L) is None else cells[L]:>9}" for L in lengths))
 
 
@@ -621,7 +617,8 @@ def parse_args(argv):
     p.add_argument("--haystack_file", default=None,
                    help="essay haystack: RULER's PaulGrahamEssays.json, a JSON list, or plain text; "
                         "default: text decoded from the validation shard in --data_dir")
-    p.add_argument("--data_dir", default="data/fineweb_mistral")
+    p.add_argument("--data_dir", default=None, help="prepared data for the essay haystack (when no --haystack_file); "
+                                                    "default: the training data the checkpoint records")
     p.add_argument("--no_newline_stop", action="store_true",
                    help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)")
     args = p.parse_args(argv)
@@ -653,14 +650,16 @@ def main(argv=None):
     tasks = args.tasks
     essay = None
     if any(TASKS[t]["type_haystack"] == "essay" for t in tasks):
-        essay = load_essay(args.haystack_file, args.data_dir, max(lengths))
+        data_dir = None if args.haystack_file else training_data_dir(runs, args.data_dir)
+        essay = load_essay(args.haystack_file, data_dir, max(lengths))
         print(f"essay haystack: {essay.label} ({len(essay.words)} words, {len(essay.ends)} sentences)")
     stop_rule = "eot" if args.no_newline_stop else "eot_or_newline"
     newline_ids = None if args.no_newline_stop else newline_tokens(enc)
     stop_ids = {enc.eot_token} | (newline_ids or set())
     jsonl = os.path.join(args.out, "ruler_samples.jsonl")
     # what makes records comparable; the haystack, checkpoint, task and length are in every record's key
-    check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=resolve_dtype(device, args.dtype),
+    dtype = resolve_dtype(device, args.dtype)
+    check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=dtype,
                                tokenizer=runs[0]["tokenizer"], tokens_to_generate=TOKENS_TO_GENERATE,
                                words=words_digest()))
     log = ResultLog(jsonl, KEY_FIELDS)
@@ -698,7 +697,7 @@ def main(argv=None):
                 idx = torch.tensor([s["input_ids"]], dtype=torch.long, device=device)
                 for run in pending:
                     t0 = time.time()
-                    with autocast(device, args.dtype):
+                    with autocast(device, dtype):
                         out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
                     text, stop = decode_output(out, enc, newline_ids)
                     pred = postprocess_pred(text)
@@ -711,9 +710,9 @@ def main(argv=None):
                     bar.update(1)
             bar.close()
 
-    mine = [r for r in log.records if r["task"] in tasks and r["length"] in lengths
+    mine = [r for r in log.records if r["task"] in tasks and r["target_length"] in lengths
             and r["haystack"] == haystack_label(r["task"], essay)
-            and any(r["run"] == x["label"] and r["ckpt"] == x["ckpt_path"] for x in runs)]
+            and any(r["label"] == x["label"] and r["ckpt"] == x["ckpt_path"] for x in runs)]
     rows = summarize(mine, runs, tasks, lengths, args.samples, skipped)
     write_table(rows, os.path.join(args.out, "ruler_summary"))
     plot_scores(rows, runs, tasks, os.path.join(args.out, "ruler_scores.png"))
@@ -724,4 +723,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
+        sys.exit(f"eval_ruler.py: error: {e}")

@@ -12,6 +12,7 @@ Also here: checkpoint save/load (the one place), the size presets, the optimizer
 """
 import os
 import re
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -43,7 +44,8 @@ class GPTConfig:
     pos_encoding: str = "bam"        # nope | sinusoidal | rope | alibi | bam
     ssmax: bool = True               # Scalable-Softmax: logits * s_h * log(n_i)
     ssmax_init: float = 1.0          # s starts at 1.0 in the authors' code (spec §4)
-    ssmax_prior: bool = True         # BAM+SSMax scales content AND prior, (l + B) * s log n (the authors' default)
+    ssmax_prior: bool = True         # BAM+SSMax scales content AND prior, (l + B) * s log n (the authors' default);
+                                     # attention() takes it as scale_prior
     bam_init: str = "zero"           # zero (theta_alpha = theta_beta = 0, NoPE-equivalent) | alibi | linear | "A,B"
     train_mu: bool = False           # theta_mu is frozen at 0 in the paper (mu = 0)
     rope_theta: float = 500000.0
@@ -356,10 +358,35 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Precision and the GPU's peak: one home for train.py, bench.py and the evaluations
+# ----------------------------------------------------------------------------------------------------------
+def autocast(device, dtype):
+    """The autocast context of a precision name (bfloat16 | float16 | float32); float32 runs without autocast."""
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, dtype))
+
+
+# bf16 dense tensor-core peak per GPU, matched against torch.cuda.get_device_name() in this order (for MFU)
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989.5e12),
+                   ("H200", 989.5e12), ("GH200", 989.5e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12),
+                   ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A6000", 154.8e12), ("A10G", 70e12),
+                   ("A10", 125e12), ("RTX 4090", 165.2e12), ("RTX 3090", 71e12)]
+
+
+def peak_flops(device_name):
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Checkpoints: the one place that writes and reads them. A checkpoint is a dict with "model_args" (the
 # GPTConfig as a dict), "model" (a clean state_dict) and whatever the trainer adds (optimizer, step, RNG, ...).
 # ----------------------------------------------------------------------------------------------------------
 CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A file that is not a readable bam-gpt checkpoint, or one that does not fit the model asked for."""
 
 
 def unwrap(model):
@@ -378,16 +405,27 @@ def save_checkpoint(path, model, **extra):
     os.replace(tmp, path)
 
 
+def checkpoint_name(step):
+    return f"ckpt_{step:07d}.pt"
+
+
+def checkpoints(run_dir):
+    """[(step, path)] of the checkpoints in a run directory, oldest first ([] if there is no such directory)."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted((int(m.group(1)), os.path.join(run_dir, f)) for f in os.listdir(run_dir) if (m := CKPT_RE.match(f)))
+
+
 def find_checkpoint(path):
     """A checkpoint file, or the newest ckpt_<step>.pt inside a run directory."""
     if os.path.isfile(path):
         return path
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py")
-    steps = sorted((int(m.group(1)), f) for f in os.listdir(path) if (m := CKPT_RE.match(f)))
-    if not steps:
+    found = checkpoints(path)
+    if not found:
         raise FileNotFoundError(f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?")
-    return os.path.join(path, steps[-1][1])
+    return found[-1][1]
 
 
 def load_checkpoint(path, map_location="cpu"):
@@ -396,10 +434,10 @@ def load_checkpoint(path, map_location="cpu"):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise RuntimeError(f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
-                           "is it a bam-gpt checkpoint and fully written?") from e
+        raise CheckpointError(f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
+                              "is it a bam-gpt checkpoint and fully written?") from e
     if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
-        raise RuntimeError(f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')")
+        raise CheckpointError(f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')")
     ckpt["path"] = path
     return ckpt
 
@@ -424,7 +462,7 @@ def load_state(model, ckpt):
     shapes = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in ckpt["model"].items()
               if k in own and v.shape != own[k].shape]
     if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: missing {missing[:8]}, "
+        raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}, shape mismatches {shapes[:8]}")
     raw.load_state_dict(ckpt["model"])
 
@@ -435,7 +473,8 @@ def load_model(path, device="cpu"):
     known = {f.name for f in fields(GPTConfig)}
     unknown = set(ckpt["model_args"]) - known
     if unknown:
-        raise ValueError(f"checkpoint {ckpt['path']!r} has model settings this code does not know: {sorted(unknown)}")
+        raise CheckpointError(f"checkpoint {ckpt['path']!r} has model settings this code does not know: "
+                              f"{sorted(unknown)}")
     model = GPT(GPTConfig(**ckpt["model_args"]))
     load_state(model, ckpt)
     return model.to(device).eval(), ckpt

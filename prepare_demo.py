@@ -4,8 +4,9 @@ The CPU demo's data: a synthetic passkey-retrieval corpus in the repo's shard fo
     python prepare_demo.py [--out_dir data/demo] [--seed 0] [--block_size 64] [--train_windows 65536]
                            [--val_windows 512] [--min_doc_len 24] [--docs_per_window 0.5,0.3,0.2]
 
-Every document is one passkey prompt written with the byte tokenizer and the "demo" template of eval_passkey.py
-(the one home of the passkey templates), so that the model is evaluated on exactly the format it was trained on:
+Every document is one passkey prompt written with the byte tokenizer and the "demo" template of templates.py
+(the one home of the passkey templates, which eval_passkey.py reads too), so that the model is evaluated on
+exactly the format it was trained on:
 
     <|endoftext|> task  filler...  needle("#12345")  filler...  question("?")  " 12345"
 
@@ -34,8 +35,8 @@ import sys
 
 import numpy as np
 
-from data import EOT, get_tokenizer, write_shard
-from eval_passkey import PIECE_SEP, TEMPLATES
+from data import EOT, get_tokenizer, shard_name, write_shard
+from templates import PASSKEY_TEMPLATES, PIECE_SEP
 
 TOKENIZER = "byte"
 TEMPLATE = "demo"
@@ -49,7 +50,7 @@ LETTERS = sorted(CHAIN)
 
 
 def template():
-    t = TEMPLATES[TEMPLATE]
+    t = PASSKEY_TEMPLATES[TEMPLATE]
     return t, t.get("sep", PIECE_SEP)
 
 
@@ -176,8 +177,9 @@ def main(argv=None):
         ap.error("--docs_per_window needs non-negative probabilities with a positive sum")
     t, _ = template()
     if not is_walk(t["filler"], closed=True):
-        sys.exit(f"eval_passkey.TEMPLATES[{TEMPLATE!r}]['filler'] = {t['filler']!r} is not a closed walk of "
-                 "prepare_demo.CHAIN; the evaluation filler would be out of the training distribution")
+        sys.exit(f"prepare_demo.py: error: templates.PASSKEY_TEMPLATES[{TEMPLATE!r}]['filler'] = {t['filler']!r} "
+                 "is not a closed walk of prepare_demo.CHAIN; the evaluation filler would be out of the training "
+                 "distribution")
     shortest = min_document_length()
     if args.min_doc_len < shortest + 1:
         ap.error(f"--min_doc_len must be at least {shortest + 1} (the template's pieces take {shortest} tokens)")
@@ -189,7 +191,7 @@ def main(argv=None):
     for split, index, n in (("val", 0, args.val_windows), ("train", 1, args.train_windows)):
         rng = np.random.default_rng([args.seed, index])  # independent streams per split
         tokens = make_stream(rng, n, args.block_size, args.min_doc_len, docs_per_window)
-        path = os.path.join(args.out_dir, f"demo_{split}_{index:06d}.bin")
+        path = os.path.join(args.out_dir, shard_name("demo", split, index))
         write_shard(path, tokens, TOKENIZER)
         written[split] = dict(path=path, windows=n, tokens=int(tokens.size),
                               documents=int((tokens[:-1] == EOT[TOKENIZER]).sum()))

@@ -33,15 +33,15 @@ import json
 import multiprocessing as mp
 import os
 import re
+import sys
 import time
 
 import numpy as np
 from tqdm import tqdm
 
-from data import (DOC_START, EOT, GAP_TOKENS, TOKENIZERS, VAL_TOKENS, VOCAB_SIZE, get_tokenizer, open_shard,
-                  write_shard)
+from data import (DOC_START, EOT, GAP_TOKENS, SHARD_RE, TOKENIZERS, VAL_TOKENS, VOCAB_SIZE, DataError, get_tokenizer,
+                  open_shard, shard_name, write_shard)
 
-SHARD_RE = re.compile(r"^.+_(train|val)_\d{6}\.bin$")
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 FINEWEB_MAX_TOKENS = 11_900_000_000  # config/bam_120m.py's 11,796,480,000 training tokens + validation + spare
 LEGACY_SETTINGS = {"gap_tokens": 0}  # what a ledger written before a setting existed did
@@ -92,9 +92,10 @@ def expand_files(patterns):
             raise FileNotFoundError(f"--local_files: no file matches {pat!r}")
         for f in hits:
             if file_format(f) is None:
-                raise ValueError(f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} (optionally .gz/.zst/.bz2/.xz)")
+                raise DataError(f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} "
+                                "(optionally .gz/.zst/.bz2/.xz)")
             if os.path.getsize(f) == 0:  # caught here: datasets' json builder fails on it with a bare StopIteration
-                raise ValueError(f"--local_files: {f} is empty")
+                raise DataError(f"--local_files: {f} is empty")
         files += hits
     return files
 
@@ -120,7 +121,7 @@ def source_rows(args):
     for ds, column in streams:
         for row in ds:
             if column not in row:
-                raise KeyError(f"no column {column!r} in the data (columns: {sorted(row)}); use --text_column")
+                raise DataError(f"no column {column!r} in the data (columns: {sorted(row)}); use --text_column")
             yield row[column]
 
 
@@ -130,12 +131,8 @@ def tokenize(tokenizer_name, text):
         return np.zeros(0, dtype=np.uint16)
     toks = np.array(get_tokenizer(tokenizer_name).document(text), dtype=np.int64)
     if toks.max() >= 65536:
-        raise ValueError(f"token id {toks.max()} does not fit the uint16 shards (tokenizer {tokenizer_name})")
+        raise DataError(f"token id {toks.max()} does not fit the uint16 shards (tokenizer {tokenizer_name})")
     return toks.astype(np.uint16)
-
-
-def shard_name(args, index):
-    return f"{args.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
 def planned_size(args, index):
@@ -163,7 +160,7 @@ def reusable_shards(args, settings, meta_path):
     differ = {k: (old.get(k, LEGACY_SETTINGS.get(k)), v) for k, v in settings.items()
               if k != "max_tokens" and old.get(k, LEGACY_SETTINGS.get(k)) != v}
     if differ:
-        raise ValueError(f"{args.out_dir} holds a preparation with other settings ("
+        raise DataError(f"{args.out_dir} holds a preparation with other settings ("
                          + ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
                          + "); choose another --out_dir, or delete its shards and meta.json to start over")
     keep, end = [], 0
@@ -180,6 +177,90 @@ def reusable_shards(args, settings, meta_path):
         keep.append(entry)
         end += entry["tokens"]
     return keep, meta
+
+
+class ShardWriter:
+    """Fills the shards in order (val first, then train, each of its planned size) and records every finished one
+    in the ledger, meta.json, with where in the source stream the next one starts."""
+
+    def __init__(self, args, meta, meta_path):
+        self.args, self.meta, self.meta_path = args, meta, meta_path
+        self.index = len(meta["shards"])
+        self._new_shard()
+
+    def _new_shard(self):
+        self.buf, self.fill = np.empty(planned_size(self.args, self.index), dtype=np.uint16), 0
+        self.skip = self.args.gap_tokens if self.index == 1 else 0  # the gap follows the validation shard
+
+    def drop(self, n):
+        """Skip up to n tokens of the gap between validation and training (in no split). Returns the count skipped."""
+        n = min(n, self.skip)
+        self.skip -= n
+        return n
+
+    def add(self, toks, limit):
+        """Copy as much of toks as fits the current shard and `limit` more tokens. Returns the count copied."""
+        take = min(len(toks), len(self.buf) - self.fill, limit)
+        self.buf[self.fill:self.fill + take] = toks[:take]
+        self.fill += take
+        return take
+
+    def full(self):
+        return self.fill == len(self.buf)
+
+    def flush(self, next_doc, next_offset):
+        args, start = self.args, DOC_START[self.args.tokenizer]
+        name = shard_name(args.prefix, "val" if self.index == 0 else "train", self.index)
+        tokens = self.buf[:self.fill]
+        write_shard(os.path.join(args.out_dir, name), tokens, args.tokenizer)
+        self.meta["shards"].append(dict(file=name, tokens=self.fill, documents=int(np.count_nonzero(tokens == start)),
+                                        next_doc=next_doc, next_offset=next_offset))
+        write_json(self.meta_path, self.meta)
+        self.index += 1
+        self._new_shard()
+
+
+def tokenize_into(args, writer, start_doc, start_offset, done):
+    """Tokenize the source from row start_doc (skipping the first start_offset tokens of that row, which the kept
+    shards hold) into the writer, up to --max_tokens. Returns (tokens in total, documents read, time of the first
+    document)."""
+    total, docs, t_first, nxt = done, 0, None, (start_doc, start_offset)
+    rows = itertools.islice(source_rows(args), start_doc, None)
+    first = next(rows, StopIteration)  # opens the source: a missing column fails here, before the progress bar
+    rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
+    work = functools.partial(tokenize, args.tokenizer)
+    pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
+    bar = tqdm(total=args.max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"tokenizing -> {args.out_dir}")
+    try:
+        for row, toks in enumerate(pool.imap(work, rows, chunksize=16) if pool else map(work, rows), start=start_doc):
+            if total == args.max_tokens:
+                break
+            t_first = t_first or time.time()
+            if row == start_doc:
+                toks = toks[start_offset:]  # the part of this document already in the kept shards
+            if len(toks) == 0:
+                continue
+            docs += 1
+            pos = 0
+            while pos < len(toks) and total != args.max_tokens:
+                if writer.skip:
+                    pos += writer.drop(len(toks) - pos)
+                    continue
+                take = writer.add(toks[pos:], (args.max_tokens or np.inf) - total)
+                pos, total = pos + take, total + take
+                bar.update(take)
+                nxt = (row, pos) if pos < len(toks) else (row + 1, 0)  # where the stream continues
+                if writer.full():
+                    writer.flush(*nxt)
+            if docs % 1000 == 0:
+                bar.set_postfix(docs=f"{docs:,}", refresh=False)
+    finally:
+        bar.close()
+        if pool:
+            pool.terminate()
+    if writer.fill:
+        writer.flush(*nxt)  # the source ended (or --max_tokens was reached) inside this shard
+    return total, docs, t_first
 
 
 def main(argv=None):
@@ -208,63 +289,11 @@ def main(argv=None):
     start_doc, start_offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     if shards:
         print(f"resuming after {len(shards)} complete shards ({done:,} tokens): skipping {start_doc:,} source rows")
-    index = len(shards)
-    buf, fill = np.empty(planned_size(args, index), dtype=np.uint16), 0
-    total, docs, t0, t_first = done, 0, time.time(), None
-    skip = args.gap_tokens if index == 1 else 0  # the gap follows the validation shard (a resume may start there)
-
-    def flush(next_doc, next_offset):
-        nonlocal buf, fill, index, skip
-        name = shard_name(args, index)
-        write_shard(os.path.join(args.out_dir, name), buf[:fill], args.tokenizer)
-        docs_in = int(np.count_nonzero(buf[:fill] == DOC_START[args.tokenizer]))
-        shards.append(dict(file=name, tokens=fill, documents=docs_in, next_doc=next_doc, next_offset=next_offset))
-        write_json(meta_path, meta)
-        index += 1
-        buf, fill = np.empty(planned_size(args, index), dtype=np.uint16), 0
-        skip = args.gap_tokens if index == 1 else 0
-
-    rows = itertools.islice(source_rows(args), start_doc, None)
-    work = functools.partial(tokenize, args.tokenizer)
-    pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
-    try:
-        results = pool.imap(work, rows, chunksize=16) if pool else map(work, rows)
-        bar = tqdm(total=args.max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"tokenizing -> {args.out_dir}")
-        for row, toks in enumerate(results, start=start_doc):
-            if total == args.max_tokens:
-                break
-            t_first = t_first or time.time()
-            if row == start_doc:
-                toks = toks[start_offset:]  # the part of this document already in the kept shards
-            if len(toks) == 0:
-                continue
-            docs += 1
-            pos = 0
-            while pos < len(toks):
-                if skip:  # the gap: these tokens are in no split
-                    drop = min(skip, len(toks) - pos)
-                    pos, skip = pos + drop, skip - drop
-                    continue
-                take = min(len(toks) - pos, len(buf) - fill, (args.max_tokens or np.inf) - total)
-                buf[fill:fill + take] = toks[pos:pos + take]
-                fill, pos, total = fill + take, pos + take, total + take
-                bar.update(take)
-                nxt = (row, pos) if pos < len(toks) else (row + 1, 0)  # where the stream continues
-                if fill == len(buf):
-                    flush(*nxt)
-                if total == args.max_tokens:
-                    break
-            if docs % 1000 == 0:
-                bar.set_postfix(docs=f"{docs:,}", refresh=False)
-        bar.set_postfix(docs=f"{docs:,}")
-        bar.close()
-    finally:
-        if pool:
-            pool.terminate()
-    if fill:
-        flush(*nxt)  # the source ended (or --max_tokens was reached) inside this shard
+    t0 = time.time()
+    total, docs, t_first = tokenize_into(args, ShardWriter(args, meta, meta_path), start_doc, start_offset, done)
     if not shards:
-        raise ValueError(f"the source has no text: no tokens were written ({source}); check the input and --text_column")
+        raise DataError(f"the source has no text: no tokens were written ({source}); check the input and "
+                        "--text_column")
     ours = {s["file"] for s in shards}
     for f in os.listdir(args.out_dir):  # shards of an earlier, longer preparation that this one no longer reaches
         if SHARD_RE.match(f) and f.startswith(args.prefix + "_") and f not in ours:
@@ -284,4 +313,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (DataError, FileNotFoundError, FileExistsError) as e:  # expected failures: a message, no traceback
+        sys.exit(f"prepare_fineweb.py: error: {e}")

@@ -214,7 +214,7 @@ def test_prepare_input_errors(tmp_path):
     with pytest.raises(ValueError, match="no text"):
         prepare(tmp_path / "d1", [blank])
     (tmp_path / "other.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(KeyError, match="--text_column"):
+    with pytest.raises(ValueError, match="--text_column"):
         prepare(tmp_path / "d2", [str(tmp_path / "other.jsonl")])
     assert os.listdir(tmp_path / "d2") == ["meta.json"]  # nothing half-written
     os.makedirs(tmp_path / "d3")

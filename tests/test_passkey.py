@@ -328,7 +328,7 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
     run_main(out, ckpts, *args, "--lengths", "400", "700", "1000")  # a new length: only it is evaluated
     assert oracle_forward.samples == 10
 
-    with pytest.raises(SystemExit, match="seed"):  # other prompts: refuse to mix them into these results
+    with pytest.raises(eval_common.EvalError, match="seed"):  # other prompts: refuse to mix them into these results
         run_main(out, ckpts, *args, "--seed", "7")
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import eval_ppl
 from data import EOT, write_shard
+from eval_common import EvalError
 from eval_ppl import (full_token_losses, hf_sequences, sliding_losses, sliding_windows, window_losses, window_sums)
 from model import GPT, GPTConfig, save_checkpoint
 
@@ -130,9 +131,9 @@ def test_hf_offline_is_a_clear_error(monkeypatch):
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'wikimedia/wikipedia' on the Hub")
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(SystemExit, match="network access"):
+    with pytest.raises(EvalError, match="network access"):
         list(eval_ppl.hf_texts("wikimedia/wikipedia", "20231101.en"))
-    with pytest.raises(SystemExit, match="hf:NAME"):
+    with pytest.raises(EvalError, match="hf:NAME"):
         eval_ppl.parse_hf("hf:")
 
 
@@ -220,7 +221,7 @@ def test_fewer_sequences_than_asked_and_none_at_all(setup, capsys):
     n_avail = (setup["tokens"] != EOT["byte"]).sum() // 101
     assert rows[-1]["n_seqs"] == n_avail and rows[-1]["n_tokens"] == 100 * n_avail
     assert f"the data holds {n_avail}" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="do not make one sequence"):
+    with pytest.raises(EvalError, match="do not make one sequence"):
         eval_ppl.main(argv(setup) + ["--seq_len", "100000"])
 
 

@@ -15,6 +15,7 @@ import tiktoken
 import torch
 
 import eval_ruler as R
+from eval_common import EvalError
 import model as model_mod
 from data import get_tokenizer, tiktoken_tokenizer, write_shard
 from model import GPT, GPTConfig, save_checkpoint
@@ -369,7 +370,7 @@ def test_haystack_files(tmp_path):
     write_shard(str(tmp_path / "demo_val_000000.bin"), toks, "byte")
     essay = R.load_essay(None, str(tmp_path), 10_000)
     assert essay.label.startswith(f"essay:val:{tmp_path}@") and " ".join(essay.words) == " ".join(docs)
-    with pytest.raises(SystemExit):
+    with pytest.raises(EvalError, match="--haystack_file"):
         R.load_essay(None, str(tmp_path / "missing"), 1000)
 
 
@@ -392,22 +393,22 @@ def test_end_to_end(tmp_path):
     recs = [json.loads(l) for l in open(out / "ruler_samples.jsonl")]
     assert len(recs) == 2 * 2 * 2  # runs x tasks x samples; 256 is too short for both prompts
     for r in recs:
-        assert r["length"] == 640 and r["input_tokens"] + 128 <= 640 and 0 <= r["score"] <= 1
+        assert r["target_length"] == 640 and r["input_tokens"] + 128 <= 640 and 0 <= r["score"] <= 1
         assert r["haystack"] == ("noise" if r["task"] == "niah_single_1" else ESSAY_LABEL(tmp_path))
         assert r["stop"] in ("eot", "newline", "budget") and r["gen_tokens"] <= 128
-        assert {"task", "length", "sample", "input_tokens", "needles", "answers", "output", "score"} <= set(r)
+        assert {"task", "target_length", "sample", "input_tokens", "needles", "answers", "output", "score"} <= set(r)
     # both checkpoints were asked the very same questions
     by_run = {run: {(r["task"], r["sample"]): (r["input_tokens"], r["needles"], r["answers"])
-                    for r in recs if r["run"] == run} for run in ("runA", "runB")}
+                    for r in recs if r["label"] == run} for run in ("runA", "runB")}
     assert by_run["runA"] == by_run["runB"]
     summary = json.load(open(out / "ruler_summary.json"))
     assert summary == json.loads(json.dumps(rows))
     assert len(summary) == 2 * 2 * 3  # runs x lengths x (2 tasks + average)
-    skipped = [r for r in summary if r["length"] == 256 and r["task"] != "average"]
+    skipped = [r for r in summary if r["target_length"] == 256 and r["task"] != "average"]
     assert all(r["score"] is None and r["status"].startswith("skipped: the prompt") for r in skipped)
-    scored = [r for r in summary if r["length"] == 640 and r["task"] != "average"]
+    scored = [r for r in summary if r["target_length"] == 640 and r["task"] != "average"]
     for r in scored:
-        mine = [x for x in recs if x["run"] == r["run"] and x["task"] == r["task"]]
+        mine = [x for x in recs if x["label"] == r["label"] and x["task"] == r["task"]]
         assert r["status"] == "ok" and r["samples"] == 2
         assert r["score"] == R.string_match_all([x["pred"] for x in mine], [x["answers"] for x in mine])
     with open(out / "ruler_summary.csv") as f:
@@ -416,7 +417,7 @@ def test_end_to_end(tmp_path):
     # resuming redoes nothing; other settings into the same file are refused
     R.main(argv)
     assert len(open(out / "ruler_samples.jsonl").readlines()) == len(recs)
-    with pytest.raises(SystemExit):
+    with pytest.raises(EvalError, match="other settings"):
         R.main(argv + ["--seed", "7"])
 
 

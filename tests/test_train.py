@@ -163,7 +163,7 @@ def test_paper_config_has_the_papers_parameter_count():
     assert c["data_dir"] == "data/fineweb_mistral" and c["allow_data_repeat"] is False
     vocab = get_tokenizer("mistral").n_vocab
     assert vocab == 32768
-    model = GPT(GPTConfig(**train.model_args_from(c, vocab, "mistral")))
+    model = GPT(GPTConfig(**train.model_args(c, vocab, "mistral")))
     assert model.config.padded_vocab_size == 32768 and model.num_params() == 121_130_496
     assert round(model.num_params() / 1e6, 2) == 121.13
 
@@ -316,3 +316,22 @@ def test_bench_smoke(tmp_path):
     assert set(saved["variants"]) == {f"{p}{'+ssmax' if s else ''}" for p, s in VARIANTS} == set(results)
     assert saved["ratio_bam_ssmax_vs_nope"] == results["bam+ssmax"]["median_ms"] / results["nope"]["median_ms"] > 0
     assert all(len(v["ms"]) == 2 for v in saved["variants"].values())
+
+
+def test_wandb_logging_on_request(data_dir, tmp_path, monkeypatch):
+    """--wandb_log=True sends every metrics record (its numbers) to wandb, named after out_dir; off by default."""
+    import importlib.machinery
+    import types
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda data, step: calls.append(("log", step, data))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train.main(tiny(data_dir, tmp_path / "off", max_iters=2, eval_interval=2, ckpt_interval=2))
+    assert calls == []
+    train.main(tiny(data_dir, tmp_path / "on", max_iters=2, eval_interval=2, ckpt_interval=2, wandb_log=True))
+    (_, init), *logs = calls
+    assert init["name"] == "on" and init["project"] == "bam-gpt" and init["config"]["max_iters"] == 2
+    assert [step for _, step, _ in logs] == [m["step"] for m in metrics(tmp_path / "on")] == [0, 1, 2]
+    assert logs[-1][2]["val_loss"] == metrics(tmp_path / "on")[-1]["val_loss"] and "train_loss" in logs[-1][2]
