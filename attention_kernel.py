@@ -495,6 +495,9 @@ if triton is not None:
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+            if NEED_PRIOR_GRAD:  # issued with the K/V loads, so that they are pipelined like them
+                b_lnx = _prior_tile(qpos[:, None], offs_n[None, :], dtab, d0)  # dB/dtheta_beta (GGD: B ln x)
+                b_mu = _prior_tile(qpos[:, None], offs_n[None, :], dtab + n_dist, d0)  # dB/dtheta_mu
             qk = _dot(q, kT, None, DOT_PREC)
             s, l, bias = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None], r_rows[:, None],
                                       tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
@@ -512,9 +515,6 @@ if triton is not None:
                 acc_sb += tl.sum(ds * bias, 1)
                 acc_pb += tl.sum(p * bias, 1)
             if NEED_PRIOR_GRAD:
-                idx = offs_n[None, :] - qpos[:, None] - d0
-                b_lnx = tl.load(dtab + idx)  # dB/dtheta_beta (= B ln x for the GGD)
-                b_mu = tl.load(dtab + n_dist + idx)  # dB/dtheta_mu
                 acc_sbl += tl.sum(ds * b_lnx, 1)
                 acc_pbl += tl.sum(p * b_lnx, 1)
                 acc_sbm += tl.sum(ds * b_mu, 1)
