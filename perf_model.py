@@ -4,6 +4,8 @@ A performance model of the Triton attention kernel, from its compiled code: no G
     python perf_model.py                          # compile every variant for sm_90 and sm_80, print the table
     python perf_model.py --out results/perf_model # also write perf_model.json, .csv and .md there
     python perf_model.py --before a9f1e05         # add the kernels of another git revision (rows "... @a9f1e05")
+    python perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
+                                                  # prediction next to bench_attention.py's measured ratios
 
 Every kernel (forward, dK/dV, dQ) of every variant (no prior, ALiBi, GGD, GGD + SSMax; bf16; head_dim 48/64/128)
 is compiled with Triton for sm_90 and sm_80 (the launch's tiles from attention_kernel._configs, no GPU: Triton's
@@ -154,14 +156,21 @@ def _mma_flops(op):
     return 2 * m * n * k
 
 
-def count_per_score(body, warps, scores):
-    """Thread-level operations per score of one loop iteration (warp instructions x 32 x warps / scores)."""
+MATMULS = dict(fwd=2, dkdv=4, dq=3)  # matrix products per tile: QK^T, PV | QK^T, dP, dV, dK | QK^T, dP, dQ
+
+
+def count_per_score(body, warps, kernel, block_d, tile):
+    """Thread-level operations per score of one loop iteration (warp instructions x 32 x warps / scores). The
+    scores an iteration handles follow from its tensor-core FLOPs (2 block_d per score and matrix product), which
+    stays right if the compiler unrolls the loop; tiles_per_iter reports that against the tile size."""
+    flops = sum(_mma_flops(op) * warps for _, op, _ in body if op.startswith(TENSOR_OPS))
+    scores = flops / (2 * block_d * MATMULS[kernel])
     per = 32 * warps / scores
-    c = dict(tensor_flops=0.0, mufu=0.0, fp32=0.0, issue=0.0, loads=0.0, local=0.0)
+    c = dict(tensor_flops=flops / scores, tiles_per_iter=scores / tile, mufu=0.0, fp32=0.0, issue=0.0, loads=0.0,
+             local=0.0)
     mufu_kinds = {}
     for _, op, _ in body:
         if op.startswith(TENSOR_OPS):
-            c["tensor_flops"] += _mma_flops(op) * warps / scores
             continue
         if op.startswith(("WARPGROUP", "NOP")):
             continue
@@ -201,7 +210,7 @@ def measure(ak, tag, archs, head_dims, variants):
                 for kname, fn, const, (bm, bn, warps, stages) in kernel_launches(ak, variant, D):
                     k = compile_kernel(fn, const, arch, warps, stages)
                     ins, res = sass(k.asm["cubin"])
-                    c = count_per_score(hot_loop(ins), warps, bm * bn)
+                    c = count_per_score(hot_loop(ins), warps, kname, const["BLOCK_D"], bm * bn)
                     clk, bound = clocks_per_score(c, GPUS[arch])
                     rows.append(dict(kernel_src=tag, arch=f"sm_{arch}", head_dim=D, variant=variant, kernel=kname,
                                      tiles=f"{bm}x{bn} w{warps} s{stages}", regs=res.get("REG"),
@@ -211,7 +220,7 @@ def measure(ak, tag, archs, head_dims, variants):
                                      clk_per_score=clk, bound=bound))
                     print(f"{tag:>8} sm_{arch} D={D:<3} {variant:<9} {kname:<4} regs {res.get('REG')} "
                           f"mufu {c['mufu']:.2f} tensor {c['tensor_flops']:.0f} fp32 {c['fp32']:.2f} "
-                          f"issue {c['issue']:.2f} -> {bound}", file=sys.stderr, flush=True)
+                          f"issue {c['issue']:.2f} tiles/iter {c['tiles_per_iter']:.2f} -> {bound}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -254,6 +263,32 @@ def markdown(summary):
     return "\n".join(lines)
 
 
+def compare(summary, bench_path):
+    """Predicted vs measured throughput ratios from a bench_attention.py JSON: kernel_bam (GGD + SSMax) over
+    kernel_plain, and kernel_plain over sdpa_flash (FA2), forward and forward+backward. Returns printable lines."""
+    with open(bench_path) as f:
+        table = json.load(f)["table"]
+    lines = [f"{'D':>4} {'T':>6}  {'ratio':<30} {'predicted':>9} {'measured':>9}"]
+    for D, T in sorted({(r["head_dim"], r["T"]) for r in table}):
+        meas = {r["impl"]: r for r in table if (r["head_dim"], r["T"]) == (D, T) and "fwdbwd_tflops" in r}
+        pred = {(s["variant"]): s for s in summary if s["head_dim"] == D and s["kernel_src"] == "current"
+                and s["arch"] == "sm_90"}
+        if not {"none", "ggd_ssmax"} <= set(pred):
+            continue
+        none, bam = pred["none"], pred["ggd_ssmax"]
+        fa2 = fa2_clocks(D, GPUS[90])
+        rows = [("kernel_bam / kernel_plain fwd", none["fwd_clk"] / bam["fwd_clk"], "kernel_bam", "kernel_plain", "fwd"),
+                ("kernel_bam / kernel_plain f+b", (none["fwd_clk"] + none["bwd_clk"]) / (bam["fwd_clk"] + bam["bwd_clk"]),
+                 "kernel_bam", "kernel_plain", "fwdbwd"),
+                ("kernel_plain / sdpa_flash fwd", fa2["fwd"] / none["fwd_clk"], "kernel_plain", "sdpa_flash", "fwd"),
+                ("kernel_plain / sdpa_flash f+b", (fa2["fwd"] + fa2["bwd"]) / (none["fwd_clk"] + none["bwd_clk"]),
+                 "kernel_plain", "sdpa_flash", "fwdbwd")]
+        for name, p, a, b, key in rows:
+            m = meas[a][f"{key}_tflops"] / meas[b][f"{key}_tflops"] if a in meas and b in meas else float("nan")
+            lines.append(f"{D:>4} {T:>6}  {name:<30} {p:>9.2f} {m:>9.2f}")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="directory for perf_model.json, .csv and .md")
@@ -261,7 +296,9 @@ def main(argv=None):
     p.add_argument("--archs", type=int, nargs="+", default=[90, 80], choices=sorted(GPUS))
     p.add_argument("--head_dims", type=int, nargs="+", default=list(HEAD_DIMS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--compare", default=None, help="a bench_attention.py --out JSON: print predicted vs measured")
     args = p.parse_args(argv)
+    variants = ["none"] + [v for v in args.variants if v != "none"]  # the baseline of every ratio
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("perf_model.py: error: TRITON_INTERPRET is set; unset it (the model compiles real kernels)")
         return 1
@@ -272,10 +309,16 @@ def main(argv=None):
     except subprocess.CalledProcessError as e:
         print(f"perf_model.py: error: cannot read attention_kernel.py at {args.before}: {e.stderr.strip()}")
         return 1
-    rows = [r for tag, ak in sources for r in measure(ak, tag, args.archs, args.head_dims, args.variants)]
+    rows = [r for tag, ak in sources for r in measure(ak, tag, args.archs, args.head_dims, variants)]
     summary = summarise(rows)
     table = markdown(summary)
     print(table)
+    if args.compare:
+        try:
+            print("\n".join(compare(summary, args.compare)))
+        except (OSError, KeyError, json.JSONDecodeError) as e:
+            print(f"perf_model.py: error: cannot compare with {args.compare}: {e!r}; run bench_attention.py --out first")
+            return 1
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "perf_model.json"), "w") as f:
