@@ -108,7 +108,8 @@ def kernel_launches(ak, variant, head_dim):
     dq_flags = dict(NEED_PRIOR_GRAD=need_prior, NEED_RS_GRAD=ssmax, ACC_DPP=need_prior or ssmax,
                     ACC_B=has_prior and (need_prior or ssmax))
     out = []
-    for name, fn, extra in (("fwd", ak._attn_fwd, {}), ("dkdv", ak._attn_bwd_dkdv, {}), ("dq", ak._attn_bwd_dq, dq_flags)):
+    kernels = (("fwd", ak._attn_fwd, {}), ("dkdv", ak._attn_bwd_dkdv, {}), ("dq", ak._attn_bwd_dq, dq_flags))
+    for name, fn, extra in kernels:
         bm, bn, warps, stages = cfg[name]
         flags = {k: v for k, v in {**common, **extra}.items() if k in fn.arg_names}
         out.append((name, fn, dict(flags, BLOCK_M=bm, BLOCK_N=bn), (bm, bn, warps, stages)))
@@ -212,15 +213,17 @@ def measure(ak, tag, archs, head_dims, variants):
                     ins, res = sass(k.asm["cubin"])
                     c = count_per_score(hot_loop(ins), warps, kname, const["BLOCK_D"], bm * bn)
                     clk, bound = clocks_per_score(c, GPUS[arch])
+                    kinds = {k_: round(v, 3) for k_, v in c.pop("mufu_kinds").items()}
                     rows.append(dict(kernel_src=tag, arch=f"sm_{arch}", head_dim=D, variant=variant, kernel=kname,
                                      tiles=f"{bm}x{bn} w{warps} s{stages}", regs=res.get("REG"),
-                                     spill_bytes=res.get("LOCAL", 0), smem=k.metadata.shared + res.get("SHARED", 0),
-                                     **{k_: round(v, 3) for k_, v in c.items() if k_ != "mufu_kinds"},
-                                     mufu_kinds={k_: round(v, 3) for k_, v in c["mufu_kinds"].items()},
+                                     stack_bytes=res.get("STACK", 0) + res.get("LOCAL", 0),
+                                     smem=k.metadata.shared + res.get("SHARED", 0),
+                                     **{k_: round(v, 3) for k_, v in c.items()}, mufu_kinds=kinds,
                                      clk_per_score=clk, bound=bound))
                     print(f"{tag:>8} sm_{arch} D={D:<3} {variant:<9} {kname:<4} regs {res.get('REG')} "
                           f"mufu {c['mufu']:.2f} tensor {c['tensor_flops']:.0f} fp32 {c['fp32']:.2f} "
-                          f"issue {c['issue']:.2f} tiles/iter {c['tiles_per_iter']:.2f} -> {bound}", file=sys.stderr, flush=True)
+                          f"issue {c['issue']:.2f} tiles/iter {c['tiles_per_iter']:.2f} -> {bound}",
+                          file=sys.stderr, flush=True)
     return rows
 
 
@@ -229,21 +232,23 @@ def summarise(rows):
     relative to the same source's no-prior kernel and to FA2."""
     out = []
     keys = sorted({(r["kernel_src"], r["arch"], r["head_dim"], r["variant"]) for r in rows},
-                  key=lambda k: (k[1], k[2], k[0] != "current", k[0], list(VARIANTS).index(k[3])))
+                  key=lambda k: (-int(k[1][3:]), k[2], k[0] != "current", k[0], list(VARIANTS).index(k[3])))
+    def kernels(*key):
+        return {r["kernel"]: r for r in rows if (r["kernel_src"], r["arch"], r["head_dim"], r["variant"]) == key}
+
     for src, arch, D, variant in keys:
-        get = {r["kernel"]: r for r in rows if (r["kernel_src"], r["arch"], r["head_dim"], r["variant"])
-               == (src, arch, D, variant)}
-        base = {r["kernel"]: r for r in rows if (r["kernel_src"], r["arch"], r["head_dim"], r["variant"])
-                == (src, arch, D, "none")}
+        get, base = kernels(src, arch, D, variant), kernels(src, arch, D, "none")
         fa2 = fa2_clocks(D, GPUS[int(arch[3:])])
         fwd, bwd = get["fwd"]["clk_per_score"], get["dkdv"]["clk_per_score"] + get["dq"]["clk_per_score"]
         bfwd, bbwd = base["fwd"]["clk_per_score"], base["dkdv"]["clk_per_score"] + base["dq"]["clk_per_score"]
+        bwd_sum = {k: get["dkdv"][k] + get["dq"][k] for k in ("mufu", "fp32")}
         out.append(dict(kernel_src=src, arch=arch, head_dim=D, variant=variant,
                         fwd_mufu=get["fwd"]["mufu"], fwd_fp32=get["fwd"]["fp32"], fwd_bound=get["fwd"]["bound"],
-                        bwd_mufu=get["dkdv"]["mufu"] + get["dq"]["mufu"], bwd_fp32=get["dkdv"]["fp32"] + get["dq"]["fp32"],
+                        bwd_mufu=bwd_sum["mufu"], bwd_fp32=bwd_sum["fp32"],
                         bwd_bound="/".join((get["dkdv"]["bound"], get["dq"]["bound"])),
                         max_regs=max(r["regs"] for r in get.values()),
-                        spill_bytes=max(r["spill_bytes"] for r in get.values()),
+                        stack_bytes=max(r["stack_bytes"] for r in get.values()),
+                        loop_local_ops=max(r["local"] for r in get.values()),
                         fwd_clk=fwd, bwd_clk=bwd, fwd_vs_noprior=bfwd / fwd, bwd_vs_noprior=bbwd / bwd,
                         fwd_vs_fa2=fa2["fwd"] / fwd, bwd_vs_fa2=fa2["bwd"] / bwd))
     return out
@@ -251,14 +256,14 @@ def summarise(rows):
 
 def markdown(summary):
     lines = ["| GPU | D | variant | fwd MUFU / FP32 per score | fwd bound | bwd MUFU / FP32 per score | bwd bound "
-             "(dK/dV / dQ) | regs (spill B) | fwd vs no prior | bwd vs no prior | fwd vs FA2 | bwd vs FA2 |",
+             "(dK/dV / dQ) | regs (stack B) | fwd vs no prior | bwd vs no prior | fwd vs FA2 | bwd vs FA2 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         name = s["variant"] if s["kernel_src"] == "current" else f"{s['variant']} @{s['kernel_src']}"
         gpu = GPUS[int(s["arch"][3:])]["name"]
         lines.append(f"| {gpu} | {s['head_dim']} | {name} | {s['fwd_mufu']:.2f} / {s['fwd_fp32']:.1f} | "
                      f"{s['fwd_bound']} | {s['bwd_mufu']:.2f} / {s['bwd_fp32']:.1f} | {s['bwd_bound']} | "
-                     f"{s['max_regs']} ({s['spill_bytes']}) | {s['fwd_vs_noprior']:.2f} | {s['bwd_vs_noprior']:.2f} | "
+                     f"{s['max_regs']} ({s['stack_bytes']}) | {s['fwd_vs_noprior']:.2f} | {s['bwd_vs_noprior']:.2f} | "
                      f"{s['fwd_vs_fa2']:.2f} | {s['bwd_vs_fa2']:.2f} |")
     return "\n".join(lines)
 
@@ -275,17 +280,16 @@ def compare(summary, bench_path):
                 and s["arch"] == "sm_90"}
         if not {"none", "ggd_ssmax"} <= set(pred):
             continue
-        none, bam = pred["none"], pred["ggd_ssmax"]
+        # clocks per score of each measured impl, forward and forward+backward
         fa2 = fa2_clocks(D, GPUS[90])
-        rows = [("kernel_bam / kernel_plain fwd", none["fwd_clk"] / bam["fwd_clk"], "kernel_bam", "kernel_plain", "fwd"),
-                ("kernel_bam / kernel_plain f+b", (none["fwd_clk"] + none["bwd_clk"]) / (bam["fwd_clk"] + bam["bwd_clk"]),
-                 "kernel_bam", "kernel_plain", "fwdbwd"),
-                ("kernel_plain / sdpa_flash fwd", fa2["fwd"] / none["fwd_clk"], "kernel_plain", "sdpa_flash", "fwd"),
-                ("kernel_plain / sdpa_flash f+b", (fa2["fwd"] + fa2["bwd"]) / (none["fwd_clk"] + none["bwd_clk"]),
-                 "kernel_plain", "sdpa_flash", "fwdbwd")]
-        for name, p, a, b, key in rows:
-            m = meas[a][f"{key}_tflops"] / meas[b][f"{key}_tflops"] if a in meas and b in meas else float("nan")
-            lines.append(f"{D:>4} {T:>6}  {name:<30} {p:>9.2f} {m:>9.2f}")
+        clk = {"kernel_plain": pred["none"], "kernel_bam": pred["ggd_ssmax"]}
+        clk = {i: dict(fwd=c["fwd_clk"], fwdbwd=c["fwd_clk"] + c["bwd_clk"]) for i, c in clk.items()}
+        clk["sdpa_flash"] = dict(fwd=fa2["fwd"], fwdbwd=fa2["fwd"] + fa2["bwd"])
+        for a, b in (("kernel_bam", "kernel_plain"), ("kernel_plain", "sdpa_flash")):
+            for key, label in (("fwd", "fwd"), ("fwdbwd", "f+b")):
+                p = clk[b][key] / clk[a][key]
+                m = meas[a][f"{key}_tflops"] / meas[b][f"{key}_tflops"] if a in meas and b in meas else float("nan")
+                lines.append(f"{D:>4} {T:>6}  {f'{a} / {b} {label}':<30} {p:>9.2f} {m:>9.2f}")
     return lines
 
 
@@ -317,7 +321,8 @@ def main(argv=None):
         try:
             print("\n".join(compare(summary, args.compare)))
         except (OSError, KeyError, json.JSONDecodeError) as e:
-            print(f"perf_model.py: error: cannot compare with {args.compare}: {e!r}; run bench_attention.py --out first")
+            print(f"perf_model.py: error: cannot compare with {args.compare}: {e!r}; "
+                  "run bench_attention.py --out first")
             return 1
     if args.out:
         os.makedirs(args.out, exist_ok=True)
