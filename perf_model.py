@@ -15,9 +15,10 @@ instructions: the unmasked stage, which runs all tiles but the diagonal and docu
 
 The model (per SM and clock, public figures; A100 in brackets): dense bf16 tensor cores 4096 FLOP (2048),
 special-function unit (MUFU: ex2, lg2, rcp) 16 ops, FP32 pipe (FFMA/FMUL/FADD/FMNMX/FSEL/FSETP...) 128 ops (64),
-instruction issue 4 warp-instructions = 128 thread-instructions (all non-tensor instructions count). Time per
-score = max(tensor, MUFU, FP32, issue): perfect overlap of the pipes, no latency, memory or occupancy stalls, so
-it is an upper bound on speed and a statement of which unit binds. FA2 is modelled the same way from its
+instruction issue 4 warp-instructions = 128 thread-instructions (all non-tensor instructions count), L1/shared
+memory 128 bytes (the loads and stores of the loop, by width; the tensor cores' own shared-memory operand reads
+are not counted). Time per score = max(tensor, MUFU, FP32, issue, L1): perfect overlap of the pipes, no latency,
+DRAM/L2 or occupancy stalls, so it is an upper bound on speed and a statement of which unit binds. FA2 is modelled the same way from its
 algorithm (not compiled here): head_dim padded to a multiple of 32 (48 -> 64), forward 4 D FLOP + 1 exp2 per
 score, backward 10 D FLOP + 1 exp2 (one kernel, dQ by atomics), its FP32 work assumed hidden.
 The backward of this kernel is two kernels (dK/dV, then dQ), so its time per score is their sum.
@@ -33,8 +34,8 @@ import sys
 import tempfile
 
 GPUS = {  # per SM per clock
-    90: dict(name="H100 SXM", tensor=4096, mufu=16, fp32=128, issue=128),
-    80: dict(name="A100", tensor=2048, mufu=16, fp32=64, issue=128),
+    90: dict(name="H100 SXM", tensor=4096, mufu=16, fp32=128, issue=128, l1_bytes=128),
+    80: dict(name="A100", tensor=2048, mufu=16, fp32=64, issue=128, l1_bytes=128),
 }
 HEAD_DIMS = (48, 64, 128)
 # variant -> (prior, prior trainable, SSMax); ALiBi is the GGD kernel with theta_beta = 1, frozen
@@ -160,6 +161,17 @@ def _mma_flops(op):
 MATMULS = dict(fwd=2, dkdv=4, dq=3)  # matrix products per tile: QK^T, PV | QK^T, dP, dV, dK | QK^T, dP, dQ
 
 
+MEMORY_OPS = ("LDG", "STG", "LDS", "STS", "LDSM", "LDGSTS", "LDL", "STL", "LD.", "ST.")
+
+
+def _access_bytes(op):
+    """Bytes one thread moves with a load/store instruction: .64 / .128 suffixes, LDSM.x2 / .x4 (ldmatrix of 8x8
+    16-bit matrices: 4 bytes per thread and matrix), 4 otherwise."""
+    if op.startswith("LDSM"):
+        return 4 * (4 if op.endswith(".4") else 2 if op.endswith(".2") else 1)
+    return 16 if ".128" in op else 8 if ".64" in op else 4
+
+
 def count_per_score(body, warps, kernel, block_d, tile):
     """Thread-level operations per score of one loop iteration (warp instructions x 32 x warps / scores). The
     scores an iteration handles follow from its tensor-core FLOPs (2 block_d per score and matrix product), which
@@ -168,7 +180,7 @@ def count_per_score(body, warps, kernel, block_d, tile):
     scores = flops / (2 * block_d * MATMULS[kernel])
     per = 32 * warps / scores
     c = dict(tensor_flops=flops / scores, tiles_per_iter=scores / tile, mufu=0.0, fp32=0.0, issue=0.0, loads=0.0,
-             local=0.0)
+             l1_bytes=0.0, local=0.0)
     mufu_kinds = {}
     for _, op, _ in body:
         if op.startswith(TENSOR_OPS):
@@ -184,6 +196,8 @@ def count_per_score(body, warps, kernel, block_d, tile):
             c["fp32"] += per
         if op.startswith(("LDG", "LDS", "LDSM", "LDGSTS", "LD.", "LDL")):
             c["loads"] += per
+        if op.startswith(MEMORY_OPS):
+            c["l1_bytes"] += per * _access_bytes(op)
         if op.startswith(("LDL", "STL")):
             c["local"] += per
     c["mufu_kinds"] = mufu_kinds
@@ -192,7 +206,7 @@ def count_per_score(body, warps, kernel, block_d, tile):
 
 def clocks_per_score(c, gpu):
     parts = dict(tensor=c["tensor_flops"] / gpu["tensor"], mufu=c["mufu"] / gpu["mufu"], fp32=c["fp32"] / gpu["fp32"],
-                 issue=c["issue"] / gpu["issue"])
+                 issue=c["issue"] / gpu["issue"], l1=c["l1_bytes"] / gpu["l1_bytes"])
     bound = max(parts, key=parts.get)
     return parts[bound], bound
 
