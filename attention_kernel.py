@@ -610,7 +610,9 @@ def _configs(block_d, dtype):
         return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
     if block_d <= 64:
         return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 3), pre=128)
-    return dict(fwd=(128, 32, 8, 2), dkdv=(64, 32, 8, 2), dq=(64, 16, 8, 2), pre=128)
+    # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead: perf_model.py
+    # predicts 5x the time, bound by shared-memory bandwidth)
+    return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
 
 
 def _prior_tables(prior, Tq, Tk, q_offset, cfg, grads=False):
