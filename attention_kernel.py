@@ -38,8 +38,9 @@ GGD_EPS = 1e-5  # keeps (|d - mu| + eps)^theta_beta finite at d = mu when theta_
 # ----------------------------------------------------------------------------------------------------------
 # THE PRIOR. To try your own positional prior, edit this one function (and keep its signature): it maps a
 # 1-D tensor of signed distances d = j - i to the log-prior added to the logits, one row per head.
-# The PyTorch attention path, the model, plot_prior.py and the evaluations all call it; the Triton kernel
-# hard-codes the GGD form (and its derivatives) for speed, so a new prior runs with impl="torch".
+# The PyTorch attention path, the model, plot_prior.py and the evaluations all call it; the Triton kernel reads
+# its values by distance from a table (_prior_tables) but assumes the GGD's three parameters and dB/dtheta_alpha = B
+# in its gradients, so a new prior runs with impl="torch".
 # ----------------------------------------------------------------------------------------------------------
 def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
     """GGD-BAM log-prior B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, mu_h = 2 sinh(theta_mu_h).
