@@ -38,8 +38,9 @@ GGD_EPS = 1e-5  # keeps (|d - mu| + eps)^theta_beta finite at d = mu when theta_
 # ----------------------------------------------------------------------------------------------------------
 # THE PRIOR. To try your own positional prior, edit this one function (and keep its signature): it maps a
 # 1-D tensor of signed distances d = j - i to the log-prior added to the logits, one row per head.
-# The PyTorch attention path, the model, plot_prior.py and the evaluations all call it; the Triton kernel
-# hard-codes the GGD form (and its derivatives) for speed, so a new prior runs with impl="torch".
+# The PyTorch attention path, the model, plot_prior.py and the evaluations all call it; the Triton kernel reads
+# its values by distance from a table (_prior_tables) but assumes the GGD's three parameters and dB/dtheta_alpha = B
+# in its gradients, so a new prior runs with impl="torch".
 # ----------------------------------------------------------------------------------------------------------
 def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
     """GGD-BAM log-prior B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, mu_h = 2 sinh(theta_mu_h).
@@ -155,7 +156,7 @@ def _triton_available():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Triton kernel (issue #5): flash attention with the GGD prior and SSMax computed per tile.
+# Triton kernel: flash attention with the GGD prior and SSMax applied per tile.
 #
 # Structure follows Triton's fused-attention tutorial: forward = one online-softmax loop over K/V blocks in
 # base 2 (exp2, log2(e) folded into the scores) in stages (unmasked tiles, then the boundary tiles masked);
@@ -164,16 +165,17 @@ def _triton_available():
 # partial sums for the prior parameters, reduced afterwards in PyTorch (deterministic: two runs are bitwise equal).
 #
 # Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i = row_scale (1 without SSMax):
-#   x = |d - mu| + eps,  B = -exp(theta_alpha) * x^theta_beta,  mu = 2 sinh(theta_mu)
+#   B(d) = ggd_prior(d), read from a per-head table indexed by d (_prior_tables: built once per call in PyTorch,
+#          Tq + Tk + padding entries). The prior depends on d alone, and evaluating it per score (a log2 and an
+#          exp2) made every kernel several times slower than without a prior (README, "Performance model").
 #   l = softmax_scale * q_i.k_j ;  s = (l + B) r  if scale_prior  else  l r + B ;  masked s = -inf
 #   P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij) (stored in base 2)
 # Backward, with Delta_i = sum_j P_ij dP_ij = rowsum(O_i * dO_i) and dP = dO V^T:
 #   dS = P * (dP - Delta)          gradient w.r.t. the final score s
 #   dl = dS r,  dq = softmax_scale dl K,  dk = softmax_scale dl^T Q,  dv = P^T dO
 #   dB = dS r if scale_prior else dS ;  dr_i = sum_j dS_ij (l_ij + B_ij) if scale_prior else sum_j dS_ij l_ij
-#   dB/dtheta_alpha = B ;  dB/dtheta_beta = B ln x ;  dB/dmu = -exp(theta_alpha) theta_beta x^(theta_beta-1) (-sign(d-mu))
-#                                                            = B theta_beta / x * (-sign(d - mu))   (sign(0) = 0, as torch.abs)
-#   dmu/dtheta_mu = 2 cosh(theta_mu)
+#   dB/dtheta_alpha = B ;  dB/dtheta_beta and dB/dtheta_mu: two more tables by distance (forward-mode autograd of
+#   ggd_prior, so sign(0) = 0 as torch.abs), read by the dQ kernel only when the prior is trained
 # theta_beta < 0 makes B(d = mu) about -1e7: exact in fp32 softmax, but sum_j dS_ij B_ij then multiplies rounding
 # noise in (dP - Delta) by 1e7 on rows where that entry carries the probability (a document's first query).
 # Because sum_j dS_ij = 0 exactly in real arithmetic, the dQ kernel replaces Delta by Delta'_i = sum_j P_ij dP_ij
@@ -200,7 +202,6 @@ if triton is not None:
     # bf16 operands upcast to fp32, which is exact, so the CPU tests still see bf16 rounding of P and dS.
     _INTERPRET_BF16_UPCAST = tl.constexpr(_interpreting())
     _LOG2E = tl.constexpr(1.4426950408889634)
-    _LN2 = tl.constexpr(0.6931471805599453)
 
     @triton.jit
     def _dot(a, b, acc, DOT_PREC: tl.constexpr):
@@ -212,13 +213,10 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
     @triton.jit
-    def _prior_tile(qpos, kpos, c, beta, mu, EPS: tl.constexpr):
-        """B(d) for a tile from the query / key positions (broadcast against each other): B, d - mu, x, log2 x."""
-        dm = (kpos - qpos).to(tl.float32) - mu
-        x = tl.abs(dm) + EPS
-        log2x = tl.log2(x)
-        bias = -c * tl.exp2(beta * log2x)
-        return bias, dm, x, log2x
+    def _prior_tile(qpos, kpos, tab, d0):
+        """B(d) for a tile, read by distance d = kpos - qpos (broadcast against each other) from the head's table,
+        whose entry t holds B(d0 + t). One load per score instead of a log2 and an exp2 (see perf_model.py)."""
+        return tl.load(tab + (kpos - qpos - d0))
 
     @triton.jit
     def _scores(qk, bias, r, sm_scale, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr):
@@ -245,18 +243,14 @@ if triton is not None:
         return (kpos <= qpos) & (kpos >= ds)
 
     @triton.jit
-    def _tile_scores(qk, qpos, kpos, ds, r, c, beta, mu, sm_scale, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
-                     HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, EPS: tl.constexpr):
+    def _tile_scores(qk, qpos, kpos, ds, r, tab, d0, sm_scale, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
+                     HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr):
         """The (masked) final scores of a tile from its raw q.k products, as every kernel computes them: prior,
         _scores, then -inf where the key is not visible. qpos, kpos, ds (the queries' doc_start) and r broadcast
-        against qk (the dK/dV kernel passes them transposed). Returns s (base 2), l and the prior terms
-        B, d - mu, x, log2 x (constants without a prior) that the dQ kernel's parameter gradients need."""
+        against qk (the dK/dV kernel passes them transposed). Returns s (base 2), l and the prior B (0 without one)."""
         bias = 0.0
-        dm = 0.0
-        x = 1.0
-        log2x = 0.0
         if HAS_PRIOR:
-            bias, dm, x, log2x = _prior_tile(qpos, kpos, c, beta, mu, EPS)
+            bias = _prior_tile(qpos, kpos, tab, d0)
         s, l = _scores(qk, bias, r, sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
         if MASKED:
             if HAS_DOC:
@@ -264,7 +258,7 @@ if triton is not None:
             else:
                 vis = kpos <= qpos
             s = tl.where(vis, s, float("-inf"))
-        return s, l, bias, dm, x, log2x
+        return s, l, bias
 
     @triton.jit
     def _program_ids(H):
@@ -273,18 +267,6 @@ if triton is not None:
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         return pid, bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
-
-    @triton.jit
-    def _head_prior(PC, PBETA, PMU, h, HAS_PRIOR: tl.constexpr):
-        """The head's prior scalars c = exp(theta_alpha), theta_beta, mu (unused zeros without a prior)."""
-        c = 0.0
-        beta = 0.0
-        mu = 0.0
-        if HAS_PRIOR:
-            c = tl.load(PC + h)
-            beta = tl.load(PBETA + h)
-            mu = tl.load(PMU + h)
-        return c, beta, mu
 
     @triton.jit
     def _row_state(DS_ptr, RS_ptr, srt, offs_m, qpos, row_ok,
@@ -325,18 +307,17 @@ if triton is not None:
     # ------------------------------------------------------------------ forward
     @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kt, stride_kd, stride_vt, stride_vd,
-                   offs_d, d_ok, qpos, ds_rows, r_rows, c, beta, mu, sm_scale, Tk, blk_lo, blk_hi,
+                   offs_d, d_ok, qpos, ds_rows, r_rows, tab, d0, sm_scale, Tk, blk_lo, blk_hi,
                    MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                   SCALE_PRIOR: tl.constexpr, BLOCK_N: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                   SCALE_PRIOR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
             kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             qk = _dot(q, kT, None, DOT_PREC)
-            s, _l, _b, _dm, _x, _lx = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None],
-                                                   r_rows[:, None], c, beta, mu, sm_scale, MASKED, HAS_DOC,
-                                                   HAS_PRIOR, HAS_RS, SCALE_PRIOR, EPS)
+            s, _l, _b = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None], r_rows[:, None],
+                                     tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
             # online softmax; a row with nothing visible yet has m = -inf: subtract 0 instead (no -inf - -inf)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -350,13 +331,13 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd(Q, K, V, O, LSE, DS, RS, PC, PBETA, PMU,
+    def _attn_fwd(Q, K, V, O, LSE, DS, RS, PTAB,
                   sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
                   sdsb, srb, srh, srt,
-                  H, Tq, Tk, q_offset, sm_scale,
+                  H, Tq, Tk, q_offset, sm_scale, d0, n_dist,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr,
-                  EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
@@ -369,22 +350,22 @@ if triton is not None:
         V_ptr = V + b * svb + h * svh
         ds_rows, r_rows = _row_state(DS + b * sdsb, RS + b * srb + h * srh, srt, offs_m, qpos, row_ok,
                                      HAS_DOC, HAS_RS, BLOCK_M)
-        c, beta, mu = _head_prior(PC, PBETA, PMU, h, HAS_PRIOR)
+        tab = PTAB + h * n_dist  # this head's prior table (unused without a prior)
         lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         # stage 1 (tutorial STAGE 1): tiles below the diagonal and after every row's document start, no mask
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
-                                   ds_rows, r_rows, c, beta, mu, sm_scale, Tk, u0, u1,
-                                   False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, EPS, DOT_PREC)
+                                   ds_rows, r_rows, tab, d0, sm_scale, Tk, u0, u1,
+                                   False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, DOT_PREC)
         # stage 2 (tutorial STAGE 2): boundary tiles, masked -- document starts, then the diagonal
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
-                                   ds_rows, r_rows, c, beta, mu, sm_scale, Tk, lo, u0,
-                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, EPS, DOT_PREC)
+                                   ds_rows, r_rows, tab, d0, sm_scale, Tk, lo, u0,
+                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, DOT_PREC)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
-                                   ds_rows, r_rows, c, beta, mu, sm_scale, Tk, u1, hi,
-                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, EPS, DOT_PREC)
+                                   ds_rows, r_rows, tab, d0, sm_scale, Tk, u1, hi,
+                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, DOT_PREC)
         # epilogue: rows with no visible key give O = 0 and LSE = +inf (so the backward's P is exactly 0)
         has_mass = l_i > 0.0
         o = acc / tl.where(has_mass, l_i, 1.0)[:, None]
@@ -409,10 +390,10 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                        sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                        sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
                         Tq, q_offset, blk_lo, blk_hi,
                         MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                        SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                        SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
             offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = offs_m < Tq
@@ -424,9 +405,8 @@ if triton is not None:
             qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
             # doc_start is only needed (and loaded) for the masked tiles
             ds, r = _row_state(DS_ptr, RS_ptr, srt, offs_m, qpos, row_ok, MASKED and HAS_DOC, HAS_RS, BLOCK_M)
-            sT, _l, _b, _dm, _x, _lx = _tile_scores(qkT, qpos[None, :], offs_n[:, None], ds[None, :], r[None, :],
-                                                    c, beta, mu, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS,
-                                                    SCALE_PRIOR, EPS)
+            sT, _l, _b = _tile_scores(qkT, qpos[None, :], offs_n[:, None], ds[None, :], r[None, :],
+                                      tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
             pT = tl.exp2(sT - lse[None, :])
             do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -440,13 +420,13 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DS, RS, PC, PBETA, PMU, QEND, QCLEAN,
+    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DS, RS, PTAB, QEND, QCLEAN,
                        sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod,
                        sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sdsb, srb, srh, srt,
-                       H, Tq, Tk, q_offset, sm_scale, n_kblocks,
+                       H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_kblocks,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                       SCALE_PRIOR: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                       SCALE_PRIOR: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_n, bh, b, h = _program_ids(H)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < Tk
@@ -455,7 +435,7 @@ if triton is not None:
         kv_mask = kv_ok[:, None] & d_ok[None, :]
         k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        c, beta, mu = _head_prior(PC, PBETA, PMU, h, HAS_PRIOR)
+        tab = PTAB + h * n_dist  # this head's prior table (unused without a prior)
         n0 = pid_n * BLOCK_N
         n_qblocks = (Tq + BLOCK_M - 1) // BLOCK_M
         # query blocks that can see this key block: from the first query at or after n0 ...
@@ -483,19 +463,19 @@ if triton is not None:
         RS_ptr = RS + b * srb + h * srh
         # the diagonal query blocks, masked (tutorial: "compute dK and dV for masked blocks" first)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
                                  Tq, q_offset, lo, u0,
-                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, EPS, DOT_PREC)
+                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, DOT_PREC)
         # then the query blocks strictly below the diagonal and inside the key block's document, unmasked
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
                                  Tq, q_offset, u0, u1,
-                                 False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, EPS, DOT_PREC)
+                                 False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, DOT_PREC)
         # finally query blocks where a later document starts (document boundary), masked
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, c, beta, mu, sm_scale,
+                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
                                  Tq, q_offset, u1, hi,
-                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, EPS, DOT_PREC)
+                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, DOT_PREC)
         tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd,
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd,
@@ -504,11 +484,11 @@ if triton is not None:
     @triton.jit
     def _bwd_dq_inner(dq, acc_pdp, acc_sb, acc_pb, acc_sbl, acc_pbl, acc_sbm, acc_pbm, acc_sl, acc_pl,
                       q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows,
-                      c, beta, mu, sm_scale, Tk, blk_lo, blk_hi,
+                      tab, dtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
                       MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
                       SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, ACC_B: tl.constexpr,
                       NEED_PRIOR_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                      BLOCK_N: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
@@ -516,10 +496,12 @@ if triton is not None:
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+            if NEED_PRIOR_GRAD:  # issued with the K/V loads, so that they are pipelined like them
+                b_lnx = _prior_tile(qpos[:, None], offs_n[None, :], dtab, d0)  # dB/dtheta_beta (GGD: B ln x)
+                b_mu = _prior_tile(qpos[:, None], offs_n[None, :], dtab + n_dist, d0)  # dB/dtheta_mu
             qk = _dot(q, kT, None, DOT_PREC)
-            s, l, bias, dm, x, log2x = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None],
-                                                    r_rows[:, None], c, beta, mu, sm_scale, MASKED, HAS_DOC,
-                                                    HAS_PRIOR, HAS_RS, SCALE_PRIOR, EPS)
+            s, l, bias = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None], r_rows[:, None],
+                                      tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
             p = tl.exp2(s - lse[:, None])
             dp = _dot(do, vT, None, DOT_PREC)
             ds = p * (dp - delta[:, None])
@@ -534,9 +516,6 @@ if triton is not None:
                 acc_sb += tl.sum(ds * bias, 1)
                 acc_pb += tl.sum(p * bias, 1)
             if NEED_PRIOR_GRAD:
-                b_lnx = bias * (log2x * _LN2)  # dB/dtheta_beta = B ln x
-                sgn = tl.where(dm > 0, 1.0, tl.where(dm < 0, -1.0, 0.0))
-                b_mu = bias * beta / x * (-sgn)  # dB/dmu
                 acc_sbl += tl.sum(ds * b_lnx, 1)
                 acc_pbl += tl.sum(p * b_lnx, 1)
                 acc_sbm += tl.sum(ds * b_mu, 1)
@@ -547,14 +526,14 @@ if triton is not None:
         return dq, acc_pdp, acc_sb, acc_pb, acc_sbl, acc_pbl, acc_sbm, acc_pbm, acc_sl, acc_pl
 
     @triton.jit
-    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DS, RS, PC, PBETA, PMU, DRS, PART,
+    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DS, RS, PTAB, PDTAB, DRS, PART,
                      sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod,
                      sdqb, sdqh, sdqt, sdqd, sdsb, srb, srh, srt,
-                     H, Tq, Tk, q_offset, sm_scale, n_qblocks,
+                     H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_qblocks,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
                      SCALE_PRIOR: tl.constexpr, NEED_PRIOR_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                     ACC_DPP: tl.constexpr, ACC_B: tl.constexpr, EPS: tl.constexpr, DOT_PREC: tl.constexpr):
+                     ACC_DPP: tl.constexpr, ACC_B: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
@@ -569,7 +548,8 @@ if triton is not None:
         delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
         ds_rows, r_rows = _row_state(DS + b * sdsb, RS + b * srb + h * srh, srt, offs_m, qpos, row_ok,
                                      HAS_DOC, HAS_RS, BLOCK_M)
-        c, beta, mu = _head_prior(PC, PBETA, PMU, h, HAS_PRIOR)
+        tab = PTAB + h * n_dist  # this head's prior table (unused without a prior)
+        dtab = PDTAB + h * (2 * n_dist)  # its derivatives in theta_beta and theta_mu (only with NEED_PRIOR_GRAD)
         lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         zero = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -579,19 +559,22 @@ if triton is not None:
         # the same three stages as the forward: unmasked interior tiles, then document-boundary and diagonal tiles
         dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
             dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
-            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, c, beta, mu, sm_scale, Tk, u0, u1,
+            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, tab, dtab, d0, n_dist, sm_scale, Tk,
+            u0, u1,
             False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
-            BLOCK_N, EPS, DOT_PREC)
+            BLOCK_N, DOT_PREC)
         dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
             dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
-            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, c, beta, mu, sm_scale, Tk, lo, u0,
+            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, tab, dtab, d0, n_dist, sm_scale, Tk,
+            lo, u0,
             True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
-            BLOCK_N, EPS, DOT_PREC)
+            BLOCK_N, DOT_PREC)
         dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
             dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
-            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, c, beta, mu, sm_scale, Tk, u1, hi,
+            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, tab, dtab, d0, n_dist, sm_scale, Tk,
+            u1, hi,
             True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
-            BLOCK_N, EPS, DOT_PREC)
+            BLOCK_N, DOT_PREC)
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
         corr = a_pdp - delta  # Delta' - Delta
@@ -628,7 +611,27 @@ def _configs(block_d, dtype):
         return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
     if block_d <= 64:
         return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 3), pre=128)
-    return dict(fwd=(128, 32, 8, 2), dkdv=(64, 32, 8, 2), dq=(64, 16, 8, 2), pre=128)
+    # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead: perf_model.py
+    # predicts 5x the time, bound by shared-memory bandwidth)
+    return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
+
+
+def _prior_tables(prior, Tq, Tk, q_offset, cfg, grads=False):
+    """The prior by distance, for the kernels to read instead of evaluating it per score: B (H, n) float32 whose
+    entry t is B(d0 + t), covering every distance a tile touches (padded rows and keys included), and with
+    grads its derivatives in theta_beta and theta_mu (H, 2, n) by forward-mode autograd; dB/dtheta_alpha = B.
+    Deterministic elementwise ops: the backward rebuilds exactly the forward's table, hence bit-identical scores."""
+    pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
+    d0 = -(q_offset + Tq - 1) - pad
+    n = Tq + Tk + 2 * pad - 1
+    ta, tb, tm = (t.detach().float() for t in prior)
+    d = torch.arange(d0, d0 + n, device=ta.device)
+    table = ggd_prior(d, ta, tb, tm).contiguous()
+    if not grads:
+        return table, None, d0, n
+    _, d_beta = torch.func.jvp(lambda x: ggd_prior(d, ta, x, tm), (tb,), (torch.ones_like(tb),))
+    _, d_mu = torch.func.jvp(lambda x: ggd_prior(d, ta, tb, x), (tm,), (torch.ones_like(tm),))
+    return table, torch.stack((d_beta, d_mu), 1).contiguous(), d0, n
 
 
 def _kv_ranges(ds_rows, block_m, block_n, Tk):
@@ -669,12 +672,8 @@ class _TritonAttention(torch.autograd.Function):
         cfg = _configs(block_d, q.dtype)
         dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
         dummy = torch.zeros(1, device=dev, dtype=torch.float32)
-        if has_prior:  # the same fp32 ops as ggd_prior, so mu and exp(theta_alpha) match the reference bitwise
-            pc = torch.exp(theta_alpha.detach().float()).contiguous()
-            pbeta = theta_beta.detach().float().contiguous()
-            pmu = (2.0 * torch.sinh(theta_mu.detach().float())).contiguous()
-        else:
-            pc = pbeta = pmu = dummy
+        prior = (theta_alpha, theta_beta, theta_mu) if has_prior else None
+        ptab, _, d0, n_dist = _prior_tables(prior, Tq, Tk, q_offset, cfg) if has_prior else (dummy, None, 0, 0)
         ds = doc_start.to(device=dev, dtype=torch.int32).contiguous().expand(B, Tk) if has_doc else None
         rs = row_scale.detach().float().expand(B, H, Tq) if has_rs else None
         o = torch.empty_like(q)
@@ -682,15 +681,14 @@ class _TritonAttention(torch.autograd.Function):
         bm, bn, warps, stages = cfg["fwd"]
         grid = (triton.cdiv(Tq, bm), B * H)
         _attn_fwd[grid](
-            q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, pc, pbeta, pmu,
+            q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, ptab,
             *_st(q), *_st(k), *_st(v), *_st(o),
             ds.stride(0) if has_doc else 0, *(_st(rs) if has_rs else (0, 0, 0)),
-            H, Tq, Tk, q_offset, softmax_scale,
+            H, Tq, Tk, q_offset, softmax_scale, d0, n_dist,
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
-            HAS_RS=has_rs, SCALE_PRIOR=bool(scale_prior) and has_rs, EPS=GGD_EPS, DOT_PREC=dot_prec,
+            HAS_RS=has_rs, SCALE_PRIOR=bool(scale_prior) and has_rs, DOT_PREC=dot_prec,
             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-        ctx.save_for_backward(q, k, v, o, lse, ds, rs, pc, pbeta, pmu,
-                              theta_mu if has_prior else None)
+        ctx.save_for_backward(q, k, v, o, lse, ds, rs, *(prior if has_prior else (None, None, None)))
         ctx.meta = (has_prior, has_doc, has_rs, bool(scale_prior) and has_rs, q_offset, softmax_scale, block_d,
                     dot_prec, cfg, None if row_scale is None else (row_scale.shape, row_scale.dtype),
                     None if theta_alpha is None else (theta_alpha.dtype, theta_beta.dtype, theta_mu.dtype))
@@ -698,7 +696,7 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, ds, rs, pc, pbeta, pmu, theta_mu = ctx.saved_tensors
+        q, k, v, o, lse, ds, rs, *prior = ctx.saved_tensors
         (has_prior, has_doc, has_rs, scale_prior, q_offset, sm_scale, block_d, dot_prec, cfg, rs_meta,
          th_dtypes) = ctx.meta
         B, H, Tq, D = q.shape
@@ -715,7 +713,10 @@ class _TritonAttention(torch.autograd.Function):
         ds_st = ds.stride(0) if has_doc else 0
         rs_st = _st(rs) if has_rs else (0, 0, 0)
         common = dict(HEAD_DIM=D, BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior, HAS_RS=has_rs,
-                      SCALE_PRIOR=scale_prior, EPS=GGD_EPS, DOT_PREC=dot_prec, enable_fp_fusion=False)
+                      SCALE_PRIOR=scale_prior, DOT_PREC=dot_prec, enable_fp_fusion=False)
+        ptab, pdtab, d0, n_dist = (_prior_tables(prior, Tq, Tk, q_offset, cfg, grads=need_prior) if has_prior
+                                   else (dummy, None, 0, 0))
+        pdtab = dummy if pdtab is None else pdtab
         # preprocess: Delta = rowsum(O * dO)
         delta = torch.empty((B, H, Tq), device=dev, dtype=torch.float32)
         pm = cfg["pre"]
@@ -731,9 +732,9 @@ class _TritonAttention(torch.autograd.Function):
         else:
             q_end = q_clean = dummy_i
         _attn_bwd_dkdv[(n_kb, B * H)](
-            q, k, v, do, dk, dv, lse, delta, ds_arg, rs_arg, pc, pbeta, pmu, q_end, q_clean,
+            q, k, v, do, dk, dv, lse, delta, ds_arg, rs_arg, ptab, q_end, q_clean,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dk), *_st(dv), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, sm_scale, n_kb,
+            H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_kb,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
         # dQ (+ d row_scale, + per-program prior partial sums): one program per query block, looping over keys
         dq = torch.empty_like(q)
@@ -742,9 +743,9 @@ class _TritonAttention(torch.autograd.Function):
         drs = torch.empty((B, H, Tq), device=dev, dtype=torch.float32) if need_rs else dummy
         part = torch.empty((B, H, n_qb, 3), device=dev, dtype=torch.float32) if need_prior else dummy
         _attn_bwd_dq[(n_qb, B * H)](
-            q, k, v, do, dq, lse, delta, ds_arg, rs_arg, pc, pbeta, pmu, drs, part,
+            q, k, v, do, dq, lse, delta, ds_arg, rs_arg, ptab, pdtab, drs, part,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, sm_scale, n_qb,
+            H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_qb,
             BLOCK_M=bm, BLOCK_N=bn, NEED_PRIOR_GRAD=need_prior, NEED_RS_GRAD=need_rs,
             ACC_DPP=need_prior or need_rs, ACC_B=has_prior and (need_prior or (need_rs and scale_prior)),
             num_warps=warps, num_stages=stages, **common)
@@ -753,7 +754,7 @@ class _TritonAttention(torch.autograd.Function):
             g = part.double().sum(dim=(0, 2))  # (H, 3)
             g_alpha = g[:, 0].to(th_dtypes[0]) if need[4] else None
             g_beta = g[:, 1].to(th_dtypes[1]) if need[5] else None
-            g_mu = (g[:, 2] * 2.0 * torch.cosh(theta_mu.detach().double())).to(th_dtypes[2]) if need[6] else None
+            g_mu = g[:, 2].to(th_dtypes[2]) if need[6] else None
         if need_rs:
             shape, dtype = rs_meta
             g_rs = drs.sum_to_size(shape).to(dtype)  # a row_scale broadcast over the batch sums its gradient

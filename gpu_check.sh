@@ -3,7 +3,8 @@
 # Everything lands in results/gpu/ (logs and JSON); copy the numbers into the README's GPU section.
 #   1. the compiled Triton kernel vs the PyTorch reference: values and every gradient, fp32 / bf16
 #   2. the kernel test suite on the GPU (compiled, not interpreted)
-#   3. kernel vs SDPA-flash (no prior), SDPA with a materialised prior, FlexAttention (same prior): TFLOP/s, memory
+#   3. kernel vs SDPA-flash (no prior), SDPA with a materialised prior, FlexAttention (same prior): TFLOP/s, memory,
+#      and the performance model's predicted ratios next to the measured ones (perf_model.py, README)
 #   4. a training step of l12: BAM+SSMax vs NoPE time ratio, tokens/s and MFU, bf16 + torch.compile
 #   5. a 131,072-token forward of l12 BAM+SSMax in bf16: time and peak memory
 #   6. train.py end to end for a few steps on the demo data, bf16 + torch.compile, then a passkey evaluation
@@ -29,6 +30,8 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 run kernel_check      $PY bench_attention.py --check
 run kernel_tests      env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py
 run attention_bench   $PY bench_attention.py --quick --out "$OUT/bench_attention.json"
+run perf_model        $PY perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
+                      --compare "$OUT/bench_attention.json" --out "$OUT/perf_model"
 run step_ratio        $PY bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
 run long_forward      $PY bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
 rm -rf /tmp/bam_gpu_run /tmp/bam_gpu_demo_data
