@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from priors import GGD_EPS, BoundPrior, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401 (alibi_slopes, ggd_prior: re-exported)
+# alibi_slopes and ggd_prior are re-exported: `from attention_kernel import alibi_slopes` keeps working
+from priors import GGD_EPS, BoundPrior, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401
 
 IMPLS = ("auto", "torch", "flex", "triton")
 

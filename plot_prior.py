@@ -110,8 +110,8 @@ def main(argv=None):
     model, ckpt = load_model(args.ckpt)
     cfg = model.config
     if cfg.pos_encoding not in ("bam", "alibi"):
-        sys.exit(f"plot_prior.py: error: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, which has no positional "
-                 "prior to plot (bam and alibi do)")
+        sys.exit(f"plot_prior.py: error: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, which has no "
+                 "positional prior to plot (bam and alibi do)")
     out = args.out or os.path.join(os.path.dirname(ckpt["path"]), "prior.png")
     max_distance = args.max_distance or 64 * cfg.block_size
     if max_distance < 2:

@@ -164,17 +164,19 @@ ALIBI = register(Prior(
 # ------------------------------------------------------------------------------------------------------- Cauchy
 def cauchy_prior(d, theta_a, theta_s):
     """A heavy-tailed learnable prior, the worked example of adding one (README, "Try your own prior"):
-    B_h(d) = -exp(theta_a_h) * log(1 + (d / exp(theta_s_h))^2).
+    B_h(d) = -theta_a_h * log(1 + (d / exp(theta_s_h))^2).
 
-    theta_a = 0 is the log-density of a Cauchy distribution of scale exp(theta_s) centred on the query; other
-    theta_a give the Student-t family (exp(theta_a) = (nu + 1) / 2). Far away it decays like -2 exp(theta_a) log|d|,
-    a power law instead of ALiBi's linear penalty, so distant keys stay reachable."""
+    theta_a = 1 is the log-density of a Cauchy distribution of scale exp(theta_s) centred on the query, other
+    theta_a > 0 the Student-t family (theta_a = (nu + 1) / 2): far away it decays like a power law,
+    -2 theta_a log|d|, instead of ALiBi's linear penalty. theta_a = 0 is flat (NoPE), so training can start there as
+    GGD does, and theta_a < 0 favours distant keys (anti-local, like GGD's theta_beta < 0)."""
     a, s = _per_head(theta_a, theta_s)
-    return -torch.exp(a) * torch.log1p((d.float()[None, :] / torch.exp(s)) ** 2)
+    return -a * torch.log1p((d.float()[None, :] / torch.exp(s)) ** 2)
 
 
 def cauchy_init(spec, n_head):
-    """'zero': theta_a = theta_s = 0, the standard Cauchy prior -log(1 + d^2). 'A,S' sets every head."""
+    """'zero': theta_a = theta_s = 0, a flat prior (NoPE) that learns its shape, like GGD's 'zero'. 'A,S' sets
+    every head to theta_a=A, theta_s=S ('1,0' is the standard Cauchy prior -log(1 + d^2))."""
     if spec == "zero":
         return torch.zeros(n_head), torch.zeros(n_head)
     return _two_floats(spec, n_head, "A,S", "'zero'")
@@ -182,4 +184,5 @@ def cauchy_init(spec, n_head):
 
 CAUCHY = register(Prior(
     name="cauchy", fn=cauchy_prior, params=("theta_a", "theta_s"), init=cauchy_init, trainable=("theta_a", "theta_s"),
-    formula="B(d) = -exp(θa) log(1 + (d / exp(θs))²)", shape_param="theta_s"))
+    formula="B(d) = -θa log(1 + (d / exp(θs))²)", shape_param="theta_a",
+    highlight=lambda theta_a, theta_s: theta_a < 0, highlight_label="θa < 0"))

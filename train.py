@@ -314,9 +314,9 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
                                                prior_lr=c["prior_lr"], ssmax_lr=c["ssmax_lr"])
     groups = raw_model.param_groups()
     n_prior, n_ssmax = sum(p.numel() for p in groups["prior"]), sum(p.numel() for p in groups["ssmax"])
-    log(f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}"
-        f"{' (' + c['prior'] + ' prior)' if c['pos_encoding'] == 'bam' else ''}, {c['n_layer']} layers, {c['n_head']} heads, "
-        f"n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})")
+    prior_name = f" ({c['prior']} prior)" if c["pos_encoding"] == "bam" else ""
+    log(f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}{prior_name}, {c['n_layer']} layers, "
+        f"{c['n_head']} heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})")
     log(f"parameters: {raw_model.num_params():,} total, {raw_model.num_params(non_embedding=True):,} non-embedding, "
         f"{n_prior} trainable prior, {n_ssmax} SSMax s")
     log(f"batch: {c['batch_size']} x {c['block_size']} tokens x {accum} accumulation x {world_size} processes "
@@ -326,7 +326,10 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
     start_step, last_ckpt, val_loss = 0, None, None
     if resuming:
         ckpt = load_checkpoint(existing[-1][1], map_location="cpu")
-        old_args = checkpoint_model_args(ckpt)
+        try:
+            old_args = checkpoint_model_args(ckpt)
+        except ValueError as e:  # settings or a prior this code does not know
+            raise TrainingError(f"cannot resume: {e}") from e
         diff = config_diff(*({k: a[k] for k in model_args if k not in RUNTIME_KEYS} for a in (old_args, model_args)))
         if diff:
             raise TrainingError(f"cannot resume {ckpt['path']!r}: its model differs from these settings "

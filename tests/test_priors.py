@@ -123,10 +123,11 @@ def test_registry_names_and_errors():
 
 def test_cauchy_prior_formula_and_kernel_native_sets():
     d = torch.arange(-6, 1)
-    table = get_prior("cauchy").fn(d, torch.tensor([0.0, 0.7]), torch.tensor([0.0, 1.2]))
-    expect = torch.stack([-torch.log(1 + d.float() ** 2),
-                          -math.exp(0.7) * torch.log(1 + (d.float() / math.exp(1.2)) ** 2)])
+    table = get_prior("cauchy").fn(d, torch.tensor([1.0, 0.7, 0.0]), torch.tensor([0.0, 1.2, 0.5]))
+    expect = torch.stack([-torch.log(1 + d.float() ** 2), -0.7 * torch.log(1 + (d.float() / math.exp(1.2)) ** 2),
+                          torch.zeros(len(d))])  # theta_a = 0 is flat: the 'zero' init starts as NoPE
     torch.testing.assert_close(table, expect)
+    assert get_prior("cauchy").highlight(torch.tensor([-0.1, 0.2]), torch.zeros(2)).tolist() == [True, False]
     for name, prior in PRIORS.items():  # the registry says which priors the kernel computes; the kernel agrees
         assert ("triton" in prior.native) == (name in ak._KERNEL_FORMS), name
 
@@ -170,7 +171,7 @@ def test_kernel_alibi_prior_matches_reference():
 
 def test_kernel_refuses_cauchy_and_auto_never_substitutes():
     q = torch.randn(1, 2, 8, 16)
-    cauchy = BoundPrior(get_prior("cauchy"), (torch.zeros(2), torch.zeros(2)))
+    cauchy = BoundPrior(get_prior("cauchy"), (torch.ones(2), torch.zeros(2)))
     with pytest.raises(ValueError, match="cannot compute the prior 'cauchy'"):
         attention(q, q, q, prior=cauchy, impl="triton")
     ref = attention(q, q, q, prior=cauchy, impl="torch")
