@@ -175,9 +175,10 @@ def needs_grad(*tensors):
 def auto_impl(q, prior):
     """impl="auto": the fastest implementation that computes `prior` exactly. CUDA: the Triton kernel when the prior
     is native to it, else FlexAttention. CPU: the reference, for training (Flex has no CPU backward) and for
-    evaluation too: a compiled Flex forward is faster per call (bench_attention.py --cpu: 2.7x at T = 512,
-    B1 H8 D64), but it compiles anew for every shape, 20 s to minutes of C++ each time, which an evaluation
-    over many prompt lengths never earns back. impl="flex" still runs it on the CPU when asked for."""
+    evaluation too: a compiled Flex forward is faster per call (bench_attention.py --cpu, B1 H8 D64, GGD + SSMax,
+    2 threads: 2.7x at T = 512, 4.5x at T = 4096), but it compiles anew for every shape (13 s with a warm
+    inductor cache, minutes without), and an evaluation over many prompt lengths does not earn that back
+    reliably. impl="flex" still runs it on the CPU when asked for."""
     if q.is_cuda:
         native = prior is None or "triton" in prior.prior.native
         return "triton" if native and _triton_available() else "flex"
