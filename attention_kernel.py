@@ -859,6 +859,7 @@ def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, sca
                      q_offset=None, softmax_scale=None):
     """The Triton implementation of attention() (same contract, see the module docstring). Needs CUDA tensors,
     or TRITON_INTERPRET=1 set before triton is first imported (then it runs, slowly, on CPU tensors)."""
+    ta, tb, tm = _kernel_ggd_form(bind(prior))  # first: a prior the kernel does not compute is refused anywhere
     if triton is None:
         raise RuntimeError("impl='triton' needs the triton package")
     if not q.is_cuda and not _interpreting():
@@ -882,7 +883,6 @@ def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, sca
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if doc_start is not None and doc_start.shape[-1] != Tk:
         raise ValueError(f"attention_triton: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}")
-    ta, tb, tm = _kernel_ggd_form(bind(prior))
     if row_scale is not None and row_scale.shape[-1] != Tq:
         raise ValueError(f"attention_triton: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
     ctx = torch.cuda.device(q.device) if q.is_cuda else _nullcontext()

@@ -74,6 +74,10 @@ def load_runs(paths, device, attn_impl=None):
             model, ckpt = load_model(p, device, attn_impl=attn_impl)
         except (FileNotFoundError, RuntimeError, ValueError) as e:  # no checkpoint, not one, or another model
             raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+        prior = model.blocks[0].attn.prior_def if model.blocks else None
+        if attn_impl in ("triton", "flex") and prior is not None and attn_impl not in prior.native:
+            raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: --attn_impl {attn_impl} cannot compute the "
+                             f"prior {prior.name!r} of {p}; use one of {sorted(prior.native)} or auto")
         runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
                          block_size=model.config.block_size, tokenizer=model.config.tokenizer))
     names = {r["tokenizer"] for r in runs}
