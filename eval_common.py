@@ -31,6 +31,9 @@ def add_common_args(parser, default_out):
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn_impl", default=None, choices=["auto", "torch", "flex", "triton"],
+                        help="attention implementation (attention_kernel.py; default: the checkpoint's, normally "
+                             "auto). One that cannot compute the model's prior stops with an error")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,
@@ -66,13 +69,17 @@ def run_label(path):
     return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
 
 
-def load_runs(paths, device):
-    """Load every checkpoint; all must share one tokenizer so that they see identical prompts.
-    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path, block_size, tokenizer and
-    data_dir (the training data the checkpoint records, or None)."""
+def load_runs(paths, device, attn_impl=None):
+    """Load every checkpoint (attention computed by attn_impl, if given); all must share one tokenizer so that they
+    see identical prompts. Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path,
+    block_size, tokenizer and data_dir (the training data the checkpoint records, or None)."""
     runs = []
     for p in paths:
-        model, ckpt = load_model(p, device)
+        model, ckpt = load_model(p, device, attn_impl=attn_impl)
+        prior = model.blocks[0].attn.prior_def if model.blocks else None
+        if attn_impl in ("triton", "flex") and prior is not None and attn_impl not in prior.native:
+            raise EvalError(f"--attn_impl {attn_impl} cannot compute the prior {prior.name!r} of {p}; "
+                            f"use one of {sorted(prior.native)} or auto")
         runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
                          block_size=model.config.block_size, tokenizer=model.config.tokenizer,
                          data_dir=ckpt.get("config", {}).get("data_dir")))

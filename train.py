@@ -37,8 +37,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
-from model import (GPT, MODEL_SIZES, POS_ENCODINGS, CheckpointError, GPTConfig, autocast, checkpoint_name,
-                   checkpoints, config_diff, load_checkpoint, load_state, peak_flops, save_checkpoint)
+from model import (GPT, MODEL_SIZES, POS_ENCODINGS, RUNTIME_KEYS, CheckpointError, GPTConfig, autocast,
+                   checkpoint_model_args, checkpoint_name, checkpoints, config_diff, load_checkpoint, load_state,
+                   peak_flops, save_checkpoint)
+from priors import PRIORS
 
 # ----------------------------------------------------------------------------------------------------------
 # Settings. The defaults are the paper's l12 BAM+SSMax recipe: config/bam_120m.py only names the run.
@@ -140,8 +142,9 @@ def resolve_config(c, world_size):
             errors.append(f"device={c['device']!r} is not a device torch knows ({e})")
     if c["wandb_log"] and importlib.util.find_spec("wandb") is None:
         errors.append("wandb_log=True needs the wandb package (pip install wandb)")
+    errors += attn_impl_errors(c)
     if not errors:
-        try:  # the model's own checks (head_dim, rope, bam_init); the vocabulary comes later from the data
+        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
             GPTConfig(**model_args(c, vocab_size=1, tokenizer=""))
         except ValueError as e:
             errors.append(str(e))
@@ -162,6 +165,18 @@ def check_data_budget(c, train_windows, tokens_per_update):
                       f"data would repeat. Get them with `python prepare_fineweb.py --name sample-100BT --tokenizer "
                       f"{c['tokenizer']} --max_tokens {int(total)} --out_dir {c['data_dir']}` (resumes and extends), "
                       "lower max_iters, or pass --allow_data_repeat=True")
+
+
+def attn_impl_errors(c):
+    """attn_impl settings that could not train this model: said before any data or model is touched."""
+    if c["attn_impl"] == "flex" and (c["device"] == "cpu" or (c["device"] == "auto" and not torch.cuda.is_available())):
+        return ["attn_impl='flex' cannot train on the CPU (FlexAttention has no CPU backward in this torch); "
+                "use attn_impl=torch or auto"]
+    prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
+    if c["attn_impl"] == "triton" and prior in PRIORS and "triton" not in PRIORS[prior].native:
+        return [f"attn_impl='triton' cannot compute the prior {prior!r} (the kernel hard-codes "
+                f"{', '.join(p for p in PRIORS if 'triton' in PRIORS[p].native)}); use attn_impl=flex or auto"]
+    return []
 
 
 def resolve_accumulation(c, world_size):
@@ -237,8 +252,8 @@ def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
     """Load model, optimizer, scaler and this process's RNG from a checkpoint; hyperparameters stay those of c.
     Returns (step, checkpoint path, val_loss)."""
     ckpt = load_checkpoint(path, map_location="cpu")
-    args = model_args(c, c["vocab_size"], c["tokenizer"])
-    diff = config_diff({k: ckpt["model_args"].get(k) for k in args}, args)
+    args, old = model_args(c, c["vocab_size"], c["tokenizer"]), checkpoint_model_args(ckpt)
+    diff = config_diff(*({k: a[k] for k in args if k not in RUNTIME_KEYS} for a in (old, args)))
     if diff:
         raise TrainingError(f"cannot resume {ckpt['path']!r}: its model differs from these settings "
                             "(checkpoint vs now):\n  " + "\n  ".join(diff))
@@ -271,8 +286,9 @@ def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
 def describe(raw_model, c, accum, tokens_per_update):
     """Three lines for the log: the model, its parameters, the batch."""
     groups = raw_model.param_groups()
-    return (f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}, {c['n_layer']} layers, {c['n_head']} "
-            f"heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})\n"
+    prior = f" ({c['prior']} prior)" if c["pos_encoding"] == "bam" else ""
+    return (f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}{prior}, {c['n_layer']} layers, "
+            f"{c['n_head']} heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})\n"
             f"parameters: {raw_model.num_params():,} total, {raw_model.num_params(non_embedding=True):,} "
             f"non-embedding, {sum(p.numel() for p in groups['prior'])} trainable prior, "
             f"{sum(p.numel() for p in groups['ssmax'])} SSMax s\n"
@@ -403,13 +419,18 @@ def evaluate(raw_model, loader, eval_iters, ctx):
 
 
 def prior_record(raw_model):
-    """theta_beta per layer as [min, median, max] and the number of heads with theta_beta < 0 (bam only)."""
-    if raw_model.config.pos_encoding != "bam":
+    """The learned prior's shape parameter per layer as [min, median, max], and how many heads its highlight rule
+    picks (ggd: theta_beta < 0). bam only."""
+    prior_def = raw_model.blocks[0].attn.prior_def
+    if raw_model.config.pos_encoding != "bam" or not prior_def.shape_param:
         return {}
-    betas = [torch.tensor(row["theta_beta"]) for row in raw_model.prior_summary()]
-    return {"theta_beta": [[round(b.min().item(), 4), round(b.quantile(0.5).item(), 4), round(b.max().item(), 4)]
-                           for b in betas],
-            "heads_beta_negative": int(sum((b < 0).sum() for b in betas))}
+    bound = [b.attn.prior() for b in raw_model.blocks]
+    shapes = [p.params[prior_def.params.index(prior_def.shape_param)].detach().float().cpu() for p in bound]
+    record = {prior_def.shape_param: [[round(x.min().item(), 4), round(x.quantile(0.5).item(), 4),
+                                       round(x.max().item(), 4)] for x in shapes]}
+    if prior_def.highlight is not None:
+        record["heads_highlighted"] = int(sum(prior_def.highlight(*p.params).sum().item() for p in bound))
+    return record
 
 
 def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
@@ -419,9 +440,10 @@ def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
     msg = f"step {step}: val loss {val_loss:.4f}"
     if prior:
         record["prior"] = prior
-        cfg = raw_model.config
-        msg += (f" | theta_beta median per layer {[b[1] for b in prior['theta_beta']]}"
-                f" | heads with theta_beta < 0: {prior['heads_beta_negative']}/{cfg.n_layer * cfg.n_head}")
+        cfg, prior_def = raw_model.config, raw_model.blocks[0].attn.prior_def
+        msg += f" | {prior_def.shape_param} median per layer {[x[1] for x in prior[prior_def.shape_param]]}"
+        if "heads_highlighted" in prior:
+            msg += f" | heads with {prior_def.highlight_label}: {prior['heads_highlighted']}/{cfg.n_layer * cfg.n_head}"
     log(msg)
     return val_loss
 
@@ -447,8 +469,8 @@ def write_metrics(path, record, wandb):
         f.write(json.dumps(record) + "\n")
     if wandb is not None:
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        if "prior" in record:
-            scalars["heads_beta_negative"] = record["prior"]["heads_beta_negative"]
+        if "heads_highlighted" in record.get("prior", {}):
+            scalars["heads_highlighted"] = record["prior"]["heads_highlighted"]
         wandb.log(scalars, step=record["step"])
 
 
