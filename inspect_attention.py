@@ -25,8 +25,9 @@ Lengths: the heatmap is drawn at --length; the needle-vs-length curve uses --len
 x 1, 2, 4, ... up to --length. The best head of a checkpoint is the one with the most needle mass at --length.
 
 Outputs in --out: attention_heads.{json,csv} (checkpoint x length x layer x head), attention_summary.json
-(settings; per checkpoint its top heads at --length, and the best head's needle mass, the largest needle mass of
-any head and the first-answer-token accuracy at every length), attention_heads.png (figure 1) and
+(settings; per checkpoint its top heads at --length and the heads that read the needle there, with needle mass
+>= 0.5; the best head's needle mass, the largest needle mass of any head and the first-answer-token accuracy at
+every length), attention_heads.png (figure 1) and
 attention_needle_vs_length.png (figure 2).
 """
 import argparse
@@ -46,6 +47,7 @@ from attention_kernel import attention_probs
 from priors import get_prior
 
 SYMBOLS = {"theta_beta": "θβ", "theta_alpha": "θα", "theta_mu": "θμ"}  # figure labels of the GGD parameters
+READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,9 +151,10 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
     return rows, n_correct / samples
 
 
-def summarize(rows, accuracy, runs, lengths, length, top=3):
-    """Per checkpoint: the top heads at `length` and, at every length, the best head's needle mass, the largest
-    needle mass of any head, the uniform-attention mass and the first-answer-token accuracy."""
+def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
+    """Per checkpoint: the top heads at `length`, the heads that read the needle there (needle mass >= `reads`)
+    and, at every length, the best head's needle mass, the largest needle mass of any head, the uniform-attention
+    mass and the first-answer-token accuracy."""
     out = []
     for r in runs:
         mine = [x for x in rows if x["label"] == r["label"]]
@@ -172,7 +175,9 @@ def summarize(rows, accuracy, runs, lengths, length, top=3):
         keep = ("layer", "head", "needle_mass", "mean_distance", "entropy", "shape_param", "shape")
         out.append(dict(label=r["label"], pos_encoding=best["pos_encoding"], ssmax=best["ssmax"],
                         train_length=r["block_size"], chosen_at=length,
-                        top_heads=[{k: x[k] for k in keep if k in x} for x in at[:top]], curve=curve))
+                        top_heads=[{k: x[k] for k in keep if k in x} for x in at[:top]],
+                        readers=[{k: x[k] for k in keep if k in x} for x in at if x["needle_mass"] >= reads],
+                        curve=curve))
     return out
 
 
@@ -312,13 +317,19 @@ def run(args):
     return rows, summary
 
 
+def _heads(heads):
+    return ", ".join(f"L{x['layer']}.h{x['head']} {x['needle_mass']:.3f}" +
+                     (f" ({head_label(x)})" if head_label(x) else "") for x in heads) or "none"
+
+
 def report(summary):
-    """One line per checkpoint: its best heads at the heatmap length and the best head's needle mass per length."""
+    """Per checkpoint: its top heads and the heads that read the needle at the heatmap length, and the best head's
+    needle mass at every length."""
     for s in summary:
-        tops = ", ".join(f"L{x['layer']}.h{x['head']} {x['needle_mass']:.2f}" +
-                         (f" ({head_label(x)})" if head_label(x) else "") for x in s["top_heads"])
-        curve = " ".join(f"{c['target_length']}:{c['needle_mass']:.2f}" for c in s["curve"])
-        print(f"{s['label']}: top heads at {s['chosen_at']}: {tops}; best head's needle mass by length: {curve}")
+        curve = " ".join(f"{c['target_length']}:{c['needle_mass']:.3f}" for c in s["curve"])
+        print(f"{s['label']}: top heads at {s['chosen_at']}: {_heads(s['top_heads'])}\n"
+              f"  heads with needle mass >= {READS}: {_heads(s['readers'])}\n"
+              f"  best head's needle mass by length: {curve}")
 
 
 def main(argv=None):

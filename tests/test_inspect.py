@@ -159,6 +159,7 @@ def test_end_to_end(tmp_path, ckpts, capsys):
         mine = [r for r in rows if r["label"] == s["label"]]
         best = max((r for r in mine if r["target_length"] == 128), key=lambda r: r["needle_mass"])
         assert (s["top_heads"][0]["layer"], s["top_heads"][0]["head"]) == (best["layer"], best["head"])
+        assert len(s["readers"]) == sum(r["needle_mass"] >= 0.5 for r in mine if r["target_length"] == 128)
         assert [c["target_length"] for c in s["curve"]] == [32, 64, 128]
         for c in s["curve"]:
             assert c["max_needle_mass"] >= c["needle_mass"] and 0 <= c["first_token_accuracy"] <= 1
