@@ -100,16 +100,21 @@ def answer_row_probs(model, idx):
 
 
 def head_priors(model):
-    """{layer: [one dict per head]}: the prior's name, its parameters, the shape parameter's name and value, and the
-    SSMax scale s. Layers without a prior (nope, rope, sinusoidal) give only s, or nothing."""
+    """{layer: [one dict per head]}: the prior's name, its parameters, the shape parameter's name and value, whether
+    the prior singles the head out (highlight: GGD's theta_beta < 0), and the SSMax scale s. Layers without a prior
+    (nope, rope, sinusoidal) give only s, or nothing."""
     out = {}
     for row in model.prior_summary():
         heads = [{} for _ in range(model.config.n_head)]
+        prior = get_prior(row["prior"]) if "prior" in row else None
+        marked = prior.highlight(*(torch.tensor(row[n]) for n in prior.params)).tolist() \
+            if prior is not None and prior.highlight is not None else None
         for h, d in enumerate(heads):
-            if row.get("prior") is not None:
-                prior = get_prior(row["prior"])
+            if prior is not None:
                 d.update(prior=prior.name, shape_param=prior.shape_param, shape=row[prior.shape_param][h])
                 d.update({name: row[name][h] for name in prior.params})
+            if marked is not None:
+                d.update(highlight=bool(marked[h]), highlight_label=prior.highlight_label)
             if "ssmax_s" in row:
                 d["ssmax_s"] = row["ssmax_s"][h]
         out[row["layer"]] = heads
@@ -195,12 +200,12 @@ def head_label(row):
     """'θβ=-0.42' for a head with a prior (its shape parameter), '' without one."""
     if "shape_param" not in row:
         return ""
-    return f"{SYMBOLS.get(row['shape_param'], row['shape_param'])}={row['shape']:+.2f}"
+    return f"{SYMBOLS.get(row['shape_param'], row['shape_param'])}={row['shape']:+.2g}"
 
 
 def plot_heads(rows, runs, length, path):
     """Figure 1: one panel per checkpoint, layers x heads, colour = needle mass at `length`; each cell shows the
-    head's shape parameter (top) and its needle mass (bottom)."""
+    head's shape parameter (top) and its needle mass (bottom); heads that the prior highlights are framed red."""
     plt = _plt()
     panels = [(r, [x for x in rows if x["label"] == r["label"] and x["target_length"] == length]) for r in runs]
     panels = [(r, cell) for r, cell in panels if cell]
@@ -215,13 +220,17 @@ def plot_heads(rows, runs, length, path):
             text = "\n".join(filter(None, [head_label(x), f"{x['needle_mass']:.2f}"]))
             ax.text(x["head"], x["layer"], text, ha="center", va="center", fontsize=6.5,
                     color="black" if x["needle_mass"] > 0.6 else "white")
+            if x.get("highlight"):
+                ax.add_patch(plt.Rectangle((x["head"] - 0.47, x["layer"] - 0.47), 0.94, 0.94, fill=False,
+                                           edgecolor="red", linewidth=2))
         im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(n_head), [f"h{h}" for h in range(n_head)], fontsize=7)
         ax.set_yticks(range(n_layer), [f"layer {i}" for i in range(n_layer)], fontsize=7)
         x0 = cell[0]
         name = x0["pos_encoding"] + ("+ssmax" if x0["ssmax"] else "")
-        ax.set_title(f"{r['label']} ({name}): {length} tokens = {length / r['block_size']:g}x the training length",
-                     fontsize=9)
+        framed = f"; red frame: {x0['highlight_label']}" if any(x.get("highlight") for x in cell) else ""
+        ax.set_title(f"{r['label']} ({name}): {length} tokens = {length / r['block_size']:g}x the training length"
+                     + framed, fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02, label="needle mass")
     fig.suptitle("Attention of the answer query on the needle's key tokens, per head\n"
                  "(cell: the head's prior shape parameter, then its needle mass; mean over prompts)", fontsize=9)
@@ -282,7 +291,7 @@ def run(args):
     dtype = ec.resolve_dtype(device, args.dtype)
     if torch.device(device).type == "cpu":
         ec.return_freed_memory_to_os()  # keeps the RSS of long forwards linear in the length
-    runs, enc = ec.load_runs(args.ckpt, device)
+    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     template = ep.TEMPLATES[args.template]
     length, lengths = choose_lengths(args, runs, enc, template)
     for L in lengths:
@@ -338,8 +347,8 @@ def main(argv=None):
         rows, summary = run(args)
     except (ValueError, RuntimeError, OSError) as e:
         sys.exit(f"inspect_attention.py: error: {e}")
-    except SystemExit as e:  # eval_common's one-line messages (tokenizer mismatch, missing GPU)
-        if isinstance(e.code, str):
+    except SystemExit as e:  # eval_common's one-line messages (tokenizer mismatch, missing GPU, bad checkpoint)
+        if isinstance(e.code, str) and ": error: " not in e.code:
             sys.exit(f"inspect_attention.py: error: {e.code}")
         raise
     report(summary)

@@ -10,6 +10,7 @@ import torch
 import eval_passkey as ep
 import inspect_attention as ia
 from data import get_tokenizer
+from priors import alibi_slopes
 from model import GPT, GPTConfig, save_checkpoint
 from test_passkey import merging_tokenizer
 
@@ -99,6 +100,7 @@ def test_forced_heads_measure_the_closed_form(enc):
         assert row["mean_distance"] == pytest.approx(np.mean([e[h][1] for e in expected]), rel=1e-4, abs=1e-6)
         assert row["shape_param"] == "theta_beta" and row["shape"] == [0.0, 1.0][h]
         assert row["theta_alpha"] == pytest.approx([0.7, 0.0][h]) and row["ssmax_s"] == 1.0
+        assert row["highlight"] is False and row["highlight_label"] == "θβ < 0"
     assert rows[0]["needle_mass"] > 0.95  # head 0 reads the key ...
     assert rows[1]["needle_mass"] < 1e-3 and rows[1]["mean_distance"] < 0.02  # ... head 1 its own position
     key_distance = np.mean([len(p) + info["n_given"] - 1 - np.mean(ia.key_positions(enc, p, info))
@@ -165,7 +167,10 @@ def test_end_to_end(tmp_path, ckpts, capsys):
             assert c["max_needle_mass"] >= c["needle_mass"] and 0 <= c["first_token_accuracy"] <= 1
             assert c["uniform_mass"] == pytest.approx(5 / (c["target_length"]), rel=0.2)
     labelled = {r["label"]: r for r in rows}
-    assert labelled["bam_ssmax"]["shape_param"] == "theta_beta" and labelled["alibi"]["shape"] == 1.0
+    assert labelled["bam_ssmax"]["shape_param"] == "theta_beta"
+    alibi = [r for r in rows if r["label"] == "alibi" and r["target_length"] == 32]
+    assert [r["shape"] for r in alibi] == pytest.approx(alibi_slopes(4).tolist() * 2)  # ALiBi: its fixed slopes
+    assert all(r["shape_param"] == "slope" and "highlight" not in r for r in alibi)
     assert "shape_param" not in labelled["rope"]
     for r in rows:
         assert 0 <= r["needle_mass"] <= 1 and 0 <= r["mean_distance"] <= r["length"]
@@ -178,7 +183,7 @@ def test_end_to_end(tmp_path, ckpts, capsys):
 def test_errors_are_one_line(tmp_path, ckpts):
     with pytest.raises(SystemExit, match=r"^inspect_attention.py: error: length 4 is shorter than the demo prompt"):
         ia.main(["--ckpt", ckpts[0], "--template", "demo", "--length", "4", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match=r"^inspect_attention.py: error: no checkpoint at"):
+    with pytest.raises(SystemExit, match=r"\.py: error: no checkpoint at"):
         ia.main(["--ckpt", str(tmp_path / "missing"), "--length", "64", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"^inspect_attention.py: error: give --length"):
         ia.main(["--ckpt", ckpts[0], "--out", str(tmp_path)])
