@@ -107,8 +107,9 @@ def head_priors(model):
     for row in model.prior_summary():
         heads = [{} for _ in range(model.config.n_head)]
         prior = get_prior(row["prior"]) if "prior" in row else None
-        marked = prior.highlight(*(torch.tensor(row[n]) for n in prior.params)).tolist() \
-            if prior is not None and prior.highlight is not None else None
+        marked = None
+        if prior is not None and prior.highlight is not None:
+            marked = prior.highlight(*(torch.tensor(row[n]) for n in prior.params)).tolist()
         for h, d in enumerate(heads):
             if prior is not None:
                 d.update(prior=prior.name, shape_param=prior.shape_param, shape=row[prior.shape_param][h])
