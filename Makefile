@@ -58,6 +58,8 @@ demo: deps
 	rm -f $(DEMO_RESULTS)/passkey_*
 	$(PYTHON) eval_passkey.py --template demo $(demo_runs:%=--ckpt $(DEMO_OUT)/%) --lengths $(DEMO_LENGTHS) \
 		--out $(DEMO_RESULTS) --no_progress $(DEMO_EVAL_ARGS)
+	$(PYTHON) inspect_attention.py --template demo $(patsubst %,--ckpt $(DEMO_OUT)/%,$(filter %-s1,$(demo_runs))) \
+		--lengths $(DEMO_LENGTHS) --samples 10 --out $(DEMO_RESULTS) --no_progress
 	$(foreach r,$(filter bam%,$(demo_runs)),$(PYTHON) plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(DEMO_RESULTS)/prior_$(r).png && ) true
 	$(PYTHON) demo_table.py $(DEMO_RESULTS)
 

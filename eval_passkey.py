@@ -142,7 +142,8 @@ def build_prompt(enc, template, target_length, key, k):
     Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_length: with a tokenizer where some
     key tokenizes longer than the widest one used for N, filler units are dropped after the needle (then before it).
     info: target_length, length (realised), n_filler, k, depth (= k / n_filler, 0 without filler), key,
-    needle_start (token index of the needle), n_given (answer tokens given, not scored), answer_text.
+    needle_start, needle_end (the needle is tokens[needle_start:needle_end]), n_given (answer tokens given, not
+    scored), answer_text.
     """
     pieces, sep = _pieces(enc, template)
     key = int(key)
@@ -166,7 +167,8 @@ def build_prompt(enc, template, target_length, key, k):
     answer, n_given = answer_tokens(enc, key, template.get("given_digits", 0))
     info = dict(target_length=int(target_length), length=len(tokens), n_filler=k + after, k=k,
                 depth=k / (k + after) if k + after else 0.0, key=key,
-                needle_start=len(pieces["task"]) + k * F, n_given=n_given, answer_text=" " + str(key))
+                needle_start=len(pieces["task"]) + k * F, needle_end=len(pieces["task"]) + k * F + len(needle),
+                n_given=n_given, answer_text=" " + str(key))
     return tokens, answer, info
 
 

@@ -89,7 +89,7 @@ def test_prompt_layout_byte(enc, target):
         assert info["needle_start"] == len(task) + k * len(filler)
         assert tokens[:info["needle_start"]] == task + filler * k
         needle = " The pass key is 12345. Remember it. 12345 is the pass key."
-        assert enc.decode(tokens[info["needle_start"]:info["needle_start"] + len(needle)]) == needle
+        assert enc.decode(tokens[info["needle_start"]:info["needle_end"]]) == needle
         assert tokens[info["needle_start"] + len(needle):] == filler * (n - k) + question
         assert enc.decode(tokens).endswith(". What is the pass key? The pass key is")
         # the answer: a space, then the five digit bytes; only the digits are scored
