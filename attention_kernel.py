@@ -128,23 +128,126 @@ def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scal
     return torch.cat(outs, dim=2)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# CPU fast path (impl="sdpa"): PyTorch's fused CPU attention kernel with the prior as a float attn_mask.
+#
+# Per query chunk, SSMax's row scale r_i moves into the queries, l_ij r_i = ((q_i r_i) . k_j) * softmax_scale, so
+#     s_ij = l_ij r_i + M_ij,   M_ij = B(j - i) r_i  if scale_prior  else  B(j - i),   M_ij = -inf where invisible,
+# which is scaled_dot_product_attention(q r, k, v, attn_mask=M): PyTorch's fused (flash) CPU kernel.
+# The keys are read in reverse order (softmax does not care): then B(j - i) = rtable[i' + j'] for the chunk's row
+# index i' and the reversed key index j', a Hankel matrix, i.e. a strided *view* of the reversed (H, rows + keys - 1)
+# prior table that the kernel reads without a copy; causality is -inf table entries. Only a mask that depends on
+# more than the distance (SSMax scaling the prior, documents) is written, into one buffer that every chunk reuses
+# (a fresh allocation per chunk costs more in page faults than the kernel itself). The buffer bounds the chunk, so
+# memory stays linear in the length.
+# ----------------------------------------------------------------------------------------------------------
+def prior_table(prior, prior_fn, dmin, dmax, device):
+    """The log-prior of every distance d in [dmin, dmax]: (H, dmax - dmin + 1) float32."""
+    return prior_fn(torch.arange(dmin, dmax + 1, device=device), *prior)
+
+
+def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
+    # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
+    return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
+
+
+def _neg_inf_where(hidden):
+    # adding a 0 / -inf tensor is several times faster on CPU than masked_fill_ with a broadcast boolean mask
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
+def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
+    """One chunk's float mask, (B or 1, H or 1, rows, keys), keys in reverse order (see above); a view of rtable
+    when it can be. rtable: (H or 1, rows + keys - 1), entry u for distance d = rows - 1 - u; r: (B or 1, H, rows, 1)
+    row scales when they scale the prior, else None; doc_rows: (B, rows) document starts or None; kmax: the
+    position of the first (reversed) key."""
+    H, n = rtable.shape
+    keys = n - rows + 1
+    if r is None:  # a function of the distance alone: causality (d > 0) is -inf table entries
+        rtable = rtable.masked_fill(torch.arange(n, device=rtable.device) < rows - 1, float("-inf"))
+    view = rtable.as_strided((1, H, rows, keys), (H * n, n, 1, 1))
+    if r is None and doc_rows is None:
+        return view
+    shape = (doc_rows.shape[0] if doc_rows is not None else r.shape[0], H if r is None else r.shape[1], rows, keys)
+    m = buf[:math.prod(shape)].view(shape)
+    if r is None:
+        m.copy_(view.expand(shape))
+    else:  # causality: key j' is after query i' iff i' + j' < rows - 1, in the first rows - 1 columns
+        torch.mul(view.expand(shape), r, out=m)
+        ij = torch.arange(rows, device=m.device)
+        m[..., :rows - 1].add_(_neg_inf_where(ij[:, None] + ij[None, :rows - 1] < rows - 1))
+    if doc_rows is not None and (c := int(kmax - doc_rows.max())) < keys - 1:  # keys before a document start
+        kpos = kmax - torch.arange(c + 1, keys, device=m.device)
+        m[..., c + 1:].add_(_neg_inf_where(kpos[None, None, :] < doc_rows[:, :, None])[:, None])
+    return m
+
+
+def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                   q_offset=None, softmax_scale=None, chunk_size=None, prior_fn=ggd_prior):
+    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). No gradients yet."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, row_scale, *(prior or ()))):
+        raise NotImplementedError("attention_sdpa computes no gradients; use impl='torch' (or 'auto') to train")
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    q, k, v = q.float(), k.float(), v.float()
+    if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
+    chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
+    written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
+    buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written else None
+    k_rev, v_rev = k.flip(2), v.flip(2)  # key j sits at Tk - 1 - j
+    out = q.new_empty(B, H, Tq, D)
+    for a in range(0, Tq, chunk):
+        b = min(a + chunk, Tq)
+        i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
+        lo = int(doc_start[:, i0:i1].min()) if doc_start is not None else 0  # keys before lo are invisible to all
+        dmin, dmax = lo - (i1 - 1), i1 - i0 - 1
+        rtable = (prior_table(prior, prior_fn, dmin, dmax, q.device).flip(1) if prior is not None
+                  else q.new_zeros(1, dmax - dmin + 1))
+        qc, r = q[:, :, a:b], None
+        if row_scale is not None:
+            r = row_scale[:, :, a:b, None].float()
+            qc = qc * r
+        mask = _hankel_mask(rtable, b - a, r if scale_prior and prior is not None else None,
+                            doc_start[:, i0:i1] if doc_start is not None else None, i1 - 1, buf)
+        out[:, :, a:b] = F.scaled_dot_product_attention(qc, k_rev[:, :, Tk - i1:Tk - lo], v_rev[:, :, Tk - i1:Tk - lo],
+                                                        attn_mask=mask, scale=softmax_scale)
+    return out
+
+
 def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
               q_offset=None, softmax_scale=None, impl="auto"):
     """The one attention function the model calls. See the module docstring for the math and shapes."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl not in ("auto", "triton", "torch", "sdpa"):
+        raise ValueError(f"impl must be 'auto', 'triton', 'torch' or 'sdpa', got {impl!r}")
     Tq, Tk = q.shape[2], k.shape[2]
     if Tq > Tk:
         raise ValueError(f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions")
     if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
-    use_triton = impl == "triton" or (impl == "auto" and q.is_cuda and _triton_available())
-    if use_triton:
-        return attention_triton(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                                scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale)
-    return attention_torch(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                           scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale)
+    kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
+              softmax_scale=softmax_scale)
+    if impl == "auto":
+        impl = _auto_impl(q, k, v, prior, row_scale)
+    if impl == "triton":
+        return attention_triton(q, k, v, **kw)
+    if impl == "sdpa":
+        return attention_sdpa(q, k, v, **kw)
+    return attention_torch(q, k, v, **kw)
 
+
+def _auto_impl(q, k, v, prior, row_scale):
+    """The fastest path that computes this call: the Triton kernel for CUDA tensors; on CPU the fused-SDPA path
+    (2.3-3.5x faster than the reference without gradients, see README "Measured on a 2-core CPU"), and the
+    reference when gradients are needed."""
+    if q.is_cuda and _triton_available():
+        return "triton"
+    tensors = (q, k, v, row_scale, *(prior or ()))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return "torch"
+    return "sdpa"
 
 def _triton_available():
     try:

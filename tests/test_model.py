@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attention_kernel import alibi_slopes, attention, attention_torch, ggd_prior
+from attention_kernel import alibi_slopes, attention, attention_sdpa, attention_torch, ggd_prior
 from configurator import ConfigError, configure
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
 
@@ -63,9 +63,10 @@ def random_doc_start(B, T, gen):
     return starts
 
 
+@pytest.mark.parametrize("impl", ["torch", "sdpa"])
 @pytest.mark.parametrize("case", ["plain", "prior", "prior_neg_beta_mu", "ssmax", "ssmax_scale_prior",
                                   "docs", "q_offset", "everything"])
-def test_reference_matches_dense_formula(case):
+def test_attention_matches_dense_formula(case, impl):
     gen = torch.Generator().manual_seed(hash(case) % 1000)
     B, H, Tk, D = 2, 3, 23, 8
     Tq = 9 if case in ("q_offset", "everything") else Tk
@@ -87,7 +88,7 @@ def test_reference_matches_dense_formula(case):
     ref = dense_attention(q, k, v, doc_start, prior, row_scale, scale_prior, q_offset)
     out = attention(q.float(), k.float(), v.float(), doc_start=doc_start, prior=prior,
                     row_scale=None if row_scale is None else row_scale.float(), scale_prior=scale_prior,
-                    q_offset=q_offset)
+                    q_offset=q_offset, impl=impl)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
 
 
@@ -108,6 +109,26 @@ def test_reference_chunked_equals_unchunked_with_grads():
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scale_prior", [False, True])
+def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
+    """The fused-SDPA path (reversed keys, Hankel mask views, one reused mask buffer) against the reference, with
+    documents, a row scale broadcast over the batch that is 0 or negative on some rows, and queries at an offset."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, Tq, Tk, D = 3, 4, 30, 41, 8
+    q = torch.randn(B, H, Tq, D, generator=gen)
+    k, v = (torch.randn(B, H, Tk, D, generator=gen) for _ in range(2))
+    doc_start = random_doc_start(B, Tk, gen)
+    prior = (torch.tensor([-1.0, 0.0, 0.5, -0.2]), torch.tensor([-0.7, 0.0, 1.0, 2.0]), torch.tensor([0.0, 0.1, 0, 0]))
+    row_scale = torch.rand(1, H, Tq, generator=gen) * 2 - 0.2
+    row_scale[:, :, 3] = 0.0
+    kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=6)
+    with torch.no_grad():
+        ref = attention_torch(q, k, v, **kw)
+        for chunk in (Tq, 7, 1):
+            torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=chunk, **kw), ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(attention_sdpa(q, k, v, q_offset=6), attention_torch(q, k, v, q_offset=6))
 
 
 def test_prior_is_finite_for_negative_beta_at_distance_zero():
