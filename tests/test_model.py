@@ -7,6 +7,7 @@ import torch
 from attention_kernel import alibi_slopes, attention, attention_sdpa, attention_torch, ggd_prior
 from configurator import ConfigError, configure
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
+from priors import BoundPrior, get_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
@@ -129,6 +130,10 @@ def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
         for chunk in (Tq, 7, 1):
             torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=chunk, **kw), ref, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(attention_sdpa(q, k, v, q_offset=6), attention_torch(q, k, v, q_offset=6))
+        # any registered prior: the mask comes from the prior's own fn
+        kw["prior"] = BoundPrior(get_prior("cauchy"), (torch.tensor([0.0, 0.5, -1.0, 1.0]), torch.tensor([0, 1.0, 2, -1])))
+        torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=7, **kw), attention_torch(q, k, v, **kw),
+                                   atol=1e-5, rtol=1e-4)
 
 
 def test_prior_is_finite_for_negative_beta_at_distance_zero():
@@ -345,7 +350,9 @@ def test_prior_summary_reports_every_layer():
     assert len(rows) == 2 and len(rows[0]["theta_beta"]) == 4 and len(rows[0]["ssmax_s"]) == 4
     assert rows[0]["theta_beta"][0] == pytest.approx(-0.8) and rows[0]["mu"] == [0.0] * 4
     assert GPT(tiny("rope", False)).prior_summary() == []
-    assert GPT(tiny("alibi", False)).prior_summary()[0]["theta_beta"] == [1.0] * 4
+    assert rows[0]["prior"] == "ggd"
+    alibi = GPT(tiny("alibi", False)).prior_summary()[0]
+    assert alibi["prior"] == "alibi" and alibi["slope"] == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
 
 
 def test_bad_config_values_fail_clearly():
