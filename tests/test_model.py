@@ -131,7 +131,8 @@ def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
             torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=chunk, **kw), ref, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(attention_sdpa(q, k, v, q_offset=6), attention_torch(q, k, v, q_offset=6))
         # any registered prior: the mask comes from the prior's own fn
-        kw["prior"] = BoundPrior(get_prior("cauchy"), (torch.tensor([0.0, 0.5, -1.0, 1.0]), torch.tensor([0, 1.0, 2, -1])))
+        kw["prior"] = BoundPrior(get_prior("cauchy"), (torch.tensor([0.0, 0.5, -1.0, 1.0]),
+                                                       torch.tensor([0.0, 1.0, 2.0, -1.0])))
         torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=7, **kw), attention_torch(q, k, v, **kw),
                                    atol=1e-5, rtol=1e-4)
 
