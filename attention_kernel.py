@@ -178,7 +178,7 @@ def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
     if r is None and doc_rows is None:
         return view
     shape = (doc_rows.shape[0] if doc_rows is not None else r.shape[0], H if r is None else r.shape[1], rows, keys)
-    m = buf[:math.prod(shape)].view(shape)
+    m = buf[:math.prod(shape)].view(shape) if buf is not None else rtable.new_empty(shape)
     if r is None:
         m.copy_(view.expand(shape))
     else:  # causality: key j' is after query i' iff i' + j' < rows - 1, in the first rows - 1 columns
@@ -191,13 +191,25 @@ def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
     return m
 
 
+def _sdpa_mask_is_constant(prior, row_scale, scale_prior):
+    """Whether no tensor that the mask is built from needs a gradient (the fused kernel gives none for its mask):
+    true for NoPE, RoPE, a fixed prior such as ALiBi, and SSMax that scales only the content."""
+    needs = lambda t: t is not None and t.requires_grad and torch.is_grad_enabled()  # noqa: E731
+    if prior is None:
+        return True
+    return not any(needs(t) for t in prior.params) and not (scale_prior and needs(row_scale))
+
+
 def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
                    q_offset=None, softmax_scale=None, chunk_size=None):
-    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). No gradients yet."""
+    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). Gradients flow to q, k,
+    v and to a row_scale that scales only the content, through the kernel's fused backward; a trained prior (or
+    SSMax scaling one) raises, since the kernel gives no gradient for its mask. Under autograd each chunk's mask is
+    a fresh tensor that the backward keeps, so training memory is O(T^2) when a mask has to be written."""
     prior = bind(prior)
-    tensors = (q, k, v, row_scale, *(prior.params if prior is not None else ()))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise NotImplementedError("attention_sdpa computes no gradients; use impl='torch' (or 'auto') to train")
+    if not _sdpa_mask_is_constant(prior, row_scale, scale_prior):
+        raise NotImplementedError("impl='sdpa' gives no gradient for the prior (nor for an SSMax scale applied to "
+                                  "it); train with impl='torch' (impl='auto' does)")
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     q_offset = Tk - Tq if q_offset is None else int(q_offset)
@@ -207,9 +219,10 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
     chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
     written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
-    buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written else None
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
     k_rev, v_rev = k.flip(2), v.flip(2)  # key j sits at Tk - 1 - j
-    out = q.new_empty(B, H, Tq, D)
+    outs = []
     for a in range(0, Tq, chunk):
         b = min(a + chunk, Tq)
         i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
@@ -223,9 +236,9 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
             qc = qc * r
         mask = _hankel_mask(rtable, b - a, r if scale_prior and prior is not None else None,
                             doc_start[:, i0:i1] if doc_start is not None else None, i1 - 1, buf)
-        out[:, :, a:b] = F.scaled_dot_product_attention(qc, k_rev[:, :, Tk - i1:Tk - lo], v_rev[:, :, Tk - i1:Tk - lo],
-                                                        attn_mask=mask, scale=softmax_scale)
-    return out
+        outs.append(F.scaled_dot_product_attention(qc, k_rev[:, :, Tk - i1:Tk - lo], v_rev[:, :, Tk - i1:Tk - lo],
+                                                   attn_mask=mask, scale=softmax_scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
@@ -242,7 +255,7 @@ def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prio
     kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
               softmax_scale=softmax_scale)
     if impl == "auto":
-        impl = _auto_impl(q, k, v, prior, row_scale)
+        impl = _auto_impl(q, prior, row_scale, scale_prior)
     if impl == "triton":
         return attention_triton(q, k, v, **kw)
     if impl == "sdpa":
@@ -250,17 +263,14 @@ def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prio
     return attention_torch(q, k, v, **kw)
 
 
-def _auto_impl(q, k, v, prior, row_scale):
+def _auto_impl(q, prior, row_scale, scale_prior):
     """The fastest path that computes this call. CUDA: the Triton kernel when the prior is native to it, else the
-    reference. CPU: the fused-SDPA path without gradients (several times faster than the reference, see README
-    "Measured on a 2-core CPU"), the reference when gradients are needed."""
+    reference. CPU: the fused-SDPA path (several times faster than the reference, see README "Measured on a 2-core
+    CPU") unless the prior needs gradients, which only the reference gives on CPU."""
     if q.is_cuda:
         native = prior is None or "triton" in prior.prior.native
         return "triton" if native and _triton_available() else "torch"
-    tensors = (q, k, v, row_scale, *(prior.params if prior is not None else ()))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return "torch"
-    return "sdpa"
+    return "sdpa" if _sdpa_mask_is_constant(prior, row_scale, scale_prior) else "torch"
 
 
 def _triton_available():

@@ -315,7 +315,7 @@ def test_kernel_matches_flex_attention_forward():
 
 
 def test_kernel_dispatch(monkeypatch):
-    """impl='auto' on CPU tensors: the fused-SDPA path without gradients, the reference with them;
+    """impl='auto' on CPU tensors: the fused-SDPA path, except for a prior that needs gradients (the reference);
     impl='triton' uses the kernel (here, the interpreter)."""
     calls = []
     monkeypatch.setattr(ak, "attention_torch", lambda *a, **kw: calls.append("torch") or "t")
@@ -323,11 +323,13 @@ def test_kernel_dispatch(monkeypatch):
     monkeypatch.setattr(ak, "attention_sdpa", lambda *a, **kw: calls.append("sdpa") or "s")
     q = torch.randn(1, 1, 4, 16)
     assert attention(q, q, q, impl="auto") == "s"
-    assert attention(q.requires_grad_(), q, q, impl="auto") == "t"
+    assert attention(q.clone().requires_grad_(), q, q, impl="auto") == "s"
+    trained = (torch.zeros(1, requires_grad=True), torch.zeros(1), torch.zeros(1))
+    assert attention(q, q, q, prior=trained, impl="auto") == "t"
     assert attention(q, q, q, impl="triton") == "k"
     assert attention(q, q, q, impl="torch") == "t"
     assert attention(q, q, q, impl="sdpa") == "s"
-    assert calls == ["sdpa", "torch", "triton", "torch", "sdpa"]
+    assert calls == ["sdpa", "sdpa", "torch", "triton", "torch", "sdpa"]
     with pytest.raises(ValueError):
         attention(q, q, q, impl="cuda")
 

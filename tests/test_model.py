@@ -137,6 +137,38 @@ def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
                                    atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["nope", "nope_ssmax", "alibi_ssmax", "fixed_ggd_ssmax_scaled"])
+def test_sdpa_path_gradients_match_reference(case):
+    """impl='sdpa' trains whatever needs no gradient through its mask: q, k, v, and SSMax when it scales only the
+    content; a fixed prior (ALiBi) even when SSMax scales it (row_scale without gradient). Documents throughout."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, T, D = 2, 4, 33, 8
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))
+    doc_start = random_doc_start(B, T, gen)
+    rs = torch.rand(B, H, T, generator=gen) + 0.3
+    kw = dict(doc_start=doc_start)
+    if case != "nope":
+        kw["row_scale"] = rs
+    if case == "alibi_ssmax":
+        kw["prior"] = BoundPrior(get_prior("alibi"), (alibi_slopes(H),))
+    if case == "fixed_ggd_ssmax_scaled":
+        kw.update(prior=(torch.linspace(-1, 0.5, H), torch.tensor([-0.5, 0.0, 1.0, 2.0]), torch.zeros(H)),
+                  scale_prior=True)
+    grads = []
+    for impl in ("torch", "sdpa"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if "row_scale" in kw and case != "fixed_ggd_ssmax_scaled":
+            kw["row_scale"] = rs.clone().requires_grad_()
+            leaves.append(kw["row_scale"])
+        out = attention(*leaves[:3], **kw, impl=impl)
+        grads.append([out] + list(torch.autograd.grad((out * dout).sum(), leaves)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    trained = (torch.zeros(H, requires_grad=True), torch.zeros(H), torch.zeros(H))
+    with pytest.raises(NotImplementedError, match="impl='torch'"):
+        attention(q, k, v, prior=trained, impl="sdpa")
+
+
 def test_prior_is_finite_for_negative_beta_at_distance_zero():
     b = ggd_prior(torch.arange(-5, 1), torch.tensor([0.0]), torch.tensor([-1.5]), torch.tensor([0.0]))
     assert torch.isfinite(b).all() and b[0, -1] < -1e6 and b[0, 0] > -1  # anti-local: d=0 is most penalised
