@@ -53,16 +53,22 @@ def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
     return max(1, budget_bytes // (16 * batch * heads * max(n_keys, 1)))
 
 
+def _neg_inf_where(hidden):
+    # adding a 0 / -inf tensor is several times faster on CPU than masked_fill_ with a broadcast boolean mask
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
 def _mask_invisible(s, qpos, kpos, ds):
     """Set s[..., i, j] = -inf where key j is not visible to query i: j > i, or j before doc start ds (B, rows).
     Without autograd, in place and only on the columns that can be hidden (the causal diagonal block, and keys
     before the chunk's latest document start): at long lengths that is a sliver of the block. Under autograd one
-    masked_fill over the block is cheaper than in-place writes into slices (which add a CopySlices pass)."""
+    addition of a 0 / -inf tensor over the block is cheaper than in-place writes into slices (which add a
+    CopySlices pass)."""
     if s.requires_grad:
         visible = kpos[None, :] <= qpos[:, None]
         if ds is not None:
             visible = (visible & (kpos[None, None, :] >= ds[:, :, None]))[:, None]
-        return s.masked_fill(~visible, float("-inf"))
+        return s + _neg_inf_where(~visible)  # the same values and gradients as masked_fill, faster both ways
     c = int(qpos[0] - kpos[0])
     s[..., c:].masked_fill_(kpos[None, c:] > qpos[:, None], float("-inf"))
     if ds is not None and (c := int(ds.max() - kpos[0])) > 0:
@@ -158,11 +164,6 @@ def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_p
 def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
     # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
     return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
-
-
-def _neg_inf_where(hidden):
-    # adding a 0 / -inf tensor is several times faster on CPU than masked_fill_ with a broadcast boolean mask
-    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
 def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
