@@ -215,9 +215,9 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
     Tk = k.shape[2]
     q_offset = Tk - Tq if q_offset is None else int(q_offset)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    q, k, v = q.float(), k.float(), v.float()
+    dtype, (q, k, v) = q.dtype, (q.float(), k.float(), v.float())  # fp32 inside, like the reference
     if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(dtype)
     chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
     written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -239,7 +239,7 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
                             doc_start[:, i0:i1] if doc_start is not None else None, i1 - 1, buf)
         outs.append(F.scaled_dot_product_attention(qc, k_rev[:, :, Tk - i1:Tk - lo], v_rev[:, :, Tk - i1:Tk - lo],
                                                    attn_mask=mask, scale=softmax_scale))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(dtype)
 
 
 def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
