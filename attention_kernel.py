@@ -32,8 +32,10 @@ given prior raises.
   "flex"    FlexAttention (compiled), for every prior: score_mod reads the prior's table over the distances, a
             block mask skips hidden tiles. The fused GPU path for priors the kernel does not hard-code; on the CPU
             forward only (FlexAttention has no CPU backward in torch 2.13).
+  "sdpa"    CPU, every prior: PyTorch's fused SDPA kernel with the prior as a float attn_mask (below), chunked
+            over queries like the reference; gradients only where that mask needs none (not for a trained prior).
   "auto"    the fastest impl that computes the prior: on CUDA Triton if the prior is native to it, else Flex; on
-            the CPU the reference (auto_impl says why).
+            the CPU "sdpa" without gradients (evaluation), the reference with them (auto_impl says why).
 """
 import math
 import os
@@ -45,7 +47,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 # alibi_slopes and ggd_prior are re-exported: `from attention_kernel import alibi_slopes` keeps working
 from priors import GGD_EPS, BoundPrior, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401
 
-IMPLS = ("auto", "torch", "flex", "triton")
+IMPLS = ("auto", "torch", "flex", "triton", "sdpa")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -56,16 +58,22 @@ def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
     return max(1, budget_bytes // (16 * batch * heads * max(n_keys, 1)))
 
 
+def _neg_inf_where(hidden):
+    # adding a 0 / -inf tensor is several times faster on CPU than masked_fill_ with a broadcast boolean mask
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
 def _mask_invisible(s, qpos, kpos, ds):
     """Set s[..., i, j] = -inf where key j is not visible to query i: j > i, or j before doc start ds (B, rows).
     Without autograd, in place and only on the columns that can be hidden (the causal diagonal block, and keys
     before the chunk's latest document start): at long lengths that is a sliver of the block. Under autograd one
-    masked_fill over the block is cheaper than in-place writes into slices (which add a CopySlices pass)."""
+    addition of a 0 / -inf tensor over the block is cheaper than in-place writes into slices (which add a
+    CopySlices pass)."""
     if s.requires_grad:
         visible = kpos[None, :] <= qpos[:, None]
         if ds is not None:
             visible = (visible & (kpos[None, None, :] >= ds[:, :, None]))[:, None]
-        return s.masked_fill(~visible, float("-inf"))
+        return s + _neg_inf_where(~visible)  # the same values and gradients as masked_fill, faster both ways
     c = int(qpos[0] - kpos[0])
     s[..., c:].masked_fill_(kpos[None, c:] > qpos[:, None], float("-inf"))
     if ds is not None and (c := int(ds.max() - kpos[0])) > 0:
@@ -145,6 +153,100 @@ def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_p
     return probs
 
 
+# ----------------------------------------------------------------------------------------------------------
+# CPU fast path (impl="sdpa"): PyTorch's fused CPU attention kernel with the prior as a float attn_mask.
+#
+# Per query chunk, SSMax's row scale r_i moves into the queries, l_ij r_i = ((q_i r_i) . k_j) * softmax_scale, so
+#     s_ij = l_ij r_i + M_ij,   M_ij = B(j - i) r_i  if scale_prior  else  B(j - i),   M_ij = -inf where invisible,
+# which is scaled_dot_product_attention(q r, k, v, attn_mask=M): PyTorch's fused (flash) CPU kernel.
+# The keys are read in reverse order (softmax does not care): then B(j - i) = rtable[i' + j'] for the chunk's row
+# index i' and the reversed key index j', a Hankel matrix, i.e. a strided *view* of the reversed (H, rows + keys - 1)
+# prior table that the kernel reads without a copy; causality is -inf table entries. Only a mask that depends on
+# more than the distance (SSMax scaling the prior, documents) is written, into one buffer that every chunk reuses
+# (a fresh allocation per chunk costs more in page faults than the kernel itself). The buffer bounds the chunk, so
+# memory stays linear in the length.
+# ----------------------------------------------------------------------------------------------------------
+def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
+    # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
+    return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
+
+
+def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
+    """One chunk's float mask, (B or 1, H or 1, rows, keys), keys in reverse order (see above); a view of rtable
+    when it can be. rtable: (H or 1, rows + keys - 1), entry u for distance d = rows - 1 - u; r: (B or 1, H, rows, 1)
+    row scales when they scale the prior, else None; doc_rows: (B, rows) document starts or None; kmax: the
+    position of the first (reversed) key."""
+    H, n = rtable.shape
+    keys = n - rows + 1
+    if r is None:  # a function of the distance alone: causality (d > 0) is -inf table entries
+        rtable = rtable.masked_fill(torch.arange(n, device=rtable.device) < rows - 1, float("-inf"))
+    view = rtable.as_strided((1, H, rows, keys), (H * n, n, 1, 1))
+    if r is None and doc_rows is None:
+        return view
+    shape = (doc_rows.shape[0] if doc_rows is not None else r.shape[0], H if r is None else r.shape[1], rows, keys)
+    m = buf[:math.prod(shape)].view(shape) if buf is not None else rtable.new_empty(shape)
+    if r is None:
+        m.copy_(view.expand(shape))
+    else:  # causality: key j' is after query i' iff i' + j' < rows - 1, in the first rows - 1 columns
+        torch.mul(view.expand(shape), r, out=m)
+        ij = torch.arange(rows, device=m.device)
+        m[..., :rows - 1].add_(_neg_inf_where(ij[:, None] + ij[None, :rows - 1] < rows - 1))
+    if doc_rows is not None and (c := int(kmax - doc_rows.max())) < keys - 1:  # keys before a document start
+        kpos = kmax - torch.arange(c + 1, keys, device=m.device)
+        m[..., c + 1:].add_(_neg_inf_where(kpos[None, None, :] < doc_rows[:, :, None])[:, None])
+    return m
+
+
+def _sdpa_mask_is_constant(prior, row_scale, scale_prior):
+    """Whether no tensor that the mask is built from needs a gradient (the fused kernel gives none for its mask):
+    true for NoPE, RoPE, a fixed prior such as ALiBi, and SSMax that scales only the content."""
+    needs = lambda t: t is not None and t.requires_grad and torch.is_grad_enabled()  # noqa: E731
+    if prior is None:
+        return True
+    return not any(needs(t) for t in prior.params) and not (scale_prior and needs(row_scale))
+
+
+def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                   q_offset=None, softmax_scale=None, chunk_size=None):
+    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). Gradients flow to q, k,
+    v and to a row_scale that scales only the content, through the kernel's fused backward; a trained prior (or
+    SSMax scaling one) raises, since the kernel gives no gradient for its mask. Under autograd each chunk's mask is
+    a fresh tensor that the backward keeps, so training memory is O(T^2) when a mask has to be written."""
+    prior = bind(prior)
+    if not _sdpa_mask_is_constant(prior, row_scale, scale_prior):
+        raise NotImplementedError("impl='sdpa' gives no gradient for the prior (nor for an SSMax scale applied to "
+                                  "it); train with impl='torch' (impl='auto' does)")
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dtype, (q, k, v) = q.dtype, (q.float(), k.float(), v.float())  # fp32 inside, like the reference
+    if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(dtype)
+    chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
+    written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
+    k_rev, v_rev = k.flip(2), v.flip(2)  # key j sits at Tk - 1 - j
+    outs = []
+    for a in range(0, Tq, chunk):
+        b = min(a + chunk, Tq)
+        i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
+        lo = int(doc_start[:, i0:i1].min()) if doc_start is not None else 0  # keys before lo are invisible to all
+        dmin, dmax = lo - (i1 - 1), i1 - i0 - 1
+        rtable = (_bias_table(prior, dmin, dmax, q.device).flip(1) if prior is not None
+                  else q.new_zeros(1, dmax - dmin + 1))
+        qc, r = q[:, :, a:b], None
+        if row_scale is not None:
+            r = row_scale[:, :, a:b, None].float()
+            qc = qc * r
+        mask = _hankel_mask(rtable, b - a, r if scale_prior and prior is not None else None,
+                            doc_start[:, i0:i1] if doc_start is not None else None, i1 - 1, buf)
+        outs.append(F.scaled_dot_product_attention(qc, k_rev[:, :, Tk - i1:Tk - lo], v_rev[:, :, Tk - i1:Tk - lo],
+                                                   attn_mask=mask, scale=softmax_scale))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(dtype)
+
+
 def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
               q_offset=None, softmax_scale=None, impl="auto"):
     """The one attention function the model calls. See the module docstring for the math, shapes and impls."""
@@ -158,11 +260,13 @@ def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prio
         raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
     kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
               softmax_scale=softmax_scale)
-    impl = auto_impl(q, prior) if impl == "auto" else impl
+    impl = auto_impl(q, prior, k, v, row_scale) if impl == "auto" else impl
     if impl == "triton":
         return attention_triton(q, k, v, **kw)
     if impl == "flex":
         return attention_flex(q, k, v, **kw)
+    if impl == "sdpa":
+        return attention_sdpa(q, k, v, **kw)
     return attention_torch(q, k, v, **kw)
 
 
@@ -172,17 +276,16 @@ def needs_grad(*tensors):
     return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
 
 
-def auto_impl(q, prior):
+def auto_impl(q, prior, *tensors):
     """impl="auto": the fastest implementation that computes `prior` exactly. CUDA: the Triton kernel when the prior
-    is native to it, else FlexAttention. CPU: the reference, for training (Flex has no CPU backward) and for
-    evaluation too: a compiled Flex forward is faster per call (bench_attention.py --cpu, B1 H8 D64, GGD + SSMax,
-    2 threads: 2.7x at T = 512, 4.5x at T = 4096), but it compiles anew for every shape (13 s with a warm
-    inductor cache, minutes without), and an evaluation over many prompt lengths does not earn that back
-    reliably. impl="flex" still runs it on the CPU when asked for."""
+    is native to it, else FlexAttention. CPU without gradients (evaluation): the fused-SDPA path, 2-6x faster than
+    the reference (README, "Measured on a 2-core CPU"); compiled Flex is slower there and compiles anew for every
+    shape. CPU training: the reference (the fused CPU kernel gives no gradient for its mask, i.e. for a trained
+    prior, and training through the reference keeps runs bitwise reproducible across versions)."""
     if q.is_cuda:
         native = prior is None or "triton" in prior.prior.native
         return "triton" if native and _triton_available() else "flex"
-    return "torch"
+    return "torch" if needs_grad(q, prior, *tensors) else "sdpa"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """
-The attention implementations against each other and PyTorch's attention paths: speed, peak memory, correctness.
+The Triton attention kernel against PyTorch's attention paths (CUDA): speed, peak memory and correctness; on a
+machine without CUDA, the CPU paths without gradients (--cpu, the default there).
 
     python bench_attention.py                    # the table: T = 512 ... 32K, head_dim 48/64/128, bf16 (CUDA)
     python bench_attention.py --quick            # a small subset (< 2 minutes with compilation)
     python bench_attention.py --check            # compiled kernel vs the PyTorch reference: values and grads (CUDA)
     python bench_attention.py --check --check_impl flex --prior cauchy   # FlexAttention vs the reference (CUDA)
-    python bench_attention.py --cpu              # CPU evaluation: reference vs compiled Flex forward, no gradient
     python bench_attention.py --out bench.json   # also write the results as JSON
 
 --prior picks the registered prior (priors.py, default ggd) every prior-carrying impl computes, with SSMax scaling
@@ -20,6 +20,19 @@ FLOPs follow Triton's tutorial: forward 4 B H T^2 D x 0.5 (causal); the backward
 forward+backward step counts 3.5x. Forwards are timed with autograd recording (as in training). Peak memory is
 torch.cuda.max_memory_allocated above the inputs, for one call.
 A failure (OOM or anything else) in one configuration is recorded and the others still run.
+
+    python bench_attention.py --cpu              # CPU, no grad, B1 H8 D64, T = 4096 and 16384 (~10 min on 2 cores)
+    python bench_attention.py --cpu --lengths 4096 --doc_len 0 --threads 1
+
+CPU table: GGD prior + SSMax scaling it (the BAM path), with documents of mean length --doc_len (0: one document),
+forward only (FlexAttention has no CPU backward), float32:
+  reference     attention(impl="torch"): the chunked plain-PyTorch path
+  sdpa          attention(impl="sdpa"): PyTorch's fused CPU kernel with the prior as a float attn_mask
+  flex          FlexAttention compiled for CPU, the prior + SSMax as a score_mod, causal + document block mask
+  sdpa_noprior  F.scaled_dot_product_attention(q, k, v, is_causal=True): no prior, no SSMax, no documents
+The implementations run in interleaved rounds (one call each, round after round, so that a machine shared with
+other work slows them alike); the median wall time is reported, with GFLOP/s (4 B H T^2 D x 0.5, causal) and the
+ratio to sdpa_noprior, and the median process CPU time and its ratio (which a busy machine disturbs less).
 """
 import argparse
 import json
@@ -38,7 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true", help="correctness of an impl (--check_impl) vs the reference")
     p.add_argument("--check_impl", default="triton", choices=["triton", "flex"], help="the impl --check tests")
     p.add_argument("--prior", default="ggd", help="a registered prior (priors.py)")
-    p.add_argument("--cpu", action="store_true", help="CPU forward without gradient: reference vs compiled Flex")
     p.add_argument("--quick", action="store_true", help="T in {1024, 4096}, head_dim 64 only")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--head_dims", type=int, nargs="+", default=[48, 64, 128])
@@ -47,6 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--impls", nargs="+", default=["kernel_bam", "kernel_plain", "sdpa_flash", "sdpa_prior", "flex"])
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time per point (ms)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--cpu", action="store_true", help="the CPU table (the default without CUDA)")
+    p.add_argument("--doc_len", type=int, default=1000, help="CPU table: mean document length (0: one document)")
+    p.add_argument("--rounds", type=int, default=3, help="CPU table: timed calls per implementation")
+    p.add_argument("--threads", type=int, default=0, help="CPU table: torch threads (0 = torch's default)")
     return p.parse_args(argv)
 
 
@@ -219,6 +235,78 @@ def run_table(args):
     return rows, ratios
 
 
+# ---------------------------------------------------------------------------------------------------- CPU table
+CPU_IMPLS = ("reference", "sdpa", "flex", "sdpa_noprior")
+
+
+def cpu_problem(T, H=8, D=64, doc_len=1000, seed=0):
+    """q, k, v (1, H, T, D) and attention()'s keyword arguments for GGD + SSMax (+ documents)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, T, D, generator=g) for _ in range(3))
+    betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0])
+    prior = (torch.linspace(-1.0, 0.5, H), betas[torch.arange(H) % len(betas)], torch.zeros(H))
+    doc_start = torch.zeros(1, T, dtype=torch.long)
+    if doc_len:
+        for c in (torch.rand(T, generator=g) < 1.0 / doc_len).nonzero().flatten().tolist():
+            doc_start[:, c:] = c
+    log_n = (torch.arange(T)[None] - doc_start + 1).float().log()  # SSMax: n = keys visible in the document
+    row_scale = torch.ones(H)[None, :, None] * log_n[:, None, :]
+    kw = dict(doc_start=doc_start if doc_len else None, prior=prior, row_scale=row_scale, scale_prior=True)
+    return q, k, v, kw
+
+
+def cpu_impl_fn(name, q, k, v, kw):
+    import torch.nn.functional as F
+    from attention_kernel import attention
+    if name in ("reference", "sdpa"):
+        return lambda: attention(q, k, v, **kw, impl="torch" if name == "reference" else "sdpa")
+    if name == "sdpa_noprior":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return lambda: attention(q, k, v, **kw, impl="flex")  # compiled FlexAttention, the prior's table in score_mod
+
+
+def run_cpu_table(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [4096, 16384] if args.lengths == parse_args([]).lengths else args.lengths
+    print(f"CPU, torch threads {torch.get_num_threads()}, float32, no grad; B1 H8 D64, GGD prior + SSMax "
+          f"(scale_prior), {'documents of mean length ' + str(args.doc_len) if args.doc_len else 'one document'}")
+    print(f"{'T':>6} {'impl':<13} {'ms':>10} {'GFLOP/s':>8} {'vs sdpa_noprior':>16} {'CPU ms':>10} "
+          f"{'vs sdpa_noprior':>16}")
+    rows = []
+    with torch.no_grad():
+        for T in lengths:
+            q, k, v, kw = cpu_problem(T, doc_len=args.doc_len)
+            fns, times = {}, {}
+            for name in CPU_IMPLS:
+                try:
+                    fns[name] = cpu_impl_fn(name, q, k, v, kw)
+                    fns[name]()  # compile / warm up
+                    times[name] = []
+                except Exception as e:  # noqa: BLE001 -- one failing impl must not end the table
+                    rows.append(dict(T=T, impl=name, status=f"error: {type(e).__name__}: {_first_line(e)}"))
+                    print(f"{T:>6} {name:<13} {rows[-1]['status']}", flush=True)
+            for _ in range(args.rounds):
+                for name in times:
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    fns[name]()
+                    times[name].append((1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)))
+            base = [_median([t[i] for t in times["sdpa_noprior"]]) for i in (0, 1)]
+            for name, ts in times.items():
+                ms, cpu_ms = (_median([t[i] for t in ts]) for i in (0, 1))
+                row = dict(T=T, impl=name, ms=ms, cpu_ms=cpu_ms, gflops=4 * 8 * T * T * 64 * 0.5 / ms * 1e-6,
+                           vs_sdpa_noprior=ms / base[0], cpu_vs_sdpa_noprior=cpu_ms / base[1], status="ok")
+                rows.append(row)
+                print(f"{T:>6} {name:<13} {ms:>10.1f} {row['gflops']:>8.1f} {ms / base[0]:>15.2f}x "
+                      f"{cpu_ms:>10.1f} {cpu_ms / base[1]:>15.2f}x", flush=True)
+    return rows
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
+
+
 # ---------------------------------------------------------------------------------------------------- check
 CHECKS = [
     # name, B, H, Tq, Tk, D, dtype, options
@@ -379,50 +467,19 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()
 
 
-# ---------------------------------------------------------------------------------------------------- CPU
-def run_cpu(args, reps=3):
-    """Evaluation on the CPU (no gradient): the reference vs compiled FlexAttention, the prior + SSMax of BAM.
-    Per length: the first Flex call (compilation included) and the median of `reps` timed calls of each."""
-    from attention_kernel import attention
-    lengths = [512, 1024, 2048, 4096] if args.quick or args.lengths == parse_args([]).lengths else args.lengths
-    D, rows = 64, []
-    print(f"CPU, {torch.get_num_threads()} threads, B=1 H={args.heads} D={D} fp32, {args.prior} prior + SSMax")
-    print(f"{'T':>6} {'torch ms':>9} {'flex ms':>9} {'flex 1st call s':>16} {'torch/flex':>11}")
-    for T in lengths:
-        pb = make_problem(1, args.heads, T, D, torch.float32, "cpu", prior=args.prior, grad=False)
-        row = {"T": T}
-        with torch.no_grad():
-            for impl in ("torch", "flex"):
-                fn = lambda: attention(pb["q"], pb["k"], pb["v"], prior=pb["prior"], scale_prior=True,
-                                       row_scale=pb["ssmax_s"][None, :, None] * pb["log_n"], impl=impl)
-                t0 = time.perf_counter()
-                fn()
-                row[f"{impl}_first_s"] = time.perf_counter() - t0
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-                row[f"{impl}_ms"] = 1000 * sorted(times)[reps // 2]
-        row["torch_over_flex"] = row["torch_ms"] / row["flex_ms"]
-        rows.append(row)
-        print(f"{T:>6} {row['torch_ms']:>9.1f} {row['flex_ms']:>9.1f} {row['flex_first_s']:>16.1f} "
-              f"{row['torch_over_flex']:>10.2f}x", flush=True)
-    return rows
-
-
 def main(argv=None):
     args = parse_args(argv)
-    if args.cpu:
-        out = {"env": dict(torch=torch.__version__, threads=torch.get_num_threads()), "args": vars(args),
-               "cpu": run_cpu(args)}
+    if args.cpu or (not torch.cuda.is_available() and not args.check):
+        out = {"env": dict(cpu=platform.processor() or platform.machine(), torch=torch.__version__,
+                           python=platform.python_version()), "args": vars(args), "cpu_table": run_cpu_table(args)}
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
+            print(f"wrote {args.out}")
         return 0
     if not torch.cuda.is_available():
-        print("bench_attention.py: no CUDA device; the Triton kernel benchmark and --check need a GPU. Nothing to do.")
-        return 0
+        print("bench_attention.py: error: --check needs a CUDA device (the Triton kernel); the CPU table is --cpu")
+        return 1
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
     try:
         import triton

@@ -31,9 +31,9 @@ def add_common_args(parser, default_out):
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn_impl", default=None, choices=["auto", "torch", "flex", "triton"],
-                        help="attention implementation (attention_kernel.py; default: the checkpoint's, normally "
-                             "auto). One that cannot compute the model's prior stops with an error")
+    parser.add_argument("--attn_impl", default=None, choices=["auto", "torch", "flex", "triton", "sdpa"],
+                        help="attention implementation (attention_kernel.py; default: the checkpoint's, normally auto). "
+                             "One that cannot compute the model's prior stops with an error")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,

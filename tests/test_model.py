@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from attention_kernel import alibi_slopes, attention, attention_torch, ggd_prior
+from attention_kernel import alibi_slopes, attention, attention_sdpa, attention_torch, ggd_prior
 from configurator import ConfigError, configure
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
+from priors import BoundPrior, get_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
@@ -63,9 +64,10 @@ def random_doc_start(B, T, gen):
     return starts
 
 
+@pytest.mark.parametrize("impl", ["torch", "sdpa"])
 @pytest.mark.parametrize("case", ["plain", "prior", "prior_neg_beta_mu", "ssmax", "ssmax_scale_prior",
                                   "docs", "q_offset", "everything"])
-def test_reference_matches_dense_formula(case):
+def test_attention_matches_dense_formula(case, impl):
     gen = torch.Generator().manual_seed(hash(case) % 1000)
     B, H, Tk, D = 2, 3, 23, 8
     Tq = 9 if case in ("q_offset", "everything") else Tk
@@ -87,7 +89,7 @@ def test_reference_matches_dense_formula(case):
     ref = dense_attention(q, k, v, doc_start, prior, row_scale, scale_prior, q_offset)
     out = attention(q.float(), k.float(), v.float(), doc_start=doc_start, prior=prior,
                     row_scale=None if row_scale is None else row_scale.float(), scale_prior=scale_prior,
-                    q_offset=q_offset)
+                    q_offset=q_offset, impl=impl)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
 
 
@@ -108,6 +110,63 @@ def test_reference_chunked_equals_unchunked_with_grads():
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scale_prior", [False, True])
+def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
+    """The fused-SDPA path (reversed keys, Hankel mask views, one reused mask buffer) against the reference, with
+    documents, a row scale broadcast over the batch that is 0 or negative on some rows, and queries at an offset."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, Tq, Tk, D = 3, 4, 30, 41, 8
+    q = torch.randn(B, H, Tq, D, generator=gen)
+    k, v = (torch.randn(B, H, Tk, D, generator=gen) for _ in range(2))
+    doc_start = random_doc_start(B, Tk, gen)
+    prior = (torch.tensor([-1.0, 0.0, 0.5, -0.2]), torch.tensor([-0.7, 0.0, 1.0, 2.0]), torch.tensor([0.0, 0.1, 0, 0]))
+    row_scale = torch.rand(1, H, Tq, generator=gen) * 2 - 0.2
+    row_scale[:, :, 3] = 0.0
+    kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=6)
+    with torch.no_grad():
+        ref = attention_torch(q, k, v, **kw)
+        for chunk in (Tq, 7, 1):
+            torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=chunk, **kw), ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(attention_sdpa(q, k, v, q_offset=6), attention_torch(q, k, v, q_offset=6))
+        # any registered prior: the mask comes from the prior's own fn
+        kw["prior"] = BoundPrior(get_prior("cauchy"), (torch.tensor([0.0, 0.5, -1.0, 1.0]),
+                                                       torch.tensor([0.0, 1.0, 2.0, -1.0])))
+        torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=7, **kw), attention_torch(q, k, v, **kw),
+                                   atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["nope", "nope_ssmax", "alibi_ssmax", "fixed_ggd_ssmax_scaled"])
+def test_sdpa_path_gradients_match_reference(case):
+    """impl='sdpa' trains whatever needs no gradient through its mask: q, k, v, and SSMax when it scales only the
+    content; a fixed prior (ALiBi) even when SSMax scales it (row_scale without gradient). Documents throughout."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, T, D = 2, 4, 33, 8
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))
+    doc_start = random_doc_start(B, T, gen)
+    rs = torch.rand(B, H, T, generator=gen) + 0.3
+    kw = dict(doc_start=doc_start)
+    if case != "nope":
+        kw["row_scale"] = rs
+    if case == "alibi_ssmax":
+        kw["prior"] = BoundPrior(get_prior("alibi"), (alibi_slopes(H),))
+    if case == "fixed_ggd_ssmax_scaled":
+        kw.update(prior=(torch.linspace(-1, 0.5, H), torch.tensor([-0.5, 0.0, 1.0, 2.0]), torch.zeros(H)),
+                  scale_prior=True)
+    grads = []
+    for impl in ("torch", "sdpa"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if "row_scale" in kw and case != "fixed_ggd_ssmax_scaled":
+            kw["row_scale"] = rs.clone().requires_grad_()
+            leaves.append(kw["row_scale"])
+        out = attention(*leaves[:3], **kw, impl=impl)
+        grads.append([out] + list(torch.autograd.grad((out * dout).sum(), leaves)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    trained = (torch.zeros(H, requires_grad=True), torch.zeros(H), torch.zeros(H))
+    with pytest.raises(NotImplementedError, match="impl='torch'"):
+        attention(q, k, v, prior=trained, impl="sdpa")
 
 
 def test_prior_is_finite_for_negative_beta_at_distance_zero():

@@ -223,7 +223,7 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
 
 
 def test_auto_picks_the_fastest_exact_impl():
-    """CUDA: the kernel for its own priors, Flex for the rest. CPU: the reference (Flex recompiles per shape).
+    """CUDA: the kernel for its own priors, Flex for the rest. CPU: sdpa for evaluation, the reference to train.
     The CUDA branch only reads .is_cuda, so a stand-in is enough here."""
     from types import SimpleNamespace
     cuda = SimpleNamespace(is_cuda=True)
@@ -231,4 +231,10 @@ def test_auto_picks_the_fastest_exact_impl():
     assert ak.auto_impl(cuda, ggd) == "triton" and ak.auto_impl(cuda, None) == "triton"
     assert ak.auto_impl(cuda, BoundPrior(get_prior("alibi"), ())) == "triton"
     assert ak.auto_impl(cuda, cauchy) == "flex"
-    assert ak.auto_impl(torch.zeros(1), cauchy) == "torch" and ak.auto_impl(torch.zeros(1), ggd) == "torch"
+    # CPU: the fused-SDPA path when nothing needs a gradient, the reference when anything does
+    assert ak.auto_impl(torch.zeros(1), cauchy) == "sdpa" and ak.auto_impl(torch.zeros(1), ggd) == "sdpa"
+    trained = bind(tuple(torch.zeros(2, requires_grad=True) for _ in range(3)))
+    assert ak.auto_impl(torch.zeros(1), trained) == "torch"
+    assert ak.auto_impl(torch.zeros(1), None, torch.zeros(1, requires_grad=True)) == "torch"
+    with torch.no_grad():
+        assert ak.auto_impl(torch.zeros(1), trained) == "sdpa"
