@@ -88,7 +88,7 @@ def describe(bounds):
 
 
 def check(table, multiples):
-    """One line per checked variant: whether its bounds (issue #9's acceptance) hold in every seed, and if not,
+    """One line per checked variant: whether its bounds (README, "The CPU demo") hold in every seed, and if not,
     every (seed, length) that misses."""
     out = []
 

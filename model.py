@@ -1,6 +1,6 @@
 """
-The bam-gpt model: the paper's LLaMA-style decoder (spec §1) with one attention path and a switch for the
-positional encoding: nope | sinusoidal | rope | alibi | bam, each with or without Scalable-Softmax (SSMax).
+The bam-gpt model: the paper's LLaMA-style decoder (as in the authors' models/) with one attention path and a
+switch for the positional encoding: nope | sinusoidal | rope | alibi | bam, each with or without Scalable-Softmax (SSMax).
 
 Everything positional happens in three places, all in this file or attention_kernel.py:
   - sinusoidal: added to the token embeddings (absolute positions)
@@ -26,7 +26,8 @@ from priors import PRIORS, BoundPrior, get_prior, ggd_mu
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 ATTN_IMPLS = ("auto", "torch", "flex", "triton", "sdpa")
 
-# (n_layer, n_embd, n_head) exactly as spec §1. l12 is the paper's "120M" model, l24 its "1.1B".
+# (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM).
+# l12 is the paper's "120M" model, l24 its "1.1B".
 MODEL_SIZES = {
     "l6": (6, 512, 16),
     "l8": (8, 768, 16),
@@ -46,7 +47,7 @@ class GPTConfig:
     block_size: int = 512            # the training context. Nothing at inference depends on it.
     pos_encoding: str = "bam"        # nope | sinusoidal | rope | alibi | bam
     ssmax: bool = True               # Scalable-Softmax: logits * s_h * log(n_i)
-    ssmax_init: float = 1.0          # s starts at 1.0 in the authors' code (spec §4)
+    ssmax_init: float = 1.0          # s starts at 1.0 in the authors' code (seq_scale)
     ssmax_prior: bool = True         # BAM+SSMax scales content AND prior, (l + B) * s log n (the authors' default);
                                      # attention() takes it as scale_prior
     prior: str = "ggd"               # the learned prior family of bam, a name registered in priors.py
@@ -94,7 +95,7 @@ class GPTConfig:
 # ----------------------------------------------------------------------------------------------------------
 def sinusoidal_embedding(pos, dim):
     """Vaswani et al.: PE[p, 2k] = sin(p / 10000^(2k/D)), PE[p, 2k+1] = cos(p / 10000^(2k/D)).
-    (The authors' code uses the exponent (2k+1)/D for the cosine; we keep the standard form, spec §0.)"""
+    (The authors' code uses the exponent (2k+1)/D for the cosine; we keep the standard form: README, "Decisions".)"""
     inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim)
     ang = pos.double()[:, None] * inv_freq[None, :]
     pe = torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1)  # interleave: sin, cos, sin, cos, ...
@@ -207,7 +208,7 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
-class MLP(nn.Module):  # SwiGLU, hidden 2*D (spec §1)
+class MLP(nn.Module):  # SwiGLU, hidden 2*D (the authors' ffn_dim_multiplier 2)
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         hidden = 2 * cfg.n_embd
@@ -240,7 +241,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         V = cfg.padded_vocab_size
-        self.wte = nn.Embedding(V, cfg.n_embd)  # PyTorch default init everywhere (spec §1): no custom init
+        self.wte = nn.Embedding(V, cfg.n_embd)  # PyTorch default init everywhere, as the authors: no custom init
         self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)  # untied from wte
@@ -268,7 +269,7 @@ class GPT(nn.Module):
             x = x + sinusoidal_embedding(pos, cfg.n_embd).to(x.dtype)
         rope = rope_cos_sin(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta) if cfg.pos_encoding == "rope" else None
         log_n = None
-        if cfg.ssmax:  # n_i = keys visible to query i = position inside its document + 1 (spec §4)
+        if cfg.ssmax:  # n_i = keys visible to query i = position inside its document + 1 (as the authors' SSMax)
             n = (pos[None, :] - doc_start + 1) if doc_start is not None else (pos + 1)[None, :]
             log_n = n.float().log()
         for block in self.blocks:
@@ -316,7 +317,8 @@ class GPT(nn.Module):
 
     # ---- optimizer -------------------------------------------------------------------------------------
     def param_groups(self):
-        """Name -> params for the four optimizer groups: weight-decayed matrices, norms, prior, SSMax (spec §6)."""
+        """Name -> params for the four optimizer groups: weight-decayed matrices, norms, prior, SSMax
+        (as the authors' train.py)."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
         prior_params = {id(p) for b in self.blocks if b.attn.prior_def is not None for p in b.attn.prior().params}
         for name, p in self.named_parameters():
@@ -333,8 +335,8 @@ class GPT(nn.Module):
         return groups
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, prior_lr=None, ssmax_lr=None):
-        """RAdam with decoupled (AdamW-style) weight decay on >=2-D weights only (spec §6). Each group records its
-        own base_lr so that train.py applies one schedule to all of them."""
+        """RAdam with decoupled (AdamW-style) weight decay on >=2-D weights only (as the authors). Each group records
+        its own base_lr so that train.py applies one schedule to all of them."""
         g = self.param_groups()
         spec = [(g["decay"], weight_decay, learning_rate), (g["no_decay"], 0.0, learning_rate),
                 (g["prior"], 0.0, prior_lr or learning_rate), (g["ssmax"], 0.0, ssmax_lr or learning_rate)]

@@ -7,7 +7,7 @@ the RULER strings are the authors' and NVIDIA/RULER's text, verbatim: they are d
 
 # ---- passkey retrieval -------------------------------------------------------------------------------------
 # Each entry: task, filler, needle (with {pass_key}), question, digits, and optionally sep (the text put in
-# front of every piece after the task; default PIECE_SEP). "paper" is the authors' public protocol (spec §7).
+# front of every piece after the task; default PIECE_SEP). "paper" is the authors' public protocol (their evaluate.py).
 PASSKEY_TEMPLATES = {
     "paper": {
         "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "

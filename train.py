@@ -1,5 +1,5 @@
 """
-Train a bam-gpt model: the paper's recipe (spec §0, §6) in one loop, on one CPU, one GPU or many.
+Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or many.
 
     python train.py config/bam_120m.py                                       # one device (GPU, or CPU)
     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py     # one node, 8 GPUs
@@ -65,7 +65,7 @@ tokens_per_step = 589824         # > 0 overrides the above: accumulation = this 
 allow_data_repeat = False        # let the run read its training data more than once (else it refuses to start)
 # model: model_size, then every field of model.GPTConfig with its default there (n_layer, n_head, n_embd,
 # block_size = the training context, pos_encoding, ssmax, ...), except vocab_size and tokenizer: the data sets those
-model_size = ""                  # "" or l6 | l8 | l12 | l15 | l18 | l24 (spec §1): overrides n_layer, n_head, n_embd
+model_size = ""                  # "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES): sets n_layer, n_head, n_embd
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer"))
 globals().update({f.name: f.default for f in fields(GPTConfig) if f.name in MODEL_KEYS})
 # optimizer: RAdam with decoupled weight decay on >= 2-D weights; one schedule scales every group's own lr

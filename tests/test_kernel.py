@@ -1,4 +1,4 @@
-"""The Triton attention kernel against the PyTorch reference (issue #5).
+"""The Triton attention kernel against the PyTorch reference.
 
 Runs on the CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton is
 imported); with TRITON_INTERPRET=0 on a CUDA machine the same tests check the compiled kernel. Shapes are small

@@ -331,7 +331,7 @@ def test_l12_parameter_count_matches_closed_form():
     with torch.device("meta"):
         model = GPT(cfg)
     V, D, L = 50304, 768, 12  # gpt2's 50257 padded to a multiple of 64
-    closed_form = 2 * V * D + L * (4 * D * D + 3 * D * 2 * D + 2 * D) + D  # spec §1
+    closed_form = 2 * V * D + L * (4 * D * D + 3 * D * 2 * D + 2 * D) + D  # 2VD + L(4D^2 + 3*D*2D + 2D) + D
     groups = model.param_groups()
     backbone = sum(p.numel() for n, p in model.named_parameters() if ".theta_" not in n and "ssmax_s" not in n)
     assert backbone == closed_form
