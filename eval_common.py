@@ -4,9 +4,11 @@ loading checkpoints (with the tokenizer each was trained with), a memory check b
 resumable per-sample JSONL, summary JSON/CSV, and the figures. One copy, imported by every evaluation.
 """
 import csv
+import hashlib
 import json
 import math
 import os
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -61,13 +63,27 @@ def run_label(path):
     return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
 
 
+def checkpoint_digest(ckpt):
+    """sha256 (16 hex digits) of a checkpoint's model settings and weights: what decides an evaluation's numbers.
+    The same weights saved again (a bit-identical retraining) keep their digest; another model at the same path
+    does not. Hashed from the loaded tensors, so it costs no extra read of the file."""
+    h = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
+    for name in sorted(ckpt["model"]):
+        t = ckpt["model"][name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(ckpt['model'][name].shape)}".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
+
+
 def load_runs(paths, device):
     """Load every checkpoint; all must share one tokenizer so that they see identical prompts.
-    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt, block_size."""
+    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path (absolute), ckpt_step,
+    ckpt_sha256 (checkpoint_digest), block_size, tokenizer. Every result record carries identity(run)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device)
-        runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
+        runs.append(dict(label=run_label(p), model=model, ckpt_path=os.path.abspath(ckpt["path"]),
+                         ckpt_step=ckpt.get("step"), ckpt_sha256=checkpoint_digest(ckpt),
                          block_size=model.config.block_size, tokenizer=model.config.tokenizer))
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
@@ -78,6 +94,11 @@ def load_runs(paths, device):
         if labels.count(r["label"]) > 1:
             r["label"] = f"{r['label']}#{i}"
     return runs, get_tokenizer(names.pop())
+
+
+def identity(run):
+    """The fields that tie a result record to the checkpoint that produced it (not only to its path)."""
+    return dict(ckpt=run["ckpt_path"], ckpt_step=run["ckpt_step"], ckpt_sha256=run["ckpt_sha256"])
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
@@ -141,9 +162,10 @@ def return_freed_memory_to_os(threshold_bytes=1 << 20):
 # ---- results ---------------------------------------------------------------------------------------------
 class ResultLog:
     """Append-only per-sample JSONL. Reopening it resumes: `done` holds the keys of the records already written,
-    so an interrupted evaluation continues where it stopped."""
+    so an interrupted evaluation continues where it stopped. Given the runs being evaluated (load_runs), it first
+    drops the records of any checkpoint path whose checkpoint changed (drop_stale)."""
 
-    def __init__(self, path, key_fields):
+    def __init__(self, path, key_fields, runs=()):
         self.path, self.key_fields = path, key_fields
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.records = []
@@ -161,11 +183,40 @@ class ResultLog:
                         break
                 good += 1
             if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
-                tmp = f"{path}.tmp.{os.getpid()}"
-                with open(tmp, "w") as f:
-                    f.writelines(lines[:good])
-                os.replace(tmp, path)
+                self._rewrite(lines[:good])
         self.done = {self.key(r) for r in self.records}
+        if runs:
+            self.drop_stale(runs)
+
+    def _rewrite(self, lines):
+        tmp = f"{self.path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, self.path)
+
+    def drop_stale(self, runs):
+        """Results are keyed by the checkpoint's identity, not its path: the records of a path that now holds
+        another checkpoint (another checkpoint_digest, or records without one) are removed from the file, with a
+        note on stderr, so that this checkpoint is evaluated again instead of being reported with old numbers."""
+        now = {r["ckpt_path"]: r for r in runs}
+
+        def is_stale(rec):
+            run = now.get(rec.get("ckpt"))
+            return run is not None and rec.get("ckpt_sha256") != run["ckpt_sha256"]
+
+        stale = {}
+        for rec in filter(is_stale, self.records):
+            stale.setdefault(rec["ckpt"], []).append(rec)
+        if not stale:
+            return
+        self.records = [r for r in self.records if not is_stale(r)]
+        self._rewrite([json.dumps(r) + "\n" for r in self.records])
+        self.done = {self.key(r) for r in self.records}
+        for path, recs in stale.items():
+            old, new = recs[0], now[path]
+            print(f"note: {path} changed since {self.path} was written (step {old.get('ckpt_step')}, "
+                  f"{old.get('ckpt_sha256') or 'no digest'} -> step {new['ckpt_step']}, {new['ckpt_sha256']}): "
+                  f"its {len(recs)} old results are dropped and it is evaluated again", file=sys.stderr)
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)

@@ -47,9 +47,9 @@ import torch
 from tqdm import tqdm
 
 from data import EOT, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (ResultLog, add_common_args, autocast, fits_in_memory, fmt_bytes, load_runs, peak_memory_bytes,
-                         pick_device, plot_curves, reset_peak_memory, resolve_dtype, return_freed_memory_to_os,
-                         write_table)
+from eval_common import (ResultLog, add_common_args, autocast, fits_in_memory, fmt_bytes, identity, load_runs,
+                         peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
+                         return_freed_memory_to_os, write_table)
 
 MODES = ("full", "sliding")
 HF_DEFAULT_SEQS = 128  # the authors' public CLI (their Evaluator class used 256)
@@ -327,16 +327,16 @@ def main(argv=None):
     digests = [seq_digest(r) for r in seqs]
     os.makedirs(args.out, exist_ok=True)
     log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"),
-                    ("ckpt", "mode", "data", "seq_len", "window", "context", "stride", "dtype", "seq"))
+                    ("ckpt", "ckpt_sha256", "mode", "data", "seq_len", "window", "context", "stride", "dtype", "seq"),
+                    runs)
     by_key = {log.key(r): r for r in log.records}
 
     rows, series = [], {}
     for run in runs:
-        ckpt = os.path.abspath(run["ckpt_path"])
         for mode in args.mode:
             context, stride = mode_settings(args, run, mode)
             name = series_name(run, mode, context, stride)
-            base = dict(run=run["label"], ckpt=ckpt, mode=mode, context=context, stride=stride, window=args.window,
+            base = dict(run=run["label"], **identity(run), mode=mode, context=context, stride=stride, window=args.window,
                         data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype,
                         train_len=run["block_size"])
             batch = 1 if mode == "full" else args.batch_size
@@ -351,7 +351,7 @@ def main(argv=None):
                 print(f"{name}: {msg}")
                 rows.append(dict(base, scope="skipped", note=msg))
                 continue
-            key = dict(ckpt=ckpt, mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
+            key = dict(identity(run), mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
                        context=context, stride=stride, dtype=dtype)
             records, t0, done_before = [], time.time(), 0
             reset_peak_memory(device)

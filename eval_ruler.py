@@ -78,7 +78,7 @@ TASKS = {
     "niah_multivalue": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=4, num_needle_q=1),
     "niah_multiquery": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=4),
 }
-KEY_FIELDS = ("run", "ckpt", "task", "length", "sample", "haystack")
+KEY_FIELDS = ("run", "ckpt", "ckpt_sha256", "task", "length", "sample", "haystack")
 MAX_ATTEMPTS = 1000
 
 
@@ -603,7 +603,7 @@ def main(argv=None):
     check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=resolve_dtype(device, args.dtype),
                                tokenizer=runs[0]["tokenizer"], tokens_to_generate=TOKENS_TO_GENERATE,
                                words=hashlib.sha1("\n".join(words()).encode()).hexdigest()[:12]))
-    log = ResultLog(jsonl, KEY_FIELDS)
+    log = ResultLog(jsonl, KEY_FIELDS, runs)
 
     skipped = {}
     for run in runs:
@@ -619,7 +619,7 @@ def main(argv=None):
         hay = haystack_label(task, essay)
         for L in lengths:
             def key(run, i):
-                return (run["label"], run["ckpt_path"], task, L, i, hay)
+                return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, L, i, hay)
             active = [r for r in runs if (r["label"], None, L) not in skipped]
             todo = {i: [r for r in active if key(r, i) not in log.done] for i in range(args.samples)}
             todo = {i: rs for i, rs in todo.items() if rs}
@@ -642,9 +642,9 @@ def main(argv=None):
                         out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
                     text, stop = decode_output(out, enc, newline_ids)
                     pred = postprocess_pred(text)
-                    log.add(dict(zip(KEY_FIELDS, key(run, i)), seed=args.seed, input_tokens=s["input_tokens"],
-                                 num_haystack=s["num_haystack"], attempts=s["attempts"], needles=s["needles"],
-                                 queries=s["queries"], answers=s["answers"], depths=s["depths"],
+                    log.add(dict(zip(KEY_FIELDS, key(run, i)), ckpt_step=run["ckpt_step"], seed=args.seed,
+                                 input_tokens=s["input_tokens"], num_haystack=s["num_haystack"],
+                                 attempts=s["attempts"], needles=s["needles"], queries=s["queries"], answers=s["answers"], depths=s["depths"],
                                  answer_token_pos=s["answer_token_pos"], output=text, pred=pred, stop=stop,
                                  stop_rule=stop_rule, gen_tokens=len(out), score=sample_score(pred, s["answers"]),
                                  seconds=round(time.time() - t0, 3)))

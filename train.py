@@ -167,6 +167,18 @@ def resolve_config(c, world_size):
     return c
 
 
+def refuse_cpu_for_gpu_recipe(c, ddp):
+    """device=auto that finds no GPU in a GPU launch is a mistake, not a wish: stop instead of training a large
+    model for days on the CPU. A GPU launch is torchrun, or the GPU recipe's precision (dtype=bfloat16 with
+    compile=True, as config/bam_120m.py and the defaults). An explicit --device=cpu trains on the CPU on purpose."""
+    if c["device"] != "auto" or torch.cuda.is_available():
+        return
+    if ddp or (c["dtype"] == "bfloat16" and c["compile"]):
+        why = "under torchrun" if ddp else "with the GPU recipe's dtype=bfloat16 and compile=True"
+        raise ConfigError(f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass --device=cpu "
+                          "(e.g. python train.py <config> --device=cpu --compile=False --dtype=float32)")
+
+
 def model_args_from(c, vocab_size, tokenizer):
     keys = ("n_layer", "n_head", "n_embd", "block_size", "pos_encoding", "ssmax", "ssmax_init", "ssmax_prior",
             "bam_init", "train_mu")
@@ -224,6 +236,7 @@ def train(c, argv=()):
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if ddp else 1
     c = resolve_config(c, world_size)
+    refuse_cpu_for_gpu_recipe(c, ddp)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
     if c["device"] == "auto":
@@ -512,5 +525,6 @@ if __name__ == "__main__":
     try:
         main()
     except (ConfigError, TrainingError, FileNotFoundError) as e:  # expected failures: a message, no traceback
-        print(f"train.py: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0" or not isinstance(e, ConfigError):  # settings errors: rank 0 says it
+            print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)
