@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 from contextlib import nullcontext
 
@@ -280,12 +281,36 @@ def _plt():
     return plt
 
 
+SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")  # run names <variant>-s<seed>[ ...]
+LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]
+
+
+def curve_styles(names):
+    """{name: matplotlib line style}: one colour per variant and one line style and marker per seed for names
+    <variant>-s<seed> (the demo's runs), so that 12 curves of 4 variants x 3 seeds stay distinguishable;
+    any other name is a variant of its own."""
+    keys = {}
+    for name in names:
+        m = SEEDED_NAME.match(name)
+        keys[name] = (m["variant"] + m["rest"], int(m["seed"])) if m else (name, None)
+    variants = list(dict.fromkeys(v for v, _ in keys.values()))
+    seeds = sorted({s for _, s in keys.values() if s is not None})
+    cmap = _plt().get_cmap("tab10" if len(variants) <= 10 else "tab20")
+    styles = {}
+    for name, (variant, seed) in keys.items():
+        line, marker = LINE_STYLES[seeds.index(seed) % len(LINE_STYLES)] if seed is not None else ("-", "o")
+        styles[name] = dict(color=cmap(variants.index(variant) % cmap.N), linestyle=line, marker=marker)
+    return styles
+
+
 def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, ylim=None):
-    """One line per name: series = {name: (xs, ys)}; x on a log axis, each training length marked."""
+    """One line per name: series = {name: (xs, ys)}; x on a log axis, each training length marked, the legend
+    outside the axes (curve_styles: colour per variant, line style per seed)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    styles = curve_styles(series)
     for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, label=name, markersize=4, **styles[name])
     for t in sorted(set(train_lengths)):
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
@@ -299,9 +324,9 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

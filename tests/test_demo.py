@@ -168,3 +168,17 @@ def test_make_demo_reduced_end_to_end(tmp_path):
     model2, _ = load_model(str(again))
     for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), name
+
+    # prepare_demo.py run again writes the same bytes with a new date: nothing is retrained; other bytes change the
+    # content stamp that training depends on
+    stamp = data / "s1" / "content.sha256"
+    digest = stamp.read_text()
+    _prepare(data / "s1", seed=1, windows=800, extra=["--val_windows", "64"])
+    make = [a for a in cmd if a != "demo"]
+    proc = subprocess.run(make + [str(out / "bam_ssmax-s1" / "done")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "training" not in proc.stdout, proc.stdout + proc.stderr
+    assert stamp.read_text() == digest
+    _prepare(data / "s1", seed=1, windows=700, extra=["--val_windows", "64"])
+    subprocess.run(make + [str(stamp)], cwd=ROOT, check=True, capture_output=True, timeout=60)
+    assert stamp.read_text() != digest
