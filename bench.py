@@ -28,7 +28,7 @@ ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 TARGET = {"cpu": 1.25, "cuda": 1.05}  # bam+ssmax / nope step time (README: "Measured on a 2-core CPU", "GPU")
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:1")
     p.add_argument("--model_size", default=None, choices=list(MODEL_SIZES),
@@ -51,7 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--long_forward", type=int, default=0,
                    help="instead: time one no-grad forward of this many tokens (bam+ssmax, default size l12 on CUDA) "
                         "with logits for the last position only, and report its peak memory")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 @torch.no_grad()

@@ -248,7 +248,7 @@ def check_memory(model, length, batch, device, fraction):
 # ----------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, default_out="results/ppl")
@@ -266,6 +266,11 @@ def parse_args(argv=None):
     p.add_argument("--data_dir", default="data/fineweb10B", help="prepared shards for --data val")
     p.add_argument("--keep_eot", action="store_true", help="--data val: keep the end-of-text tokens (default: removed)")
     p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     for k in ("seq_len", "window", "batch_size", "sliding_window", "stride", "num_seqs"):
         v = getattr(args, k)

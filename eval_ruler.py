@@ -556,7 +556,7 @@ def print_table(rows, runs, tasks, lengths):
 
 
 # ---- main ------------------------------------------------------------------------------------------------
-def parse_args(argv):
+def build_parser():
     p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks, spec §9)")
     add_common_args(p, default_out="results/ruler")
     p.set_defaults(seed=42)  # RULER's seed
@@ -572,6 +572,11 @@ def parse_args(argv):
     p.add_argument("--data_dir", default="data/fineweb10B")
     p.add_argument("--no_newline_stop", action="store_true",
                    help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     args = p.parse_args(argv)
     args.tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in args.tasks if t not in TASKS]

@@ -37,7 +37,7 @@ SHARD_RE = re.compile(r"^.+_(train|val)_\d{6}\.bin$")
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="HuggingFaceFW/fineweb", help="Hugging Face dataset (streamed)")
     p.add_argument("--name", default="sample-10BT", help="dataset config name")
@@ -51,6 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--out_dir", default=None, help="default: data/fineweb10B for FineWeb, else data/<prefix>")
     p.add_argument("--prefix", default=None, help="shard name prefix; default: derived from the dataset or first file")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     for k in ("shard_size", "val_tokens", "max_tokens", "num_proc"):
         v = getattr(args, k)
