@@ -30,7 +30,8 @@ Prompts depend only on (seed, target length, template, samples, depths): the key
 from numpy's default_rng([seed, length]), so every checkpoint of one call, and every later call with the same
 settings, sees the same prompts. Results are resumable: <out>/passkey_samples.jsonl holds one record per
 (checkpoint, length, sample) and a rerun only evaluates what is missing; its settings are stored beside it and a
-rerun with other settings is refused.
+rerun with other settings is refused. A checkpoint is its path AND a digest of its weights (ckpt_sha256): when the
+file at a path changed, its old records are dropped and it is evaluated again (eval_common.ResultLog).
 
 Outputs in --out: passkey_samples.jsonl, passkey_summary.{json,csv} (checkpoint x length),
 passkey_by_depth.{json,csv} (checkpoint x length x depth bin), passkey_meta.json (settings, runs, skipped lengths,

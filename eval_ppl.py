@@ -33,7 +33,7 @@ Data (--data):
 If the data holds fewer than --num_seqs sequences, all of them are used and the output says so.
 
 Outputs in --out: ppl_samples.jsonl (one record per checkpoint x mode x sequence: per-window CE sums and
-counts; a rerun resumes from it), ppl_summary.json/.csv (per checkpoint x mode x window: ppl, n_tokens, and
+counts; a rerun resumes from it, and evaluates again a checkpoint whose weights changed at the same path), ppl_summary.json/.csv (per checkpoint x mode x window: ppl, n_tokens, and
 an "overall" row; each row names the mode, context window and stride that produced it) and ppl_vs_position.png.
 """
 import argparse

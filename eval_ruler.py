@@ -6,7 +6,8 @@ with the model's KV cache, and scored with RULER's string_match_all.
     python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...]
         [--lengths 1024,2048] [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir data/fineweb10B]
 
-Writes <out>/ruler_samples.jsonl (one record per checkpoint x task x length x sample; reopening resumes),
+Writes <out>/ruler_samples.jsonl (one record per checkpoint x task x length x sample; reopening resumes, and a
+checkpoint whose weights changed at the same path is evaluated again),
 <out>/ruler_summary.{json,csv} (score per checkpoint x task x length, plus the average over tasks) and
 <out>/ruler_scores.png (one panel per checkpoint: a line per task, the average in bold).
 
