@@ -66,8 +66,8 @@ demo: deps
 
 # $(call content_stamp,FILES,STAMP): write the sha256 of FILES to STAMP only when it differs. Make looks at the
 # stamp's date again after its recipe, so whatever depends on it is rebuilt only when the content changed.
-content_stamp = new=$$(cat $(1) | $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())") \
-	&& { [ "$$new" = "$$(cat $(2) 2>/dev/null)" ] || echo "$$new" > $(2); }
+sha256 = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())"
+content_stamp = new=$$(cat $(1) | $(sha256)) && { [ "$$new" = "$$(cat $(2) 2>/dev/null)" ] || echo "$$new" > $(2); }
 
 $(DEMO_DATA)/s%/demo_meta.json: prepare_demo.py
 	$(PYTHON) prepare_demo.py --seed $* --out_dir $(DEMO_DATA)/s$* $(DEMO_PREPARE_ARGS)

@@ -193,7 +193,8 @@ def main(argv=None):
                 "model": {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "vocab_size": V},
                 "batch_size": B, "block_size": T, "warmup": args.warmup, "steps": steps}
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "ratio_bam_ssmax_vs_nope": ratio, "target": target, "variants": results}, f, indent=2)
+            json.dump({"meta": meta, "ratio_bam_ssmax_vs_nope": ratio, "target": target, "variants": results}, f,
+                      indent=2)
         print(f"wrote {args.out}")
     return results
 
