@@ -32,17 +32,20 @@ gpu-check: deps
 # ---- the CPU demo ------------------------------------------------------------------------------------------------
 # Synthetic passkey data (prepare_demo.py), tiny models trained at a 64-token context (config/demo_cpu.py, two
 # trainings at a time on one thread each), passkey retrieval at 1x..64x that length (eval_passkey.py --template
-# demo), the learned BAM prior (plot_prior.py) and the table (demo_table.py). Results in results/demo/.
+# demo), the learned BAM prior (plot_prior.py) and the table (demo_table.py). Everything is written under
+# data/demo/ and out/demo/ (ignored by git; the results in out/demo/results/), so the figures committed in
+# results/demo/ are never overwritten.
 #   make demo            one seed, about 10 minutes on 2 CPU cores
 #   make demo SEEDS=3    seeds 1, 2, 3 (data and initialisation), each seed and the median
 # A seed sets everything random (data and initialisation), so the same seed gives the same table. A run is
-# retrained only when its checkpoint is missing or config/demo_cpu.py / its data changed.
+# retrained only when its checkpoint is missing or the CONTENT of config/demo_cpu.py or of its data changed
+# (a sha256 stamp, rewritten only when it differs), not when only a file date did.
 SEEDS ?= 1
 DEMO_VARIANTS ?= bam_ssmax rope alibi nope
 DEMO_LENGTHS ?= 64 128 256 512 1024 2048 4096
 DEMO_DATA ?= data/demo
 DEMO_OUT ?= out/demo
-DEMO_RESULTS ?= results/demo
+DEMO_RESULTS ?= $(DEMO_OUT)/results
 DEMO_PREPARE_ARGS ?=
 DEMO_TRAIN_ARGS ?=
 DEMO_EVAL_ARGS ?=
@@ -63,12 +66,21 @@ demo: deps
 	$(foreach r,$(filter bam%,$(demo_runs)),$(PYTHON) plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(DEMO_RESULTS)/prior_$(r).png && ) true
 	$(PYTHON) demo_table.py $(DEMO_RESULTS)
 
+# $(call content_stamp,FILES,STAMP): write the sha256 of FILES to STAMP only when it differs. Make looks at the
+# stamp's date again after its recipe, so whatever depends on it is rebuilt only when the content changed.
+sha256 = $(PYTHON) -c "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())"
+content_stamp = new=$$(cat $(1) | $(sha256)) && { [ "$$new" = "$$(cat $(2) 2>/dev/null)" ] || echo "$$new" > $(2); }
+
 $(DEMO_DATA)/s%/demo_meta.json: prepare_demo.py
 	$(PYTHON) prepare_demo.py --seed $* --out_dir $(DEMO_DATA)/s$* $(DEMO_PREPARE_ARGS)
-.PRECIOUS: $(DEMO_DATA)/s%/demo_meta.json
+$(DEMO_DATA)/s%/content.sha256: $(DEMO_DATA)/s%/demo_meta.json
+	@$(call content_stamp,$(@D)/demo_meta.json $(@D)/demo_*.bin,$@)
+$(DEMO_OUT)/config.sha256: config/demo_cpu.py
+	@mkdir -p $(@D) && $(call content_stamp,$<,$@)
+.PRECIOUS: $(DEMO_DATA)/s%/demo_meta.json $(DEMO_DATA)/s%/content.sha256
 
 .SECONDEXPANSION:
-$(DEMO_OUT)/%/done: config/demo_cpu.py $(DEMO_DATA)/s$$(call demo_seed,$$*)/demo_meta.json
+$(DEMO_OUT)/%/done: $(DEMO_OUT)/config.sha256 $(DEMO_DATA)/s$$(call demo_seed,$$*)/content.sha256
 	@rm -rf $(DEMO_OUT)/$* && mkdir -p $(DEMO_OUT) && echo "training $* (log: $(DEMO_OUT)/$*.log)"
 	OMP_NUM_THREADS=1 $(PYTHON) train.py config/demo_cpu.py --out_dir=$(DEMO_OUT)/$* \
 		--data_dir=$(DEMO_DATA)/s$(call demo_seed,$*) $(call demo_flags,$*) $(DEMO_TRAIN_ARGS) \

@@ -4,7 +4,8 @@ machine without CUDA, the CPU paths without gradients (--cpu, the default there)
 
     python bench_attention.py                    # the table: T = 512 ... 32K, head_dim 48/64/128, bf16 (CUDA)
     python bench_attention.py --quick            # a small subset (< 2 minutes with compilation)
-    python bench_attention.py --check            # compiled kernel vs the PyTorch reference: values and grads (CUDA)
+    python bench_attention.py --check            # compiled kernel vs the PyTorch reference: values and grads
+                                                 # (without a GPU: the same cases, small, under Triton's interpreter)
     python bench_attention.py --check --check_impl flex --prior cauchy   # FlexAttention vs the reference (CUDA)
     python bench_attention.py --out bench.json   # also write the results as JSON
 
@@ -36,6 +37,7 @@ ratio to sdpa_noprior, and the median process CPU time and its ratio (which a bu
 """
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -46,7 +48,7 @@ import torch
 BWD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward (2 matmuls for dq/dk/dv + recompute), as in the tutorial
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="correctness of an impl (--check_impl) vs the reference")
     p.add_argument("--check_impl", default="triton", choices=["triton", "flex"], help="the impl --check tests")
@@ -63,7 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--doc_len", type=int, default=1000, help="CPU table: mean document length (0: one document)")
     p.add_argument("--rounds", type=int, default=3, help="CPU table: timed calls per implementation")
     p.add_argument("--threads", type=int, default=0, help="CPU table: torch threads (0 = torch's default)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
@@ -326,6 +332,25 @@ CHECKS = [
      torch.bfloat16, dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True)),
 ]
 
+# The same cases at sizes that Triton's interpreter runs on a CPU in seconds (it works in 32 x 32 tiles): lengths
+# that are not multiples of a tile, several tiles, a q_offset, every dtype and option above.
+CPU_CHECKS = [
+    ("fp32 D64 T100 bam+ssmax(scale_prior)+docs", 1, 2, 100, 100, 64, torch.float32,
+     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
+    ("fp32 D48 T77 alibi(frozen)+docs", 1, 3, 77, 77, 48, torch.float32, dict(prior="alibi", docs=True)),
+    ("fp32 D128 T65 no prior", 1, 2, 65, 65, 128, torch.float32, dict()),
+    ("fp32 D32 Tq20 Tk90 q_offset=70 bam+ssmax(no scale_prior)+docs", 1, 2, 20, 90, 32, torch.float32,
+     dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=70)),
+    ("bf16 D64 T128 bam+ssmax(scale_prior)+docs", 1, 2, 128, 128, 64, torch.bfloat16,
+     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
+    ("bf16 D48 T96 bam beta<0, no ssmax, length-1 documents", 1, 2, 96, 96, 48, torch.bfloat16,
+     dict(prior="bam_negative", docs="short")),
+    ("fp16 D128 T64 bam+ssmax(scale_prior)", 1, 2, 64, 64, 128, torch.float16,
+     dict(prior="bam", ssmax=True, scale_prior=True)),
+    ("bf16 D128 T100 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout", 1, 2, 100, 100, 128,
+     torch.bfloat16, dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True)),
+]
+
 
 def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0, prior="ggd"):
     """Inputs of one check. opt["prior"]: "bam" is the --prior under test (GGD: random heads of every shape),
@@ -386,7 +411,7 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
     return out.detach().float(), {n: t.grad.detach().float() for n, t in named.items()}
 
 
-def run_check(device="cuda", checks=CHECKS, impl="triton", prior="ggd"):
+def run_check(device="cuda", checks=CHECKS, impl="triton", prior="ggd", empty_row_len=300):
     """impl (triton | flex) against the fp32 reference on every check: outputs and every gradient."""
     from attention_kernel import attention_flex, attention_torch, attention_triton
     from priors import get_prior
@@ -445,13 +470,14 @@ def run_check(device="cuda", checks=CHECKS, impl="triton", prior="ggd"):
     # a query with no visible key (doc_start after it): output 0, finite grads
     entry = {"check": "row without visible keys -> 0, no NaN"}
     try:
-        tensors, kw, frozen = _check_inputs(1, 2, 300, 300, 64, torch.bfloat16, dict(prior="bam_negative"), device)
-        ds = torch.zeros(1, 300, dtype=torch.long)
-        ds[0, 100:] = 100
-        ds[0, 150] = 151
+        T = empty_row_len
+        tensors, kw, frozen = _check_inputs(1, 2, T, T, 64, torch.bfloat16, dict(prior="bam_negative"), device)
+        ds = torch.zeros(1, T, dtype=torch.long)
+        ds[0, T // 3:] = T // 3
+        ds[0, T // 2] = T // 2 + 1
         kw["doc_start"] = ds
         o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, torch.bfloat16, device)
-        ok = bool(o_k[:, :, 150].eq(0).all()) and bool(torch.isfinite(o_k).all()) and all(
+        ok = bool(o_k[:, :, T // 2].eq(0).all()) and bool(torch.isfinite(o_k).all()) and all(
             bool(torch.isfinite(t).all()) for t in g_k.values())
         entry["status"] = "PASS" if ok else "FAIL"
     except Exception as e:  # noqa: BLE001
@@ -467,6 +493,18 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()
 
 
+def check_on_cpu():
+    """--check without a GPU: CPU_CHECKS under Triton's interpreter, which must be chosen before triton is imported."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        print("bench_attention.py: error: triton was imported before its interpreter could be switched on; "
+              "run with TRITON_INTERPRET=1", file=sys.stderr)
+        return 1
+    os.environ["TRITON_INTERPRET"] = "1"
+    print("no CUDA device: checking the kernel under Triton's interpreter on the CPU, at small sizes")
+    _, failed = run_check("cpu", CPU_CHECKS, empty_row_len=100)
+    return 1 if failed else 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.cpu or (not torch.cuda.is_available() and not args.check):
@@ -478,8 +516,11 @@ def main(argv=None):
             print(f"wrote {args.out}")
         return 0
     if not torch.cuda.is_available():
-        print("bench_attention.py: error: --check needs a CUDA device (the Triton kernel); the CPU table is --cpu")
-        return 1
+        if args.check_impl != "triton" or args.prior != "ggd":
+            print("bench_attention.py: error: without a GPU, --check tests the Triton kernel (GGD) under the "
+                  "interpreter; --check_impl flex / --prior need CUDA", file=sys.stderr)
+            return 1
+        return check_on_cpu()
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
     try:
         import triton

@@ -114,11 +114,15 @@ def check(table, multiples):
     return out
 
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description="Markdown table of the CPU demo's passkey results.")
     ap.add_argument("dirs", nargs="+", help="eval_passkey.py output directories (passkey_summary.json)")
     ap.add_argument("--out", default=None, help="markdown file (default: <first dir>/demo_table.md)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     rows = load(args.dirs)
     table, multiples = collect(rows)
     if not table:

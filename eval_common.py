@@ -4,9 +4,12 @@ loading checkpoints (with the tokenizer each was trained with), a memory check b
 resumable per-sample JSONL, summary JSON/CSV, and the figures. One copy, imported by every evaluation.
 """
 import csv
+import hashlib
 import json
 import math
 import os
+import re
+import sys
 
 import torch
 
@@ -69,10 +72,23 @@ def run_label(path):
     return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
 
 
+def checkpoint_digest(ckpt):
+    """sha256 (16 hex digits) of a checkpoint's model settings and weights: what decides an evaluation's numbers.
+    The same weights saved again (a bit-identical retraining) keep their digest; another model at the same path
+    does not. Hashed from the loaded tensors, so it costs no extra read of the file."""
+    h = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
+    for name in sorted(ckpt["model"]):
+        t = ckpt["model"][name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(ckpt['model'][name].shape)}".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
+
+
 def load_runs(paths, device, attn_impl=None):
     """Load every checkpoint (attention computed by attn_impl, if given); all must share one tokenizer so that they
-    see identical prompts. Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path,
-    block_size, tokenizer and data_dir (the training data the checkpoint records, or None)."""
+    see identical prompts. Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path
+    (absolute), ckpt_step, ckpt_sha256 (checkpoint_digest), block_size, tokenizer and data_dir (the training data
+    the checkpoint records, or None). Every result record carries identity(run)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device, attn_impl=attn_impl)
@@ -80,7 +96,8 @@ def load_runs(paths, device, attn_impl=None):
         if attn_impl in ("triton", "flex") and prior is not None and attn_impl not in prior.native:
             raise EvalError(f"--attn_impl {attn_impl} cannot compute the prior {prior.name!r} of {p}; "
                             f"use one of {sorted(prior.native)} or auto")
-        runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
+        runs.append(dict(label=run_label(p), model=model, ckpt_path=os.path.abspath(ckpt["path"]),
+                         ckpt_step=ckpt.get("step"), ckpt_sha256=checkpoint_digest(ckpt),
                          block_size=model.config.block_size, tokenizer=model.config.tokenizer,
                          data_dir=ckpt.get("config", {}).get("data_dir")))
     names = {r["tokenizer"] for r in runs}
@@ -107,6 +124,11 @@ def training_data_dir(runs, data_dir=None):
         raise EvalError(f"the checkpoints were trained on {recorded[0]!r}, which does not exist from here "
                         f"({os.getcwd()}); pass --data_dir")
     return recorded[0]
+
+
+def identity(run):
+    """The fields that tie a result record to the checkpoint that produced it (not only to its path)."""
+    return dict(ckpt=run["ckpt_path"], ckpt_step=run["ckpt_step"], ckpt_sha256=run["ckpt_sha256"])
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
@@ -170,9 +192,10 @@ def return_freed_memory_to_os(threshold_bytes=1 << 20):
 # ---- results ---------------------------------------------------------------------------------------------
 class ResultLog:
     """Append-only per-sample JSONL. Reopening it resumes: `done` holds the keys of the records already written,
-    so an interrupted evaluation continues where it stopped."""
+    so an interrupted evaluation continues where it stopped. Given the runs being evaluated (load_runs), it first
+    drops the records of any checkpoint path whose checkpoint changed (drop_stale)."""
 
-    def __init__(self, path, key_fields):
+    def __init__(self, path, key_fields, runs=()):
         self.path, self.key_fields = path, key_fields
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.records = []
@@ -190,11 +213,40 @@ class ResultLog:
                         break
                 good += 1
             if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
-                tmp = f"{path}.tmp.{os.getpid()}"
-                with open(tmp, "w") as f:
-                    f.writelines(lines[:good])
-                os.replace(tmp, path)
+                self._rewrite(lines[:good])
         self.done = {self.key(r) for r in self.records}
+        if runs:
+            self.drop_stale(runs)
+
+    def _rewrite(self, lines):
+        tmp = f"{self.path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, self.path)
+
+    def drop_stale(self, runs):
+        """Results are keyed by the checkpoint's identity, not its path: the records of a path that now holds
+        another checkpoint (another checkpoint_digest, or records without one) are removed from the file, with a
+        note on stderr, so that this checkpoint is evaluated again instead of being reported with old numbers."""
+        now = {r["ckpt_path"]: r for r in runs}
+
+        def is_stale(rec):
+            run = now.get(rec.get("ckpt"))
+            return run is not None and rec.get("ckpt_sha256") != run["ckpt_sha256"]
+
+        stale = {}
+        for rec in filter(is_stale, self.records):
+            stale.setdefault(rec["ckpt"], []).append(rec)
+        if not stale:
+            return
+        self.records = [r for r in self.records if not is_stale(r)]
+        self._rewrite([json.dumps(r) + "\n" for r in self.records])
+        self.done = {self.key(r) for r in self.records}
+        for path, recs in stale.items():
+            old, new = recs[0], now[path]
+            print(f"note: {path} changed since {self.path} was written (step {old.get('ckpt_step')}, "
+                  f"{old.get('ckpt_sha256') or 'no digest'} -> step {new['ckpt_step']}, {new['ckpt_sha256']}): "
+                  f"its {len(recs)} old results are dropped and it is evaluated again", file=sys.stderr)
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)
@@ -258,12 +310,36 @@ def _plt():
     return plt
 
 
+SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")  # run names <variant>-s<seed>[ ...]
+LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]
+
+
+def curve_styles(names):
+    """{name: matplotlib line style}: one colour per variant and one line style and marker per seed for names
+    <variant>-s<seed> (the demo's runs), so that 12 curves of 4 variants x 3 seeds stay distinguishable;
+    any other name is a variant of its own."""
+    keys = {}
+    for name in names:
+        m = SEEDED_NAME.match(name)
+        keys[name] = (m["variant"] + m["rest"], int(m["seed"])) if m else (name, None)
+    variants = list(dict.fromkeys(v for v, _ in keys.values()))
+    seeds = sorted({s for _, s in keys.values() if s is not None})
+    cmap = _plt().get_cmap("tab10" if len(variants) <= 10 else "tab20")
+    styles = {}
+    for name, (variant, seed) in keys.items():
+        line, marker = LINE_STYLES[seeds.index(seed) % len(LINE_STYLES)] if seed is not None else ("-", "o")
+        styles[name] = dict(color=cmap(variants.index(variant) % cmap.N), linestyle=line, marker=marker)
+    return styles
+
+
 def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, ylim=None):
-    """One line per name: series = {name: (xs, ys)}; x on a log axis, each training length marked."""
+    """One line per name: series = {name: (xs, ys)}; x on a log axis, each training length marked, the legend
+    outside the axes (curve_styles: colour per variant, line style per seed)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    styles = curve_styles(series)
     for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, label=name, markersize=4, **styles[name])
     for t in sorted(set(train_lengths)):
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
@@ -277,9 +353,9 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

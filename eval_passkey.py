@@ -37,7 +37,8 @@ Prompts depend only on (seed, target length, template, samples, depths): the key
 from numpy's default_rng([seed, length]), so every checkpoint of one call, and every later call with the same
 settings, sees the same prompts. Results are resumable: <out>/passkey_samples.jsonl holds one record per
 (checkpoint, length, sample) and a rerun only evaluates what is missing; its settings are stored beside it and a
-rerun with other settings is refused.
+rerun with other settings is refused. A checkpoint is its path AND a digest of its weights (ckpt_sha256): when the
+file at a path changed, its old records are dropped and it is evaluated again (eval_common.ResultLog).
 
 Outputs in --out: passkey_samples.jsonl, passkey_summary.{json,csv} (checkpoint x length),
 passkey_by_depth.{json,csv} (checkpoint x length x depth bin), passkey_meta.json (settings, runs, skipped lengths,
@@ -72,7 +73,7 @@ PRESETS = {
 DEFAULT_SAMPLES = 20
 DEPTH_MODES = ("equidistant", "random", "beginning", "end")
 TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
-KEY_FIELDS = ("label", "ckpt", "target_length", "sample")
+KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -273,7 +274,8 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
         for r in runs:
             if (r["label"], L) in skip:
                 continue
-            missing = [i for i in range(samples) if (r["label"], r["ckpt_path"], L, i) not in log.done]
+            missing = [i for i in range(samples)
+                       if (r["label"], r["ckpt_path"], r["ckpt_sha256"], L, i) not in log.done]
             if missing:
                 todo[(r["label"], L)] = missing
     bar = tqdm(total=sum(len(v) for v in todo.values()), desc="passkey", unit="sample", disable=not progress,
@@ -305,7 +307,7 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
                     peak = ec.peak_memory_bytes(device) / 2**20
                     for i, (correct, pred) in zip(chunk, results):
                         _, answer, info = prompts[i]
-                        log.add(dict(label=r["label"], ckpt=r["ckpt_path"], target_length=L, sample=i,
+                        log.add(dict(label=r["label"], **ec.identity(r), target_length=L, sample=i,
                                      length=info["length"], n_filler=info["n_filler"], k=info["k"],
                                      depth=info["depth"], key=info["key"], answer_tokens=answer[n_given:],
                                      predicted=pred, predicted_text=enc.decode(pred), correct=bool(correct),
@@ -474,8 +476,6 @@ def main(argv=None):
         ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
     torch.manual_seed(args.seed)
     runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
-    for r in runs:
-        r["ckpt_path"] = os.path.abspath(r["ckpt_path"])
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
     check_template(template)
     if args.lengths:
@@ -490,7 +490,7 @@ def main(argv=None):
     settings = dict(seed=args.seed, template=args.template, template_hash=template_hash(template), samples=samples,
                     depths=args.depths, tokenizer=runs[0]["tokenizer"], dtype=dtype)
     ec.check_settings(jsonl, settings)
-    log = ec.ResultLog(jsonl, KEY_FIELDS)
+    log = ec.ResultLog(jsonl, KEY_FIELDS, runs)
 
     skipped = plan(runs, enc, template, lengths, device, args.memory_fraction)
     for s in skipped:
@@ -505,7 +505,7 @@ def main(argv=None):
     figures = make_figures(summary, by_depth, runs, args.out, args.depth_bins)
     wall = time.perf_counter() - t_start
     meta = dict(settings=settings, lengths=lengths, device=str(device), torch=torch.__version__,
-                runs=[dict(label=r["label"], ckpt=r["ckpt_path"], train_length=r["block_size"],
+                runs=[dict(label=r["label"], **ec.identity(r), train_length=r["block_size"],
                            pos_encoding=r["model"].config.pos_encoding, ssmax=r["model"].config.ssmax)
                       for r in runs],
                 skipped=skipped, scored_this_call=scored, wall_seconds=round(wall, 2),

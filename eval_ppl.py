@@ -34,7 +34,7 @@ Data (--data):
 If the data holds fewer than --num_seqs sequences, all of them are used and the output says so.
 
 Outputs in --out: ppl_samples.jsonl (one record per checkpoint x mode x sequence: per-window CE sums and
-counts; a rerun resumes from it), ppl_summary.json/.csv (per checkpoint x mode x window: ppl, n_tokens, and
+counts; a rerun resumes from it, and evaluates again a checkpoint whose weights changed at the same path), ppl_summary.json/.csv (per checkpoint x mode x window: ppl, n_tokens, and
 an "overall" row; each row names the mode, context window and stride that produced it) and ppl_vs_position.png.
 """
 import argparse
@@ -49,9 +49,9 @@ import torch
 from tqdm import tqdm
 
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, load_runs,
-                         model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
-                         return_freed_memory_to_os, training_data_dir, write_table)
+from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, identity,
+                         load_runs, model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory,
+                         resolve_dtype, return_freed_memory_to_os, training_data_dir, write_table)
 from model import autocast
 
 MODES = ("full", "sliding")
@@ -250,7 +250,7 @@ def check_memory(model, length, batch, device, fraction):
 # ----------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, default_out="results/ppl")
@@ -269,6 +269,11 @@ def parse_args(argv=None):
                    help="prepared shards for --data val; default: the training data the checkpoint records")
     p.add_argument("--keep_eot", action="store_true", help="--data val: keep the end-of-text tokens (default: removed)")
     p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     for k in ("seq_len", "window", "batch_size", "sliding_window", "stride", "num_seqs"):
         v = getattr(args, k)
@@ -329,7 +334,8 @@ def main(argv=None):
           f"device {device}, {dtype}")
     os.makedirs(args.out, exist_ok=True)
     log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"),
-                    ("ckpt", "mode", "data", "seq_len", "window", "context", "stride", "dtype", "seq"))
+                    ("ckpt", "ckpt_sha256", "mode", "data", "seq_len", "window", "context", "stride", "dtype", "seq"),
+                    runs)
     rows, series = [], {}
     for run in runs:
         for mode in args.mode:
@@ -366,10 +372,9 @@ def fitting_batch(args, run, mode, device):
 
 def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
     """Score every sequence with one checkpoint in one mode (resuming from `log`). Returns (summary rows, name)."""
-    ckpt = os.path.abspath(run["ckpt_path"])
     context, stride = mode_settings(args, run, mode)
     name = series_name(run, mode, context, stride)
-    base = dict(label=run["label"], ckpt=ckpt, mode=mode, context=context, stride=stride, window=args.window,
+    base = dict(label=run["label"], **identity(run), mode=mode, context=context, stride=stride, window=args.window,
                 data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
     batch, ok, need, free = fitting_batch(args, run, mode, device)
     if not ok:
@@ -378,7 +383,7 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
                f"{args.memory_fraction:.0%} of free memory is {fmt_bytes(args.memory_fraction * free)}")
         print(f"{name}: {msg}")
         return [dict(base, scope="skipped", note=msg)], name
-    key = dict(ckpt=ckpt, mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
+    key = dict(identity(run), mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
                context=context, stride=stride, dtype=dtype)
     by_key = {log.key(r): r for r in log.records}
     records, t0, done_before = [], time.time(), 0

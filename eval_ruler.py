@@ -7,7 +7,8 @@ with the model's KV cache, and scored with RULER's string_match_all.
         [--lengths 1024,2048] [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir DIR]
     python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json   # RULER's protocol
 
-Writes <out>/ruler_samples.jsonl (one record per checkpoint x task x length x sample; reopening resumes),
+Writes <out>/ruler_samples.jsonl (one record per checkpoint x task x length x sample; reopening resumes, and a
+checkpoint whose weights changed at the same path is evaluated again),
 <out>/ruler_summary.{json,csv} (score per checkpoint x task x length, plus the average over tasks) and
 <out>/ruler_scores.png (one panel per checkpoint: a line per task, the average in bold).
 
@@ -83,7 +84,7 @@ TASKS = {
     "niah_multivalue": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=4, num_needle_q=1),
     "niah_multiquery": dict(type_haystack="essay",  type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=4),
 }
-KEY_FIELDS = ("label", "ckpt", "task", "target_length", "sample", "haystack")
+KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "task", "target_length", "sample", "haystack")
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # RULER's SEQ_LENGTHS (scripts/run.sh)
 MAX_ATTEMPTS = 1000
 
@@ -601,7 +602,7 @@ def print_table(rows, runs, tasks, lengths):
 
 
 # ---- main ------------------------------------------------------------------------------------------------
-def parse_args(argv):
+def build_parser():
     p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks)")
     add_common_args(p, default_out="results/ruler")
     p.set_defaults(seed=42)  # RULER's seed
@@ -621,6 +622,11 @@ def parse_args(argv):
                                                     "default: the training data the checkpoint records")
     p.add_argument("--no_newline_stop", action="store_true",
                    help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.preset == "paper":
         args.no_newline_stop = True
@@ -662,7 +668,7 @@ def main(argv=None):
     check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=dtype,
                                tokenizer=runs[0]["tokenizer"], tokens_to_generate=TOKENS_TO_GENERATE,
                                words=words_digest()))
-    log = ResultLog(jsonl, KEY_FIELDS)
+    log = ResultLog(jsonl, KEY_FIELDS, runs)
 
     skipped = {}
     for run in runs:
@@ -678,7 +684,7 @@ def main(argv=None):
         hay = haystack_label(task, essay)
         for L in lengths:
             def key(run, i):
-                return (run["label"], run["ckpt_path"], task, L, i, hay)
+                return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, L, i, hay)
             active = [r for r in runs if (r["label"], None, L) not in skipped]
             todo = {i: [r for r in active if key(r, i) not in log.done] for i in range(args.samples)}
             todo = {i: rs for i, rs in todo.items() if rs}
@@ -701,9 +707,9 @@ def main(argv=None):
                         out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
                     text, stop = decode_output(out, enc, newline_ids)
                     pred = postprocess_pred(text)
-                    log.add(dict(zip(KEY_FIELDS, key(run, i)), seed=args.seed, input_tokens=s["input_tokens"],
-                                 num_haystack=s["num_haystack"], attempts=s["attempts"], needles=s["needles"],
-                                 queries=s["queries"], answers=s["answers"], depths=s["depths"],
+                    log.add(dict(zip(KEY_FIELDS, key(run, i)), ckpt_step=run["ckpt_step"], seed=args.seed,
+                                 input_tokens=s["input_tokens"], num_haystack=s["num_haystack"],
+                                 attempts=s["attempts"], needles=s["needles"], queries=s["queries"], answers=s["answers"], depths=s["depths"],
                                  answer_token_pos=s["answer_token_pos"], output=text, pred=pred, stop=stop,
                                  stop_rule=stop_rule, gen_tokens=len(out), score=sample_score(pred, s["answers"]),
                                  seconds=round(time.time() - t0, 3)))

@@ -99,14 +99,18 @@ def plot(layers, dist, block_size, prior, title, path):
     plt.close(fig)
 
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description="Plot the positional prior of every layer and head of a checkpoint.")
     ap.add_argument("--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)")
     ap.add_argument("--out", default=None, help="PNG path (default: prior.png in the run directory); "
                                                  "the numbers go to the same path with .json")
     ap.add_argument("--max_distance", type=int, default=None, help="largest distance shown (default 64 x the "
                                                                     "training length)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     model, ckpt = load_model(args.ckpt)
     cfg = model.config
     if cfg.pos_encoding not in ("bam", "alibi"):

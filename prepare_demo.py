@@ -154,7 +154,7 @@ def make_stream(rng, n_windows, block_size, min_len, docs_per_window):
     return np.concatenate([tokens, [EOT[TOKENIZER]]])
 
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description="Write the CPU demo's synthetic passkey corpus (byte tokenizer).")
     ap.add_argument("--out_dir", default="data/demo")
     ap.add_argument("--seed", type=int, default=0, help="the corpus is a pure function of the seed and the sizes")
@@ -164,6 +164,11 @@ def main(argv=None):
     ap.add_argument("--min_doc_len", type=int, default=24, help="shortest document (tokens, with end-of-text)")
     ap.add_argument("--docs_per_window", default="0.5,0.3,0.2",
                     help="probabilities of 1, 2, 3, ... documents per window ('1' = every document fills a window)")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.train_windows < 1 or args.val_windows < 1:
         ap.error("--train_windows and --val_windows must be positive")

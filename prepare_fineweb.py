@@ -47,7 +47,7 @@ FINEWEB_MAX_TOKENS = 11_900_000_000  # config/bam_120m.py's 11,796,480,000 train
 LEGACY_SETTINGS = {"gap_tokens": 0}  # what a ledger written before a setting existed did
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="HuggingFaceFW/fineweb", help="Hugging Face dataset (streamed)")
     p.add_argument("--name", default="sample-100BT", help="dataset config name")
@@ -64,6 +64,11 @@ def parse_args(argv=None):
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--out_dir", default=None, help="default: data/fineweb10B for FineWeb, else data/<prefix>")
     p.add_argument("--prefix", default=None, help="shard name prefix; default: derived from the dataset or first file")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     for k in ("shard_size", "val_tokens", "max_tokens", "num_proc"):
         v = getattr(args, k)

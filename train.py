@@ -298,6 +298,18 @@ def describe(raw_model, c, accum, tokens_per_update):
             f"compile={c['compile']}")
 
 
+def refuse_cpu_for_gpu_recipe(c, ddp):
+    """device=auto that finds no GPU in a GPU launch is a mistake, not a wish: stop instead of training a large
+    model for days on the CPU. A GPU launch is torchrun, or the GPU recipe's precision (dtype=bfloat16 with
+    compile=True, as config/bam_120m.py and the defaults). An explicit --device=cpu trains on the CPU on purpose."""
+    if c["device"] != "auto" or torch.cuda.is_available():
+        return
+    if ddp or (c["dtype"] == "bfloat16" and c["compile"]):
+        why = "under torchrun" if ddp else "with the GPU recipe's dtype=bfloat16 and compile=True"
+        raise ConfigError(f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass --device=cpu "
+                          "(e.g. python train.py <config> --device=cpu --compile=False --dtype=float32)")
+
+
 def environment(argv, world_size):
     def git(*args):
         try:
@@ -512,6 +524,7 @@ def train(c, argv=()):
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if ddp else 1
     c = resolve_config(c, world_size)
+    refuse_cpu_for_gpu_recipe(c, ddp)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
     device = setup_device(c, ddp, local_rank)
@@ -598,4 +611,6 @@ if __name__ == "__main__":
     try:
         main()
     except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError) as e:  # expected failures
-        sys.exit(f"train.py: error: {e}")
+        if os.environ.get("RANK", "0") == "0" or not isinstance(e, ConfigError):  # settings errors: rank 0 says it
+            print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

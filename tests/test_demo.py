@@ -143,7 +143,7 @@ def test_make_demo_reduced_end_to_end(tmp_path):
            "DEMO_VARIANTS=bam_ssmax rope", "DEMO_LENGTHS=64 256", f"DEMO_OUT={out}", f"DEMO_RESULTS={results}",
            f"DEMO_DATA={data}", "DEMO_PREPARE_ARGS=--train_windows 800 --val_windows 64",
            f"DEMO_TRAIN_ARGS={train_args}", "DEMO_EVAL_ARGS=--samples 3"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)  # a shared machine is slow
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((results / "passkey_summary.json").read_text())
     assert sorted((r["label"], r["target_length"]) for r in summary) == [
@@ -169,3 +169,17 @@ def test_make_demo_reduced_end_to_end(tmp_path):
     model2, _ = load_model(str(again))
     for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), name
+
+    # prepare_demo.py run again writes the same bytes with a new date: nothing is retrained; other bytes change the
+    # content stamp that training depends on
+    stamp = data / "s1" / "content.sha256"
+    digest = stamp.read_text()
+    _prepare(data / "s1", seed=1, windows=800, extra=["--val_windows", "64"])
+    make = [a for a in cmd if a != "demo"]
+    proc = subprocess.run(make + [str(out / "bam_ssmax-s1" / "done")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "training" not in proc.stdout, proc.stdout + proc.stderr
+    assert stamp.read_text() == digest
+    _prepare(data / "s1", seed=1, windows=700, extra=["--val_windows", "64"])
+    subprocess.run(make + [str(stamp)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert stamp.read_text() != digest

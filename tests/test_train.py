@@ -124,6 +124,25 @@ def test_missing_data_dir_is_a_clear_error(tmp_path):
     assert "data directory" in str(e.value) and "does not exist" in str(e.value) and "prepare" in str(e.value)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
+    # as torchrun launches rank 0 of 2: one line, before any process group, data or run directory
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
+    r = subprocess.run([sys.executable, "train.py", "config/bam_120m.py", f"--data_dir={data_dir}",
+                        f"--out_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("train.py: error: device=auto found no CUDA GPU under torchrun")
+    assert "pass --device=cpu" in r.stderr
+    # the GPU recipe's settings without torchrun, and on purpose with --device=cpu
+    c = train.configure({k: getattr(train, k) for k in train.config_keys}, [os.path.join(ROOT, "config/bam_120m.py")])
+    with pytest.raises(ConfigError, match="dtype=bfloat16 and compile=True; to train on the CPU on purpose"):
+        train.refuse_cpu_for_gpu_recipe(c, ddp=False)
+    train.refuse_cpu_for_gpu_recipe(dict(c, device="cpu"), ddp=True)
+    train.refuse_cpu_for_gpu_recipe(dict(c, compile=False), ddp=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_tokens_per_step_sets_accumulation():
     c = train.resolve_config({k: getattr(train, k) for k in train.config_keys}, world_size=8)
     assert c["gradient_accumulation_steps"] == 589824 // (48 * 512)  # 24 in all, 3 per process
