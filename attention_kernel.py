@@ -26,8 +26,10 @@ impl="torch" is the plain-PyTorch reference below: it loops over query chunks an
 (chunk x Tk) score block, so memory is linear in the length. The Triton kernel (impl="triton") implements the
 same contract without any T x T tensor; impl="auto" picks the kernel for CUDA tensors and the reference otherwise.
 """
+import contextlib
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -655,60 +657,85 @@ def _st(t):
     return tuple(t.stride())
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset,
-                softmax_scale):
-        B, H, Tq, D = q.shape
-        Tk = k.shape[2]
-        has_prior = theta_alpha is not None
-        has_doc = doc_start is not None
-        has_rs = row_scale is not None
-        dev = q.device
-        block_d = max(16, triton.next_power_of_2(D))
-        cfg = _configs(block_d, q.dtype)
-        dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
-        dummy = torch.zeros(1, device=dev, dtype=torch.float32)
-        if has_prior:  # the same fp32 ops as ggd_prior, so mu and exp(theta_alpha) match the reference bitwise
-            pc = torch.exp(theta_alpha.detach().float()).contiguous()
-            pbeta = theta_beta.detach().float().contiguous()
-            pmu = (2.0 * torch.sinh(theta_mu.detach().float())).contiguous()
-        else:
-            pc = pbeta = pmu = dummy
-        ds = doc_start.to(device=dev, dtype=torch.int32).contiguous().expand(B, Tk) if has_doc else None
-        rs = row_scale.detach().float().expand(B, H, Tq) if has_rs else None
+# The kernels are registered as two PyTorch custom ops, forward and backward, with fake-tensor implementations
+# (shapes only) and the autograd formula tying them together: torch.compile then traces a model through
+# attention as through any other op (no graph break) and Inductor fuses the code around it. The ops are opaque:
+# they run the kernels exactly as eager mode does, so compiled and eager results are bitwise equal.
+Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
+
+
+def _prior_scalars(theta_alpha, theta_beta, theta_mu, dummy):
+    """Per-head c = exp(theta_alpha), theta_beta, mu = 2 sinh(theta_mu) in fp32: the same ops as ggd_prior, so
+    they match the reference bitwise. (dummy, dummy, dummy) without a prior."""
+    if theta_alpha is None:
+        return dummy, dummy, dummy
+    return (torch.exp(theta_alpha.float()).contiguous(), theta_beta.float().contiguous(),
+            (2.0 * torch.sinh(theta_mu.float())).contiguous())
+
+
+def _launch_state(q, k, doc_start, row_scale):
+    """What both ops derive from their inputs: block_d, tile configuration, dot precision, doc_start as
+    (B, Tk) int32, row_scale as (B, H, Tq) fp32, and a dummy pointer for absent inputs."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(D))
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
+    dummy = torch.zeros(1, device=q.device, dtype=torch.float32)
+    ds = doc_start.to(device=q.device, dtype=torch.int32).contiguous().expand(B, Tk) if doc_start is not None else None
+    rs = row_scale.float().expand(B, H, Tq) if row_scale is not None else None
+    return block_d, _configs(block_d, q.dtype), dot_prec, dummy, ds, rs
+
+
+def _device_of(t):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@torch.library.custom_op("bam::triton_attention_fwd", mutates_args=())
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, theta_alpha: OptTensor, theta_beta: OptTensor,
+                theta_mu: OptTensor, row_scale: OptTensor, scale_prior: bool, q_offset: int,
+                softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """The forward kernel: (O, LSE). LSE (B, H, Tq) fp32 is the row log-sum-exp in base 2 (the backward needs it)."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    has_prior, has_doc, has_rs = theta_alpha is not None, doc_start is not None, row_scale is not None
+    with _device_of(q):
+        block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
+        pc, pbeta, pmu = _prior_scalars(theta_alpha, theta_beta, theta_mu, dummy)
         o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), device=dev, dtype=torch.float32)
+        lse = torch.empty((B, H, Tq), device=q.device, dtype=torch.float32)
         bm, bn, warps, stages = cfg["fwd"]
-        grid = (triton.cdiv(Tq, bm), B * H)
-        _attn_fwd[grid](
+        _attn_fwd[(triton.cdiv(Tq, bm), B * H)](
             q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, pc, pbeta, pmu,
             *_st(q), *_st(k), *_st(v), *_st(o),
             ds.stride(0) if has_doc else 0, *(_st(rs) if has_rs else (0, 0, 0)),
             H, Tq, Tk, q_offset, softmax_scale,
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
-            HAS_RS=has_rs, SCALE_PRIOR=bool(scale_prior) and has_rs, EPS=GGD_EPS, DOT_PREC=dot_prec,
+            HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs, EPS=GGD_EPS, DOT_PREC=dot_prec,
             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-        ctx.save_for_backward(q, k, v, o, lse, ds, rs, pc, pbeta, pmu,
-                              theta_mu if has_prior else None)
-        ctx.meta = (has_prior, has_doc, has_rs, bool(scale_prior) and has_rs, q_offset, softmax_scale, block_d,
-                    dot_prec, cfg, None if row_scale is None else (row_scale.shape, row_scale.dtype),
-                    None if theta_alpha is None else (theta_alpha.dtype, theta_beta.dtype, theta_mu.dtype))
-        return o
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, ds, rs, pc, pbeta, pmu, theta_mu = ctx.saved_tensors
-        (has_prior, has_doc, has_rs, scale_prior, q_offset, sm_scale, block_d, dot_prec, cfg, rs_meta,
-         th_dtypes) = ctx.meta
-        B, H, Tq, D = q.shape
-        Tk = k.shape[2]
+
+@_triton_fwd.register_fake
+def _(q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset, softmax_scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
+def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: OptTensor,
+                theta_alpha: OptTensor, theta_beta: OptTensor, theta_mu: OptTensor, row_scale: OptTensor,
+                scale_prior: bool, q_offset: int, softmax_scale: float, need_prior: bool,
+                need_rs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernels: (dQ, dK, dV, prior partials summed to (H, 3) fp64 [d c-term, d theta_beta, d mu],
+    d row_scale (B, H, Tq) fp32). The last two are empty when need_prior / need_rs is False."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    has_prior, has_doc, has_rs = theta_alpha is not None, doc_start is not None, row_scale is not None
+    scale_prior = scale_prior and has_rs
+    with _device_of(q):
+        block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
+        pc, pbeta, pmu = _prior_scalars(theta_alpha, theta_beta, theta_mu, dummy)
         dev = q.device
-        need = ctx.needs_input_grad
-        need_prior = has_prior and any(need[4:7])
-        need_rs = has_rs and need[7]
         do = do.contiguous() if do.stride(-1) != 1 else do
-        dummy = torch.zeros(1, device=dev, dtype=torch.float32)
         dummy_i = torch.zeros(1, device=dev, dtype=torch.int32)
         ds_arg = ds if has_doc else dummy_i
         rs_arg = rs if has_rs else dummy
@@ -733,7 +760,7 @@ class _TritonAttention(torch.autograd.Function):
         _attn_bwd_dkdv[(n_kb, B * H)](
             q, k, v, do, dk, dv, lse, delta, ds_arg, rs_arg, pc, pbeta, pmu, q_end, q_clean,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dk), *_st(dv), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, sm_scale, n_kb,
+            H, Tq, Tk, q_offset, softmax_scale, n_kb,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
         # dQ (+ d row_scale, + per-program prior partial sums): one program per query block, looping over keys
         dq = torch.empty_like(q)
@@ -744,24 +771,52 @@ class _TritonAttention(torch.autograd.Function):
         _attn_bwd_dq[(n_qb, B * H)](
             q, k, v, do, dq, lse, delta, ds_arg, rs_arg, pc, pbeta, pmu, drs, part,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, sm_scale, n_qb,
+            H, Tq, Tk, q_offset, softmax_scale, n_qb,
             BLOCK_M=bm, BLOCK_N=bn, NEED_PRIOR_GRAD=need_prior, NEED_RS_GRAD=need_rs,
             ACC_DPP=need_prior or need_rs, ACC_B=has_prior and (need_prior or (need_rs and scale_prior)),
             num_warps=warps, num_stages=stages, **common)
-        g_alpha = g_beta = g_mu = g_rs = None
-        if need_prior:  # deterministic reduction of the per-program partials (fixed order, no atomics)
-            g = part.double().sum(dim=(0, 2))  # (H, 3)
-            g_alpha = g[:, 0].to(th_dtypes[0]) if need[4] else None
-            g_beta = g[:, 1].to(th_dtypes[1]) if need[5] else None
-            g_mu = (g[:, 2] * 2.0 * torch.cosh(theta_mu.detach().double())).to(th_dtypes[2]) if need[6] else None
-        if need_rs:
-            shape, dtype = rs_meta
-            g_rs = drs.sum_to_size(shape).to(dtype)  # a row_scale broadcast over the batch sums its gradient
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None,
-                g_alpha, g_beta, g_mu, g_rs, None, None, None)
+        # deterministic reduction of the per-program partials (fixed order, no atomics)
+        g_prior = part.double().sum(dim=(0, 2)) if need_prior else q.new_empty(0, dtype=torch.float64)
+    return dq, dk, dv, g_prior, drs if need_rs else q.new_empty(0, dtype=torch.float32)
 
 
-@torch.compiler.disable  # under torch.compile the kernel runs as it is (a graph break), never traced
+@_triton_bwd.register_fake
+def _(do, q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset,
+      softmax_scale, need_prior, need_rs):
+    H = q.shape[1]
+    g_prior = q.new_empty((H, 3) if need_prior else (0,), dtype=torch.float64)
+    drs = q.new_empty(q.shape[:3] if need_rs else (0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_prior, drs
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset, softmax_scale = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_start, theta_alpha, theta_beta, theta_mu, row_scale)
+    ctx.args = (scale_prior, q_offset, softmax_scale)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_backward(ctx, do, _dlse):
+    q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_prior = theta_alpha is not None and any(need[4:7])
+    need_rs = row_scale is not None and need[7]
+    dq, dk, dv, g, drs = _triton_bwd(do, q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale,
+                                     *ctx.args, need_prior, need_rs)
+    g_alpha = g_beta = g_mu = g_rs = None
+    if need_prior:
+        g_alpha = g[:, 0].to(theta_alpha.dtype) if need[4] else None
+        g_beta = g[:, 1].to(theta_beta.dtype) if need[5] else None
+        g_mu = (g[:, 2] * 2.0 * torch.cosh(theta_mu.double())).to(theta_mu.dtype) if need[6] else None
+    if need_rs:  # a row_scale broadcast over the batch sums its gradient
+        g_rs = drs.sum_to_size(row_scale.shape).to(row_scale.dtype)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None,
+            g_alpha, g_beta, g_mu, g_rs, None, None, None)
+
+
+_triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
 def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
                      q_offset=None, softmax_scale=None):
     """The Triton implementation of attention() (same contract, see the module docstring). Needs CUDA tensors,
@@ -792,15 +847,4 @@ def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, sca
     ta, tb, tm = prior if prior is not None else (None, None, None)
     if row_scale is not None and row_scale.shape[-1] != Tq:
         raise ValueError(f"attention_triton: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
-    ctx = torch.cuda.device(q.device) if q.is_cuda else _nullcontext()
-    with ctx:
-        return _TritonAttention.apply(q, k, v, doc_start, ta, tb, tm, row_scale, scale_prior, q_offset,
-                                      softmax_scale)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return _triton_fwd(q, k, v, doc_start, ta, tb, tm, row_scale, bool(scale_prior), q_offset, softmax_scale)[0]
