@@ -1,5 +1,5 @@
 """
-The single attention entry point of bam-gpt, and the positional prior it adds.
+The single attention entry point of bam-gpt.
 
     out = attention(q, k, v, *, doc_start=None, prior=None, row_scale=None,
                     scale_prior=False, q_offset=None, softmax_scale=None, impl="auto")
@@ -7,24 +7,29 @@ The single attention entry point of bam-gpt, and the positional prior it adds.
 For query position i and key position j (0-based, d = j - i <= 0 under the causal mask):
 
     l_ij = softmax_scale * q_i . k_j                        content score, softmax_scale = 1/sqrt(head_dim)
-    B(d) = -exp(theta_alpha) * (|d - mu| + 1e-5)^theta_beta   GGD log-prior, mu = 2 sinh(theta_mu), per head
+    B(d)                                                    the positional log-prior of each head (priors.py)
     s_ij = (l_ij + B(d)) * r_i     if scale_prior             BAM + SSMax: the prior is scaled too
          =  l_ij * r_i + B(d)      otherwise                  ALiBi + SSMax, and every variant without SSMax (r = 1)
     key j is visible to query i iff doc_start[i] <= j <= i    causal AND same-document
     out_i = sum_j softmax_j(s_ij) v_j
 
 The logit is "log likelihood of the content match + log prior of the distance", so the softmax is the
-posterior over which key to read (the paper's reading). NoPE is B = 0 (uniform prior), ALiBi is
-theta_beta = 1 with theta_alpha = log(slope) (Laplace prior), theta_beta = 0 gives a constant (NoPE again).
+posterior over which key to read (the paper's reading). prior is None (NoPE, a uniform prior), a
+priors.BoundPrior (a registered prior with one layer's (H,) parameters), or a bare GGD triple
+(theta_alpha, theta_beta, theta_mu) of (H,) tensors: B(d) = -exp(theta_alpha) (|d - mu| + 1e-5)^theta_beta.
 
 Shapes: q (B, H, Tq, D); k, v (B, H, Tk, D) with Tq <= Tk; query t sits at absolute position q_offset + t
 (default Tk - Tq, i.e. the queries are the last Tq positions). doc_start is (B, Tk) int: the first position
-of the document that each position belongs to. prior is (theta_alpha, theta_beta, theta_mu), each (H,).
-row_scale is (B or 1, H, Tq). Everything is differentiable: q, k, v, the three prior tensors, row_scale.
+of the document that each position belongs to. row_scale is (B or 1, H, Tq). Everything is differentiable:
+q, k, v, the prior's parameters, row_scale.
 
-impl="torch" is the plain-PyTorch reference below: it loops over query chunks and only ever materialises a
-(chunk x Tk) score block, so memory is linear in the length. The Triton kernel (impl="triton") implements the
-same contract without any T x T tensor; impl="auto" picks the kernel for CUDA tensors and the reference otherwise.
+Implementations (impl), none of which ever substitutes one prior for another: an impl that cannot compute the
+given prior raises.
+  "torch"   the plain-PyTorch reference below, for every prior: it loops over query chunks and only ever
+            materialises a (chunk x Tk) score block, so memory is linear in the length.
+  "triton"  the Triton flash-attention kernel below: no T x T tensor at all, but only for the priors whose form
+            it hard-codes (none, ggd, alibi: a prior whose `native` set names "triton").
+  "auto"    Triton on CUDA when the prior is native to it, the reference otherwise.
 """
 import contextlib
 import math
@@ -34,42 +39,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-GGD_EPS = 1e-5  # keeps (|d - mu| + eps)^theta_beta finite at d = mu when theta_beta < 0 (spec §3)
+from priors import GGD_EPS, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401 (alibi_slopes, ggd_prior: re-exported)
+
+IMPLS = ("auto", "torch", "triton")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# THE PRIOR. To try your own positional prior, edit this one function (and keep its signature): it maps a
-# 1-D tensor of signed distances d = j - i to the log-prior added to the logits, one row per head.
-# The PyTorch attention path, the model, plot_prior.py and the evaluations all call it; the Triton kernel
-# hard-codes the GGD form (and its derivatives) for speed, so a new prior runs with impl="torch".
-# ----------------------------------------------------------------------------------------------------------
-def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
-    """GGD-BAM log-prior B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, mu_h = 2 sinh(theta_mu_h).
-
-    d: (N,) distances (any dtype); theta_*: (H,). Returns (H, N) float32. This is the log-density of a
-    generalised Gaussian centred at mu with shape theta_beta (up to a constant that softmax ignores):
-    theta_beta = 1 is Laplace (ALiBi), 0 is uniform (NoPE), < 0 puts the mass *far* from the query.
-    """
-    d = d.float()[None, :]
-    alpha, beta, mu_raw = (t.float()[:, None] for t in (theta_alpha, theta_beta, theta_mu))
-    mu = 2.0 * torch.sinh(mu_raw)  # exp(theta_mu) - exp(-theta_mu): an odd, unbounded reparametrisation
-    return -torch.exp(alpha) * torch.pow((d - mu).abs() + GGD_EPS, beta)
-
-
-def alibi_slopes(n_head):
-    """ALiBi's fixed per-head slopes (Press et al.), including head counts that are not powers of two (spec §2)."""
-    def power_of_2(n):
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (k + 1) for k in range(n)]
-    c = 2 ** int(math.floor(math.log2(n_head)))
-    slopes = power_of_2(c)
-    if c < n_head:  # the first n - c slopes at even indices of the 2c-head sequence
-        slopes += power_of_2(2 * c)[0::2][: n_head - c]
-    return torch.tensor(slopes, dtype=torch.float32)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Reference implementation (CPU, tests, and any custom prior)
+# Reference implementation (CPU, tests, and any prior)
 # ----------------------------------------------------------------------------------------------------------
 def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
     # ~4 fp32 temporaries of shape (B, H, rows, n_keys) are alive at once (scores, bias, mask fill, probs)
@@ -93,71 +69,113 @@ def _mask_invisible(s, qpos, kpos, ds):
     return s
 
 
-def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                    q_offset=None, softmax_scale=None, chunk_size=None, prior_fn=ggd_prior):
-    """Plain-PyTorch attention with the contract above, chunked over queries (peak memory O(chunk x Tk))."""
+def _bias_table(prior, dmin, dmax, device):
+    """The log-prior at every distance dmin..dmax (inclusive): (H, dmax - dmin + 1) float32. The prior depends
+    only on d = j - i, so evaluating it once per distinct distance and gathering is much cheaper than per pair."""
+    return prior.table(torch.arange(dmin, dmax + 1, device=device))
+
+
+def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scale_prior, softmax_scale):
+    """The final masked scores s of queries a..b-1 against keys lo..(q_offset + b - 1): (B, H, b - a, keys) fp32."""
+    i0, i1 = q_offset + a, q_offset + b  # absolute positions of the chunk's queries: [i0, i1)
+    qpos = torch.arange(i0, i1, device=q.device)
+    kpos = torch.arange(lo, i1, device=q.device)
+    s = torch.matmul(q[:, :, a:b].float(), k[:, :, lo:i1].float().transpose(-1, -2)).mul_(softmax_scale)
+    # In-place updates of the fresh score block save one (B, H, rows, keys) allocation each: add_ is always
+    # safe under autograd (its backward needs no values); mul_ only when row_scale needs no gradient.
+    if prior is not None:
+        dmin = lo - (i1 - 1)
+        bias = _bias_table(prior, dmin, i1 - 1 - i0, q.device)[:, kpos[None, :] - qpos[:, None] - dmin]
+        if row_scale is None or scale_prior:
+            s.add_(bias)
+    if row_scale is not None:
+        r = row_scale[:, :, a:b, None].float()
+        s = s * r if r.requires_grad and torch.is_grad_enabled() else s.mul_(r)
+        if prior is not None and not scale_prior:
+            s.add_(bias)
+    return _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
+
+
+def _reference_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size):
+    """(q_offset, softmax_scale, [(a, b, lo)]): query chunks a..b-1 and the first key lo any of them can see."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     q_offset = Tk - Tq if q_offset is None else int(q_offset)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     chunk = chunk_size or _chunk_rows(B, H, Tk)
-    outs = []
+    chunks = []
     for a in range(0, Tq, chunk):
         b = min(a + chunk, Tq)
-        i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
-        # keys that any query of the chunk can see: [lo, i1). lo skips keys before the earliest document start.
-        lo = int(doc_start[:, i0:i1].min()) if doc_start is not None else 0
-        qpos = torch.arange(i0, i1, device=q.device)
-        kpos = torch.arange(lo, i1, device=q.device)
-        s = torch.matmul(q[:, :, a:b].float(), k[:, :, lo:i1].float().transpose(-1, -2)).mul_(softmax_scale)
-        # In-place updates of the fresh score block save one (B, H, rows, keys) allocation each: add_ is always
-        # safe under autograd (its backward needs no values); mul_ only when row_scale needs no gradient.
-        if prior is not None:
-            # the prior depends only on d = j - i: evaluate it once per distinct distance, then gather
-            dmin = lo - (i1 - 1)
-            table = prior_fn(torch.arange(dmin, i1 - i0, device=q.device), *prior)  # (H, n_dist)
-            bias = table[:, kpos[None, :] - qpos[:, None] - dmin]  # (H, rows, keys)
-            if row_scale is None or scale_prior:
-                s.add_(bias)
-        if row_scale is not None:
-            r = row_scale[:, :, a:b, None].float()
-            s = s * r if r.requires_grad and torch.is_grad_enabled() else s.mul_(r)
-            if prior is not None and not scale_prior:
-                s.add_(bias)
-        s = _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
+        # lo skips keys before the chunk's earliest document start
+        lo = int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
+        chunks.append((a, b, lo))
+    return q_offset, softmax_scale, chunks
+
+
+def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                    q_offset=None, softmax_scale=None, chunk_size=None):
+    """Plain-PyTorch attention with the contract above, chunked over queries (peak memory O(chunk x Tk))."""
+    prior = bind(prior)
+    q_offset, softmax_scale, chunks = _reference_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size)
+    outs = []
+    for a, b, lo in chunks:
+        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                    scale_prior=scale_prior, softmax_scale=softmax_scale)
         p = torch.softmax(s, dim=-1)
-        outs.append(torch.matmul(p, v[:, :, lo:i1].float()).to(q.dtype))
+        outs.append(torch.matmul(p, v[:, :, lo:q_offset + b].float()).to(q.dtype))
     return torch.cat(outs, dim=2)
+
+
+def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
+                    softmax_scale=None):
+    """The attention weights softmax_j(s_ij) of the reference math: (B, H, Tq, Tk) float32, 0 on hidden keys.
+    For inspecting a few query rows (the result is Tq x Tk); same arguments as attention()."""
+    prior = bind(prior)
+    q_offset, softmax_scale, chunks = _reference_chunks(q, k, doc_start, q_offset, softmax_scale, None)
+    B, H, Tq, _ = q.shape
+    probs = torch.zeros(B, H, Tq, k.shape[2], device=q.device)
+    for a, b, lo in chunks:
+        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                    scale_prior=scale_prior, softmax_scale=softmax_scale)
+        probs[:, :, a:b, lo:q_offset + b] = torch.softmax(s, dim=-1)
+    return probs
 
 
 def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
               q_offset=None, softmax_scale=None, impl="auto"):
-    """The one attention function the model calls. See the module docstring for the math and shapes."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    """The one attention function the model calls. See the module docstring for the math, shapes and impls."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    prior = bind(prior)
     Tq, Tk = q.shape[2], k.shape[2]
     if Tq > Tk:
         raise ValueError(f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions")
     if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
-    use_triton = impl == "triton" or (impl == "auto" and q.is_cuda and _triton_available())
-    if use_triton:
-        return attention_triton(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                                scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale)
-    return attention_torch(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                           scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale)
+    impl = resolve_impl(impl, prior, q.is_cuda)
+    kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
+              softmax_scale=softmax_scale)
+    if impl == "triton":
+        return attention_triton(q, k, v, **kw)
+    return attention_torch(q, k, v, **kw)
+
+
+def resolve_impl(impl, prior, cuda):
+    """The implementation that impl computes with: "auto" is Triton on CUDA tensors when the prior is native to it
+    (and triton is installed), the reference otherwise; any other impl is itself."""
+    if impl != "auto":
+        return impl
+    prior = bind(prior)
+    native = prior is None or "triton" in prior.prior.native
+    return "triton" if cuda and native and _triton_available() else "torch"
 
 
 def _triton_available():
-    try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    return triton is not None  # the import is tried once, below (no import inside code that torch.compile traces)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Triton kernel (issue #5): flash attention with the GGD prior and SSMax computed per tile.
+# Triton kernel: flash attention with the GGD prior and SSMax computed per tile.
 #
 # Structure follows Triton's fused-attention tutorial: forward = one online-softmax loop over K/V blocks in
 # base 2 (exp2, log2(e) folded into the scores) in stages (unmasked tiles, then the boundary tiles masked);
@@ -670,7 +688,7 @@ def _prior_scalars(theta_alpha, theta_beta, theta_mu, dummy):
     if theta_alpha is None:
         return dummy, dummy, dummy
     return (torch.exp(theta_alpha.float()).contiguous(), theta_beta.float().contiguous(),
-            (2.0 * torch.sinh(theta_mu.float())).contiguous())
+            ggd_mu(theta_mu.float()).contiguous())
 
 
 def _launch_state(q, k, doc_start, row_scale):
@@ -844,7 +862,28 @@ def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, sca
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if doc_start is not None and doc_start.shape[-1] != Tk:
         raise ValueError(f"attention_triton: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}")
-    ta, tb, tm = prior if prior is not None else (None, None, None)
+    ta, tb, tm = _kernel_ggd_form(bind(prior))
     if row_scale is not None and row_scale.shape[-1] != Tq:
         raise ValueError(f"attention_triton: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
     return _triton_fwd(q, k, v, doc_start, ta, tb, tm, row_scale, bool(scale_prior), q_offset, softmax_scale)[0]
+
+
+def _kernel_ggd_form(prior):
+    """The kernel computes one form, -c (|d - mu| + eps)^beta with c = exp(theta_alpha): a prior it implements is
+    passed as that triple, any other raises (a prior is never replaced by another one)."""
+    if prior is None:
+        return None, None, None
+    name = prior.prior.name
+    if name not in _KERNEL_FORMS or "triton" not in prior.prior.native:
+        raise ValueError(f"impl='triton' cannot compute the prior {name!r}: the kernel hard-codes only "
+                         f"{', '.join(_KERNEL_FORMS)}; use impl='flex' (fused, CUDA) or impl='torch'")
+    return _KERNEL_FORMS[name](*prior.params)
+
+
+# ALiBi -m|d| as the GGD form: c = m, beta = 1, mu = 0. The kernel's eps adds the constant -m * 1e-5 to every
+# logit of a head, which softmax ignores. ALiBi's slopes are fixed, so the triple needs no gradient.
+_KERNEL_FORMS = {
+    "ggd": lambda theta_alpha, theta_beta, theta_mu: (theta_alpha, theta_beta, theta_mu),
+    "alibi": lambda slope: (slope.detach().float().log(), torch.ones_like(slope, dtype=torch.float32),
+                            torch.zeros_like(slope, dtype=torch.float32)),
+}

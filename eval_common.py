@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -22,6 +23,9 @@ def add_common_args(parser, default_out):
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn_impl", default=None, choices=["auto", "torch", "flex", "triton"],
+                        help="attention implementation (attention_kernel.py; default: the checkpoint's, normally auto). "
+                             "One that cannot compute the model's prior stops with an error")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,
@@ -61,12 +65,15 @@ def run_label(path):
     return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
 
 
-def load_runs(paths, device):
-    """Load every checkpoint; all must share one tokenizer so that they see identical prompts.
-    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt, block_size."""
+def load_runs(paths, device, attn_impl=None):
+    """Load every checkpoint (attention computed by attn_impl, if given); all must share one tokenizer so that they
+    see identical prompts. Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt, block_size."""
     runs = []
     for p in paths:
-        model, ckpt = load_model(p, device)
+        try:
+            model, ckpt = load_model(p, device, attn_impl=attn_impl)
+        except (FileNotFoundError, RuntimeError, ValueError) as e:  # no checkpoint, not one, or another model
+            raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {e}")
         runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
                          block_size=model.config.block_size, tokenizer=model.config.tokenizer))
     names = {r["tokenizer"] for r in runs}

@@ -482,7 +482,7 @@ def main(argv=None):
     if torch.device(device).type == "cpu":
         ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
     torch.manual_seed(args.seed)
-    runs, enc = ec.load_runs(args.ckpt, device)
+    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     for r in runs:
         r["ckpt_path"] = os.path.abspath(r["ckpt_path"])
     template = TEMPLATES[args.template]

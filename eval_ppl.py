@@ -318,7 +318,7 @@ def main(argv=None):
         return_freed_memory_to_os()  # keeps a long CPU forward's resident memory linear in the length
     torch.manual_seed(args.seed)  # nothing here is random; seeded so that nothing ever silently becomes so
     np.random.seed(args.seed)
-    runs, _ = load_runs(args.ckpt, device)
+    runs, _ = load_runs(args.ckpt, device, args.attn_impl)
     seqs, data_desc, notes = load_sequences(args, runs[0]["tokenizer"])
     for note in notes:
         print(f"note: {note}")

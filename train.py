@@ -35,8 +35,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
 from data import TokenLoader
-from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, config_diff, load_checkpoint,
-                   load_state, save_checkpoint)
+from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, RUNTIME_KEYS, GPTConfig, checkpoint_model_args,
+                   config_diff, load_checkpoint, load_state, save_checkpoint)
 
 # ----------------------------------------------------------------------------------------------------------
 # Settings (defaults = the paper's l12 BAM+SSMax recipe; config/bam_120m.py spells it out)
@@ -65,8 +65,10 @@ pos_encoding = "bam"             # nope | sinusoidal | rope | alibi | bam
 ssmax = True                     # Scalable-Softmax on every layer
 ssmax_init = 1.0                 # initial SSMax s
 ssmax_prior = True               # BAM+SSMax scales the prior too: (q.k/sqrt(d) + B) * s log n
-bam_init = "zero"                # zero | alibi | linear | "ALPHA,BETA" (model.bam_init_values)
-train_mu = False                 # train theta_mu too (frozen at 0 in the paper)
+prior = "ggd"                    # the learned prior family of bam: a name registered in priors.py (ggd, cauchy, ...)
+bam_init = "zero"                # the prior's init spec; ggd: zero | alibi | linear | "ALPHA,BETA" (priors.ggd_init)
+train_mu = False                 # ggd: train theta_mu too (frozen at 0 in the paper)
+attn_impl = "auto"               # auto | torch | flex | triton: how attention is computed (attention_kernel.py)
 # optimizer: RAdam with decoupled weight decay on >= 2-D weights; one schedule scales every group's own lr
 learning_rate = 1e-3             # peak learning rate
 min_lr = 1e-4                    # the cosine ends here at max_iters
@@ -169,7 +171,7 @@ def resolve_config(c, world_size):
 
 def model_args_from(c, vocab_size, tokenizer):
     keys = ("n_layer", "n_head", "n_embd", "block_size", "pos_encoding", "ssmax", "ssmax_init", "ssmax_prior",
-            "bam_init", "train_mu")
+            "prior", "bam_init", "train_mu", "attn_impl")
     return dict({k: c[k] for k in keys}, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
@@ -309,7 +311,8 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
     start_step, last_ckpt, val_loss = 0, None, None
     if resuming:
         ckpt = load_checkpoint(existing[-1][1], map_location="cpu")
-        diff = config_diff({k: ckpt["model_args"].get(k) for k in model_args}, model_args)
+        old_args = checkpoint_model_args(ckpt)
+        diff = config_diff(*({k: a[k] for k in model_args if k not in RUNTIME_KEYS} for a in (old_args, model_args)))
         if diff:
             raise TrainingError(f"cannot resume {ckpt['path']!r}: its model differs from these settings "
                                 "(checkpoint vs now):\n  " + "\n  ".join(diff))
@@ -395,14 +398,20 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
         raw_model.train()
         return (total[0] / total[1]).item()
 
+    prior_def = raw_model.blocks[0].attn.prior_def
+
     def prior_record():
-        """theta_beta per layer as [min, median, max] and the number of heads with theta_beta < 0 (bam only)."""
-        if c["pos_encoding"] != "bam":
+        """The learned prior's shape parameter per layer as [min, median, max], and how many heads its highlight
+        rule picks (ggd: theta_beta < 0). bam only."""
+        if c["pos_encoding"] != "bam" or not prior_def.shape_param:
             return {}
-        betas = [torch.tensor(row["theta_beta"]) for row in raw_model.prior_summary()]
-        return {"theta_beta": [[round(b.min().item(), 4), round(b.quantile(0.5).item(), 4), round(b.max().item(), 4)]
-                               for b in betas],
-                "heads_beta_negative": int(sum((b < 0).sum() for b in betas))}
+        bound = [b.attn.prior() for b in raw_model.blocks]
+        shapes = [p.params[prior_def.params.index(prior_def.shape_param)].detach().float().cpu() for p in bound]
+        record = {prior_def.shape_param: [[round(x.min().item(), 4), round(x.quantile(0.5).item(), 4),
+                                           round(x.max().item(), 4)] for x in shapes]}
+        if prior_def.highlight is not None:
+            record["heads_highlighted"] = int(sum(prior_def.highlight(*p.params).sum().item() for p in bound))
+        return record
 
     def run_eval(step, record):
         nonlocal val_loss
@@ -413,9 +422,10 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
             record["prior"] = prior
         msg = f"step {step}: val loss {val_loss:.4f}"
         if prior:
-            n_heads = c["n_layer"] * c["n_head"]
-            msg += (f" | theta_beta median per layer {[b[1] for b in prior['theta_beta']]}"
-                    f" | heads with theta_beta < 0: {prior['heads_beta_negative']}/{n_heads}")
+            msg += f" | {prior_def.shape_param} median per layer {[x[1] for x in prior[prior_def.shape_param]]}"
+            if "heads_highlighted" in prior:
+                msg += (f" | heads with {prior_def.highlight_label}: "
+                        f"{prior['heads_highlighted']}/{c['n_layer'] * c['n_head']}")
         log(msg)
 
     def save(step):
