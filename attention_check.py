@@ -176,13 +176,15 @@ def main(argv=None):
     p.add_argument("--impls", default="triton,flex,torch", help="comma-separated attention implementations")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--seq_len", type=int, default=320, help="positions of the random inputs")
     p.add_argument("--out", default=None, help="write the results here (JSON)")
     args = p.parse_args(argv)
     results = []
     for impl in args.impls.split(","):
         model = GPT(GPTConfig.from_size(args.model_size, vocab_size=64, attn_impl=impl)).to(args.device)
         for training in (True, False):
-            r = self_check_model(model, training=training, dtype=getattr(torch, args.dtype), strict=False)
+            r = self_check_model(model, training=training, dtype=getattr(torch, args.dtype), seq_len=args.seq_len,
+                                 strict=False)
             results.append(r)
             status = "ok" if r["ok"] else "REFUSED: " + str(SelfCheckError(r))
             err = r.get("max_err", float("nan"))

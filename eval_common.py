@@ -12,6 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
+from attention_check import self_check_model
 from data import get_tokenizer
 from model import load_model
 
@@ -65,17 +66,23 @@ def run_label(path):
     return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
 
 
-def load_runs(paths, device, attn_impl=None):
+def load_runs(paths, device, attn_impl=None, dtype="auto"):
     """Load every checkpoint (attention computed by attn_impl, if given); all must share one tokenizer so that they
-    see identical prompts. Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt, block_size."""
+    see identical prompts. On CUDA each model's attention impl must first pass the self-check (attention_check.py)
+    in the evaluation's precision. Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt,
+    block_size, tokenizer, attention_check (None on the CPU)."""
     runs = []
     for p in paths:
         try:
             model, ckpt = load_model(p, device, attn_impl=attn_impl)
-        except (FileNotFoundError, RuntimeError, ValueError) as e:  # no checkpoint, not one, or another model
+            check = None
+            if torch.device(device).type == "cuda":
+                check = self_check_model(model, training=False, dtype=getattr(torch, resolve_dtype(device, dtype)))
+        # no checkpoint, not one, another model, or an attention impl refused by the self-check (a RuntimeError)
+        except (FileNotFoundError, RuntimeError, ValueError) as e:
             raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {e}")
-        runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
-                         block_size=model.config.block_size, tokenizer=model.config.tokenizer))
+        runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"], block_size=model.config.block_size,
+                         tokenizer=model.config.tokenizer, attention_check=check))
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
         raise SystemExit("the checkpoints were trained with different tokenizers "
@@ -85,6 +92,15 @@ def load_runs(paths, device, attn_impl=None):
         if labels.count(r["label"]) > 1:
             r["label"] = f"{r['label']}#{i}"
     return runs, get_tokenizer(names.pop())
+
+
+def save_attention_checks(runs, out_dir):
+    """<out_dir>/attention_check.json: each run's self-check result (CUDA only; nothing is written on the CPU)."""
+    checks = [dict(label=r["label"], **r["attention_check"]) for r in runs if r["attention_check"] is not None]
+    if checks:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "attention_check.json"), "w") as f:
+            json.dump(checks, f, indent=1)
 
 
 # ---- memory ----------------------------------------------------------------------------------------------

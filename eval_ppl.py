@@ -49,7 +49,7 @@ from tqdm import tqdm
 from data import EOT, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
 from eval_common import (ResultLog, add_common_args, autocast, fits_in_memory, fmt_bytes, load_runs, peak_memory_bytes,
                          pick_device, plot_curves, reset_peak_memory, resolve_dtype, return_freed_memory_to_os,
-                         write_table)
+                         save_attention_checks, write_table)
 
 MODES = ("full", "sliding")
 HF_DEFAULT_SEQS = 128  # the authors' public CLI (their Evaluator class used 256)
@@ -318,7 +318,8 @@ def main(argv=None):
         return_freed_memory_to_os()  # keeps a long CPU forward's resident memory linear in the length
     torch.manual_seed(args.seed)  # nothing here is random; seeded so that nothing ever silently becomes so
     np.random.seed(args.seed)
-    runs, _ = load_runs(args.ckpt, device, args.attn_impl)
+    runs, _ = load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    save_attention_checks(runs, args.out)
     seqs, data_desc, notes = load_sequences(args, runs[0]["tokenizer"])
     for note in notes:
         print(f"note: {note}")

@@ -53,7 +53,8 @@ from tqdm import tqdm
 
 from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
 from eval_common import (_plt, add_common_args, autocast, check_settings, fits_in_memory, fmt_bytes,
-                         geometric_lengths, load_runs, pick_device, resolve_dtype, ResultLog, write_table)
+                         geometric_lengths, load_runs, pick_device, resolve_dtype, ResultLog, save_attention_checks,
+                         write_table)
 
 # ---- RULER's strings (spec §9; scripts/data/synthetic/constants.py and niah.py). Data: do not edit. -----------
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
@@ -588,7 +589,8 @@ def main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
     device = pick_device(args.device)
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl)
+    runs, enc = load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    save_attention_checks(runs, args.out)
     lengths = args.lengths or geometric_lengths(min(r["block_size"] for r in runs), args.max_length)
     tasks = args.tasks
     essay = None

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go (about 5 minutes on an H100/H200): `bash gpu_check.sh` (or `make gpu-check`).
 # Everything lands in results/gpu/ (logs and JSON); copy the numbers into the README's GPU section.
+#   0. the startup self-check that train.py and the evaluations run (attention_check.py), for every impl at l12
 #   1. the compiled Triton kernel vs the PyTorch reference: values and every gradient, fp32 / bf16
 #   2. the kernel test suite on the GPU (compiled, not interpreted)
 #   3. kernel vs SDPA-flash (no prior), SDPA with a materialised prior, FlexAttention (same prior): TFLOP/s, memory
@@ -26,6 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 
+run attention_check   $PY attention_check.py --model_size l12 --out "$OUT/attention_check.json"
 run kernel_check      $PY bench_attention.py --check
 run kernel_tests      env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py
 run attention_bench   $PY bench_attention.py --quick --out "$OUT/bench_attention.json"

@@ -10,7 +10,8 @@ Train a bam-gpt model: the paper's recipe (spec §0, §6) in one loop, on one CP
 Settings are the module-level variables below; a config file and --key=value arguments override them
 (configurator.py). The run directory out_dir/ holds:
     config.json     the resolved settings (plus world_size, vocab_size, tokenizer, model_args)
-    env.json        versions, GPUs, host, git commit and command line of every launch
+    env.json        versions, GPUs, host, git commit and command line of every launch, and (CUDA) the result of
+                    the attention self-check run before the first step (attention_check.py)
     metrics.jsonl   one JSON object per logged step: step, train_loss, lr, grad_norm, tokens_per_s, ms_per_step,
                     mfu (CUDA), and at evaluations val_loss and the learned prior (bam)
     ckpt_{step:07d}.pt  model.save_checkpoint(): model_args, model, optimizer, step, config, rng, val_loss, ...
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from attention_check import SelfCheckError, self_check_model
 from configurator import ConfigError, configure
 from data import TokenLoader
 from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, RUNTIME_KEYS, GPTConfig, checkpoint_model_args,
@@ -340,6 +342,11 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
         if changed:
             log("settings changed since that checkpoint:\n  " + "\n  ".join(changed))
 
+    attn_check = None  # on CUDA: the attention impl vs the reference, before the first step (attention_check.py)
+    if device.type == "cuda":
+        attn_check = self_check_model(raw_model, training=True, dtype=getattr(torch, dtype))
+        log(f"attention self-check: {attn_check['impl']} matches the reference (max error {attn_check['max_err']:.1e}, "
+            f"{attn_check['seconds']:.1f} s)")
     model = raw_model
     if c["compile"]:
         model = torch.compile(raw_model)
@@ -359,7 +366,8 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
                 prev = json.load(f)
             earlier = prev.pop("earlier_launches", []) + [prev]
         with open(env_path, "w") as f:
-            json.dump(dict(environment(argv, world_size), start_step=start_step, earlier_launches=earlier), f, indent=2)
+            json.dump(dict(environment(argv, world_size), start_step=start_step, attention_check=attn_check,
+                           earlier_launches=earlier), f, indent=2)
         # metrics.jsonl is the trajectory up to the resumed step: records of steps after it were lost with the crash
         kept = []
         if resuming and os.path.exists(metrics_path):
@@ -521,6 +529,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, TrainingError, FileNotFoundError) as e:  # expected failures: a message, no traceback
+    except (ConfigError, TrainingError, FileNotFoundError, SelfCheckError) as e:  # expected failures: a message, no traceback
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -82,3 +82,24 @@ def test_kernel_self_check_refuses_an_impl_that_fails_to_run(monkeypatch):
     monkeypatch.setattr(ak, "attention_triton", _crashes)
     msg, r = refusal(training=False)
     assert "failed to run (RuntimeError: PTX .version 8.7 does not support .target sm_100)" in msg
+
+
+def test_kernel_self_check_script_end_to_end(tmp_path, capsys, monkeypatch):
+    """attention_check.py as gpu_check.sh runs it: each impl at a model size's shape, training and evaluation;
+    exit status 1 when one is refused (here a Triton kernel that fails to compile)."""
+    import json
+
+    from attention_check import main
+    monkeypatch.setattr(ak, "attention_triton", _crashes)
+    out = tmp_path / "check.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model_size", "l6", "--impls", "torch,triton", "--device", "cpu", "--dtype", "float32",
+              "--seq_len", "40", "--out", str(out)])
+    assert exit_info.value.code == 1
+    results = json.loads(out.read_text())
+    assert [(r["impl"], r["training"], r["ok"]) for r in results] == [
+        ("torch", True, True), ("torch", False, True), ("triton", True, False), ("triton", False, False)]
+    assert results[0]["shape"] == [2, 16, 40, 32]
+    assert set(results[0]["errors"]) == {"out", "q", "k", "v", "theta_alpha", "theta_beta", "row_scale"}
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[0].endswith(" ok") and "REFUSED: attention self-check: impl=triton" in lines[2]
