@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from attention_kernel import attention, resolve_impl
+from attention_kernel import attention, auto_impl
 from priors import bind
 
 # max |impl - reference| / max |reference| per compared tensor: (values, gradients). The reference sees the same
@@ -114,7 +114,6 @@ def self_check(impl, *, n_head, head_dim, prior=None, ssmax=False, scale_prior=F
     if it is not ok and strict."""
     t0 = time.perf_counter()
     device = torch.device(device)
-    impl = resolve_impl(impl, bind(prior), device.type == "cuda")
     precision = str(dtype).removeprefix("torch.")
     if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         precision = "tf32"  # the reference on the GPU, and impls that follow the flag, multiply in tf32
@@ -122,6 +121,8 @@ def self_check(impl, *, n_head, head_dim, prior=None, ssmax=False, scale_prior=F
     gen = torch.Generator().manual_seed(seed)
     q, k, v, prior, row_scale, doc_start = _inputs(n_head, head_dim, prior, ssmax, documents, training, batch,
                                                    seq_len, gen)
+    if impl == "auto":  # the impl that attention() picks for these inputs
+        impl = auto_impl(q.to(device), k.to(device), prior, training)
     cases = [("", seq_len, torch.randn(q.shape, generator=gen) if training else None)]
     if not training:
         cases.append(("decode ", 7, None))

@@ -29,7 +29,11 @@ given prior raises.
             materialises a (chunk x Tk) score block, so memory is linear in the length.
   "triton"  the Triton flash-attention kernel below: no T x T tensor at all, but only for the priors whose form
             it hard-codes (none, ggd, alibi: a prior whose `native` set names "triton").
-  "auto"    Triton on CUDA when the prior is native to it, the reference otherwise.
+  "flex"    FlexAttention (compiled), for every prior: score_mod reads the prior's table over the distances, a
+            block mask skips hidden tiles. The fused GPU path for priors the kernel does not hard-code; on the CPU
+            forward only (FlexAttention has no CPU backward in torch 2.13).
+  "auto"    the fastest impl that computes the prior: on CUDA Triton if the prior is native to it, else Flex; on
+            the CPU the reference when a gradient is needed, Flex for long evaluations (auto_impl).
 """
 import contextlib
 import math
@@ -38,10 +42,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from priors import GGD_EPS, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401 (alibi_slopes, ggd_prior: re-exported)
+from priors import GGD_EPS, BoundPrior, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401 (alibi_slopes, ggd_prior: re-exported)
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "flex", "triton")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -152,22 +157,88 @@ def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prio
         raise ValueError(f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions")
     if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
-    impl = resolve_impl(impl, prior, q.is_cuda)
     kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
               softmax_scale=softmax_scale)
+    impl = auto_impl(q, k, prior, needs_grad(q, k, v, prior, row_scale)) if impl == "auto" else impl
     if impl == "triton":
         return attention_triton(q, k, v, **kw)
+    if impl == "flex":
+        return attention_flex(q, k, v, **kw)
     return attention_torch(q, k, v, **kw)
 
 
-def resolve_impl(impl, prior, cuda):
-    """The implementation that impl computes with: "auto" is Triton on CUDA tensors when the prior is native to it
-    (and triton is installed), the reference otherwise; any other impl is itself."""
-    if impl != "auto":
-        return impl
+def needs_grad(*tensors):
+    """Whether autograd will want a gradient of any of these (tensors, BoundPriors, None)."""
+    flat = [t for x in tensors for t in ((x.params if isinstance(x, BoundPrior) else (x,)))]
+    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
+
+
+# CPU, no gradient: FlexAttention only pays off once its fused loop saves more than its block mask costs. Measured
+# with bench_attention.py --cpu (see the README's "Try your own prior"): below this many queries x keys the
+# reference is as fast or faster.
+FLEX_CPU_MIN_SCORES = 4096 * 4096
+
+
+def auto_impl(q, k, prior, grad):
+    """impl="auto": the fastest implementation that computes `prior` exactly. CUDA: the Triton kernel when the prior
+    is native to it, else FlexAttention. CPU: the reference for training (Flex has no CPU backward), Flex for long
+    evaluations (FLEX_CPU_MIN_SCORES)."""
+    if q.is_cuda:
+        native = prior is None or "triton" in prior.prior.native
+        return "triton" if native and _triton_available() else "flex"
+    return "flex" if not grad and q.shape[2] * k.shape[2] >= FLEX_CPU_MIN_SCORES else "torch"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FlexAttention (torch.nn.attention.flex_attention, compiled): the fused path for any registered prior. The prior
+# enters as its table over the distances (_bias_table, the reference's), indexed in score_mod; the causal +
+# document mask is a block mask, so fully hidden tiles are skipped. Gradients reach the prior's parameters and
+# row_scale through the tensors score_mod captures (flex differentiates them). FlexAttention's CPU path has no
+# backward (torch 2.13): on the CPU impl="flex" evaluates, and refuses to run where a gradient is needed.
+# ----------------------------------------------------------------------------------------------------------
+def _flex_scores(q, k, v, table, rs, prior_scale, ds, q_offset, softmax_scale):
+    """FlexAttention with s = l * rs + B(d) * prior_scale, the visible keys doc_start[i] <= j <= i. One graph for
+    every variant (absent parts are ones / zeros), so torch.compile builds it once per shape, not per flag."""
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+
+    def score_mod(score, b, h, qi, ki):  # d = ki - (qi + q_offset) <= 0 where visible; hidden ones clamped in range
+        bias = table[h, torch.clamp(ki - qi - q_offset, max=0) + Tk - 1]
+        return score * rs[b, h, qi] + bias * prior_scale[b, h, qi]
+
+    def visible(b, h, qi, ki):
+        return (ki <= qi + q_offset) & (ki >= ds[b, qi + q_offset])
+
+    block_mask = create_block_mask(visible, B, None, Tq, Tk, device=q.device)
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale)
+
+
+_flex_compiled = torch.compile(_flex_scores)  # compiles at the first call (and per new shape), not here
+
+
+def attention_flex(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
+                   softmax_scale=None):
+    """The FlexAttention implementation of attention() (same contract, see the module docstring)."""
     prior = bind(prior)
-    native = prior is None or "triton" in prior.prior.native
-    return "triton" if cuda and native and _triton_available() else "torch"
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if not needs_grad(q, k, v, prior, row_scale):  # FlexAttention's CPU path refuses inputs that require grad
+        q, k, v = q.detach(), k.detach(), v.detach()
+    elif not q.is_cuda:
+        raise RuntimeError("impl='flex' has no backward on the CPU (FlexAttention's CPU path is forward-only in "
+                           f"torch {torch.__version__}); train on the CPU with impl='torch' (or 'auto')")
+    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    dev = q.device
+    table = _bias_table(prior, -(Tk - 1), 0, dev) if prior is not None else torch.zeros(H, Tk, device=dev)
+    ones = torch.ones(B, H, Tq, device=dev)
+    rs = row_scale.float().expand(B, H, Tq).contiguous() if row_scale is not None else ones
+    # BAM + SSMax scales the prior too: (l + B) r = l r + B r. A copy, not rs itself: tensors that alias each
+    # other would make torch.compile build a second graph.
+    prior_scale = rs.clone() if scale_prior and row_scale is not None else torch.ones_like(ones)
+    ds = doc_start.to(dev).expand(B, Tk) if doc_start is not None else torch.zeros(B, Tk, dtype=torch.long, device=dev)
+    return _flex_compiled(q, k.to(q.dtype), v.to(q.dtype), table, rs, prior_scale, ds.contiguous(), q_offset,
+                          softmax_scale)
 
 
 def _triton_available():

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from attention_check import SelfCheckError, self_check_model
 from configurator import ConfigError, configure
 from data import TokenLoader
+from priors import PRIORS
 from model import (CKPT_RE, GPT, MODEL_SIZES, POS_ENCODINGS, RUNTIME_KEYS, GPTConfig, checkpoint_model_args,
                    config_diff, load_checkpoint, load_state, save_checkpoint)
 
@@ -161,14 +162,27 @@ def resolve_config(c, world_size):
                 errors.append(f"device={c['device']!r} but this machine has no CUDA GPU; use --device=cpu")
         except RuntimeError as e:
             errors.append(f"device={c['device']!r} is not a device torch knows ({e})")
+    errors += attn_impl_errors(c)
     if not errors:
-        try:  # the model's own checks (head_dim, rope, bam_init); the vocabulary comes later from the data
+        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
             GPTConfig(**model_args_from(c, vocab_size=1, tokenizer=""))
         except ValueError as e:
             errors.append(str(e))
     if errors:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(errors))
     return c
+
+
+def attn_impl_errors(c):
+    """attn_impl settings that could not train this model: said before any data or model is touched."""
+    if c["attn_impl"] == "flex" and (c["device"] == "cpu" or (c["device"] == "auto" and not torch.cuda.is_available())):
+        return ["attn_impl='flex' cannot train on the CPU (FlexAttention has no CPU backward in this torch); "
+                "use attn_impl=torch or auto"]
+    prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
+    if c["attn_impl"] == "triton" and prior in PRIORS and "triton" not in PRIORS[prior].native:
+        return [f"attn_impl='triton' cannot compute the prior {prior!r} (the kernel hard-codes "
+                f"{', '.join(p for p in PRIORS if 'triton' in PRIORS[p].native)}); use attn_impl=flex or auto"]
+    return []
 
 
 def model_args_from(c, vocab_size, tokenizer):
@@ -302,7 +316,8 @@ def _train(c, argv, ddp, rank, world_size, master, log, device):
                                                prior_lr=c["prior_lr"], ssmax_lr=c["ssmax_lr"])
     groups = raw_model.param_groups()
     n_prior, n_ssmax = sum(p.numel() for p in groups["prior"]), sum(p.numel() for p in groups["ssmax"])
-    log(f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}, {c['n_layer']} layers, {c['n_head']} heads, "
+    log(f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}"
+        f"{' (' + c['prior'] + ' prior)' if c['pos_encoding'] == 'bam' else ''}, {c['n_layer']} layers, {c['n_head']} heads, "
         f"n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})")
     log(f"parameters: {raw_model.num_params():,} total, {raw_model.num_params(non_embedding=True):,} non-embedding, "
         f"{n_prior} trainable prior, {n_ssmax} SSMax s")

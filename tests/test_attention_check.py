@@ -103,3 +103,9 @@ def test_kernel_self_check_script_end_to_end(tmp_path, capsys, monkeypatch):
     assert set(results[0]["errors"]) == {"out", "q", "k", "v", "theta_alpha", "theta_beta", "row_scale"}
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and lines[0].endswith(" ok") and "REFUSED: attention self-check: impl=triton" in lines[2]
+
+
+def test_kernel_self_check_names_the_impl_that_auto_picks():
+    r = self_check("auto", prior=ggd([0.0], [0.5], [0.0]), training=True, dtype=torch.float32,
+                   **{**SMALL, "n_head": 1, "seq_len": 16})
+    assert r["ok"] and r["impl"] == "torch"  # on the CPU, training: the reference

@@ -78,3 +78,19 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
     q, k, v, ds, ta, tb, tm, rs, *flags = detached
     torch.library.opcheck(torch.ops.bam.triton_attention_bwd.default,
                           (torch.randn_like(o), q, k, v, o, lse, ds, ta, tb, tm, rs, *flags, True, True))
+
+
+def test_kernel_flex_compiled_model_has_no_graph_break():
+    """FlexAttention in a compiled model: one graph (a break would cost Flex its fusion). On the CPU forward only
+    (FlexAttention has no CPU backward); the compiled model matches the eager reference path."""
+    net, args, kwargs = tiny_gpt("torch")
+    with torch.no_grad():
+        _, loss_ref = net(*args, **kwargs)
+        net.config.attn_impl = "flex"  # the layers read the impl from the shared config at every call
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(net)(*args, **kwargs)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert explained.graph_count == 1
+        _, loss_comp = torch.compile(net, backend="aot_eager", fullgraph=True)(*args, **kwargs)
+    torch._dynamo.reset()
+    assert torch.allclose(loss_comp, loss_ref, rtol=1e-5, atol=0)
