@@ -33,7 +33,7 @@ given prior raises.
             block mask skips hidden tiles. The fused GPU path for priors the kernel does not hard-code; on the CPU
             forward only (FlexAttention has no CPU backward in torch 2.13).
   "auto"    the fastest impl that computes the prior: on CUDA Triton if the prior is native to it, else Flex; on
-            the CPU the reference when a gradient is needed, Flex for long evaluations (auto_impl).
+            the CPU the reference (auto_impl says why).
 """
 import contextlib
 import math
@@ -159,7 +159,7 @@ def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prio
         raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
     kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
               softmax_scale=softmax_scale)
-    impl = auto_impl(q, k, prior, needs_grad(q, k, v, prior, row_scale)) if impl == "auto" else impl
+    impl = auto_impl(q, prior) if impl == "auto" else impl
     if impl == "triton":
         return attention_triton(q, k, v, **kw)
     if impl == "flex":
@@ -173,20 +173,16 @@ def needs_grad(*tensors):
     return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
 
 
-# CPU, no gradient: FlexAttention only pays off once its fused loop saves more than its block mask costs. Measured
-# with bench_attention.py --cpu (see the README's "Try your own prior"): below this many queries x keys the
-# reference is as fast or faster.
-FLEX_CPU_MIN_SCORES = 4096 * 4096
-
-
-def auto_impl(q, k, prior, grad):
+def auto_impl(q, prior):
     """impl="auto": the fastest implementation that computes `prior` exactly. CUDA: the Triton kernel when the prior
-    is native to it, else FlexAttention. CPU: the reference for training (Flex has no CPU backward), Flex for long
-    evaluations (FLEX_CPU_MIN_SCORES)."""
+    is native to it, else FlexAttention. CPU: the reference, for training (Flex has no CPU backward) and for
+    evaluation too: a compiled Flex forward is faster per call (bench_attention.py --cpu: 2.7x at T = 512,
+    B1 H8 D64), but it compiles anew for every shape, 20 s to minutes of C++ each time, which an evaluation
+    over many prompt lengths never earns back. impl="flex" still runs it on the CPU when asked for."""
     if q.is_cuda:
         native = prior is None or "triton" in prior.prior.native
         return "triton" if native and _triton_available() else "flex"
-    return "flex" if not grad and q.shape[2] * k.shape[2] >= FLEX_CPU_MIN_SCORES else "torch"
+    return "torch"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,7 +209,9 @@ def _flex_scores(q, k, v, table, rs, prior_scale, ds, q_offset, softmax_scale):
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale)
 
 
-_flex_compiled = torch.compile(_flex_scores)  # compiles at the first call (and per new shape), not here
+# Compiled at the first call and again for each new shape: with dynamic shapes, torch 2.13's CPU FlexAttention
+# template generates C++ that does not compile, so the shapes stay static.
+_flex_compiled = torch.compile(_flex_scores, dynamic=False)
 
 
 def attention_flex(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,

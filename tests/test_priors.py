@@ -222,16 +222,12 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
 
 
 def test_auto_picks_the_fastest_exact_impl():
-    """CUDA: the kernel for its own priors, Flex for the rest. CPU: the reference under autograd, Flex only for
-    long evaluations. (The CUDA branch only reads .is_cuda and .shape, so stand-ins are enough here.)"""
+    """CUDA: the kernel for its own priors, Flex for the rest. CPU: the reference (Flex recompiles per shape).
+    The CUDA branch only reads .is_cuda, so a stand-in is enough here."""
     from types import SimpleNamespace
-    cuda = SimpleNamespace(is_cuda=True, shape=(1, 2, 64, 16))
+    cuda = SimpleNamespace(is_cuda=True)
     ggd, cauchy = bind(tuple(torch.zeros(2) for _ in range(3))), BoundPrior(get_prior("cauchy"), ())
-    assert ak.auto_impl(cuda, cuda, ggd, True) == "triton" and ak.auto_impl(cuda, cuda, None, False) == "triton"
-    assert ak.auto_impl(cuda, cuda, cauchy, True) == "flex"
-    big = int(math.isqrt(ak.FLEX_CPU_MIN_SCORES)) + 1
-    long_q = torch.empty(1, 2, big, 16, device="meta")
-    short_q = torch.empty(1, 2, 16, 16, device="meta")
-    assert ak.auto_impl(long_q, long_q, cauchy, False) == "flex"
-    assert ak.auto_impl(long_q, long_q, cauchy, True) == "torch"
-    assert ak.auto_impl(short_q, short_q, ggd, False) == "torch"
+    assert ak.auto_impl(cuda, ggd) == "triton" and ak.auto_impl(cuda, None) == "triton"
+    assert ak.auto_impl(cuda, BoundPrior(get_prior("alibi"), ())) == "triton"
+    assert ak.auto_impl(cuda, cauchy) == "flex"
+    assert ak.auto_impl(torch.zeros(1), cauchy) == "torch" and ak.auto_impl(torch.zeros(1), ggd) == "torch"
