@@ -122,7 +122,7 @@ def self_check(impl, *, n_head, head_dim, prior=None, ssmax=False, scale_prior=F
     q, k, v, prior, row_scale, doc_start = _inputs(n_head, head_dim, prior, ssmax, documents, training, batch,
                                                    seq_len, gen)
     if impl == "auto":  # the impl that attention() picks for these inputs
-        impl = auto_impl(q.to(device), k.to(device), prior, training)
+        impl = auto_impl(q.to(device), prior)
     cases = [("", seq_len, torch.randn(q.shape, generator=gen) if training else None)]
     if not training:
         cases.append(("decode ", 7, None))

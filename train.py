@@ -544,6 +544,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, TrainingError, FileNotFoundError, SelfCheckError) as e:  # expected failures: a message, no traceback
+    except (ConfigError, TrainingError, FileNotFoundError, SelfCheckError) as e:  # expected: a message, no traceback
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)
