@@ -1,5 +1,5 @@
 """
-The single attention entry point of bam-gpt, and the positional prior it adds.
+The single attention entry point of bam-gpt.
 
     out = attention(q, k, v, *, doc_start=None, prior=None, row_scale=None,
                     scale_prior=False, q_offset=None, softmax_scale=None, impl="auto")
@@ -7,68 +7,50 @@ The single attention entry point of bam-gpt, and the positional prior it adds.
 For query position i and key position j (0-based, d = j - i <= 0 under the causal mask):
 
     l_ij = softmax_scale * q_i . k_j                        content score, softmax_scale = 1/sqrt(head_dim)
-    B(d) = -exp(theta_alpha) * (|d - mu| + 1e-5)^theta_beta   GGD log-prior, mu = 2 sinh(theta_mu), per head
+    B(d)                                                    the positional log-prior of each head (priors.py)
     s_ij = (l_ij + B(d)) * r_i     if scale_prior             BAM + SSMax: the prior is scaled too
          =  l_ij * r_i + B(d)      otherwise                  ALiBi + SSMax, and every variant without SSMax (r = 1)
     key j is visible to query i iff doc_start[i] <= j <= i    causal AND same-document
     out_i = sum_j softmax_j(s_ij) v_j
 
 The logit is "log likelihood of the content match + log prior of the distance", so the softmax is the
-posterior over which key to read (the paper's reading). NoPE is B = 0 (uniform prior), ALiBi is
-theta_beta = 1 with theta_alpha = log(slope) (Laplace prior), theta_beta = 0 gives a constant (NoPE again).
+posterior over which key to read (the paper's reading). prior is None (NoPE, a uniform prior), a
+priors.BoundPrior (a registered prior with one layer's (H,) parameters), or a bare GGD triple
+(theta_alpha, theta_beta, theta_mu) of (H,) tensors: B(d) = -exp(theta_alpha) (|d - mu| + 1e-5)^theta_beta.
 
 Shapes: q (B, H, Tq, D); k, v (B, H, Tk, D) with Tq <= Tk; query t sits at absolute position q_offset + t
 (default Tk - Tq, i.e. the queries are the last Tq positions). doc_start is (B, Tk) int: the first position
-of the document that each position belongs to. prior is (theta_alpha, theta_beta, theta_mu), each (H,).
-row_scale is (B or 1, H, Tq). Everything is differentiable: q, k, v, the three prior tensors, row_scale.
+of the document that each position belongs to. row_scale is (B or 1, H, Tq). Everything is differentiable:
+q, k, v, the prior's parameters, row_scale.
 
-impl="torch" is the plain-PyTorch reference below: it loops over query chunks and only ever materialises a
-(chunk x Tk) score block, so memory is linear in the length. The Triton kernel (impl="triton") implements the
-same contract without any T x T tensor; impl="auto" picks the kernel for CUDA tensors and the reference otherwise.
+Implementations (impl), none of which ever substitutes one prior for another: an impl that cannot compute the
+given prior raises.
+  "torch"   the plain-PyTorch reference below, for every prior: it loops over query chunks and only ever
+            materialises a (chunk x Tk) score block, so memory is linear in the length.
+  "triton"  the Triton flash-attention kernel below: no T x T tensor at all, but only for the priors whose form
+            it hard-codes (none, ggd, alibi: a prior whose `native` set names "triton").
+  "flex"    FlexAttention (compiled), for every prior: score_mod reads the prior's table over the distances, a
+            block mask skips hidden tiles. The fused GPU path for priors the kernel does not hard-code; on the CPU
+            forward only (FlexAttention has no CPU backward in torch 2.13).
+  "auto"    the fastest impl that computes the prior: on CUDA Triton if the prior is native to it, else Flex; on
+            the CPU the reference (auto_impl says why).
 """
+import contextlib
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-GGD_EPS = 1e-5  # keeps (|d - mu| + eps)^theta_beta finite at d = mu when theta_beta < 0 (spec §3)
+from priors import GGD_EPS, BoundPrior, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401 (alibi_slopes, ggd_prior: re-exported)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# THE PRIOR. To try your own positional prior, edit this one function (and keep its signature): it maps a
-# 1-D tensor of signed distances d = j - i to the log-prior added to the logits, one row per head.
-# The PyTorch attention path, the model, plot_prior.py and the evaluations all call it; the Triton kernel reads
-# its values by distance from a table (_prior_tables) but assumes the GGD's three parameters and dB/dtheta_alpha = B
-# in its gradients, so a new prior runs with impl="torch".
-# ----------------------------------------------------------------------------------------------------------
-def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
-    """GGD-BAM log-prior B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, mu_h = 2 sinh(theta_mu_h).
-
-    d: (N,) distances (any dtype); theta_*: (H,). Returns (H, N) float32. This is the log-density of a
-    generalised Gaussian centred at mu with shape theta_beta (up to a constant that softmax ignores):
-    theta_beta = 1 is Laplace (ALiBi), 0 is uniform (NoPE), < 0 puts the mass *far* from the query.
-    """
-    d = d.float()[None, :]
-    alpha, beta, mu_raw = (t.float()[:, None] for t in (theta_alpha, theta_beta, theta_mu))
-    mu = 2.0 * torch.sinh(mu_raw)  # exp(theta_mu) - exp(-theta_mu): an odd, unbounded reparametrisation
-    return -torch.exp(alpha) * torch.pow((d - mu).abs() + GGD_EPS, beta)
-
-
-def alibi_slopes(n_head):
-    """ALiBi's fixed per-head slopes (Press et al.), including head counts that are not powers of two (spec §2)."""
-    def power_of_2(n):
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (k + 1) for k in range(n)]
-    c = 2 ** int(math.floor(math.log2(n_head)))
-    slopes = power_of_2(c)
-    if c < n_head:  # the first n - c slopes at even indices of the 2c-head sequence
-        slopes += power_of_2(2 * c)[0::2][: n_head - c]
-    return torch.tensor(slopes, dtype=torch.float32)
+IMPLS = ("auto", "torch", "flex", "triton")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Reference implementation (CPU, tests, and any custom prior)
+# Reference implementation (CPU, tests, and any prior)
 # ----------------------------------------------------------------------------------------------------------
 def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
     # ~4 fp32 temporaries of shape (B, H, rows, n_keys) are alive at once (scores, bias, mask fill, probs)
@@ -92,67 +74,173 @@ def _mask_invisible(s, qpos, kpos, ds):
     return s
 
 
-def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                    q_offset=None, softmax_scale=None, chunk_size=None, prior_fn=ggd_prior):
-    """Plain-PyTorch attention with the contract above, chunked over queries (peak memory O(chunk x Tk))."""
+def _bias_table(prior, dmin, dmax, device):
+    """The log-prior at every distance dmin..dmax (inclusive): (H, dmax - dmin + 1) float32. The prior depends
+    only on d = j - i, so evaluating it once per distinct distance and gathering is much cheaper than per pair."""
+    return prior.table(torch.arange(dmin, dmax + 1, device=device))
+
+
+def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scale_prior, softmax_scale):
+    """The final masked scores s of queries a..b-1 against keys lo..(q_offset + b - 1): (B, H, b - a, keys) fp32."""
+    i0, i1 = q_offset + a, q_offset + b  # absolute positions of the chunk's queries: [i0, i1)
+    qpos = torch.arange(i0, i1, device=q.device)
+    kpos = torch.arange(lo, i1, device=q.device)
+    s = torch.matmul(q[:, :, a:b].float(), k[:, :, lo:i1].float().transpose(-1, -2)).mul_(softmax_scale)
+    # In-place updates of the fresh score block save one (B, H, rows, keys) allocation each: add_ is always
+    # safe under autograd (its backward needs no values); mul_ only when row_scale needs no gradient.
+    if prior is not None:
+        dmin = lo - (i1 - 1)
+        bias = _bias_table(prior, dmin, i1 - 1 - i0, q.device)[:, kpos[None, :] - qpos[:, None] - dmin]
+        if row_scale is None or scale_prior:
+            s.add_(bias)
+    if row_scale is not None:
+        r = row_scale[:, :, a:b, None].float()
+        s = s * r if r.requires_grad and torch.is_grad_enabled() else s.mul_(r)
+        if prior is not None and not scale_prior:
+            s.add_(bias)
+    return _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
+
+
+def _reference_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size):
+    """(q_offset, softmax_scale, [(a, b, lo)]): query chunks a..b-1 and the first key lo any of them can see."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     q_offset = Tk - Tq if q_offset is None else int(q_offset)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     chunk = chunk_size or _chunk_rows(B, H, Tk)
-    outs = []
+    chunks = []
     for a in range(0, Tq, chunk):
         b = min(a + chunk, Tq)
-        i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
-        # keys that any query of the chunk can see: [lo, i1). lo skips keys before the earliest document start.
-        lo = int(doc_start[:, i0:i1].min()) if doc_start is not None else 0
-        qpos = torch.arange(i0, i1, device=q.device)
-        kpos = torch.arange(lo, i1, device=q.device)
-        s = torch.matmul(q[:, :, a:b].float(), k[:, :, lo:i1].float().transpose(-1, -2)).mul_(softmax_scale)
-        # In-place updates of the fresh score block save one (B, H, rows, keys) allocation each: add_ is always
-        # safe under autograd (its backward needs no values); mul_ only when row_scale needs no gradient.
-        if prior is not None:
-            # the prior depends only on d = j - i: evaluate it once per distinct distance, then gather
-            dmin = lo - (i1 - 1)
-            table = prior_fn(torch.arange(dmin, i1 - i0, device=q.device), *prior)  # (H, n_dist)
-            bias = table[:, kpos[None, :] - qpos[:, None] - dmin]  # (H, rows, keys)
-            if row_scale is None or scale_prior:
-                s.add_(bias)
-        if row_scale is not None:
-            r = row_scale[:, :, a:b, None].float()
-            s = s * r if r.requires_grad and torch.is_grad_enabled() else s.mul_(r)
-            if prior is not None and not scale_prior:
-                s.add_(bias)
-        s = _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
+        # lo skips keys before the chunk's earliest document start
+        lo = int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
+        chunks.append((a, b, lo))
+    return q_offset, softmax_scale, chunks
+
+
+def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                    q_offset=None, softmax_scale=None, chunk_size=None):
+    """Plain-PyTorch attention with the contract above, chunked over queries (peak memory O(chunk x Tk))."""
+    prior = bind(prior)
+    q_offset, softmax_scale, chunks = _reference_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size)
+    outs = []
+    for a, b, lo in chunks:
+        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                    scale_prior=scale_prior, softmax_scale=softmax_scale)
         p = torch.softmax(s, dim=-1)
-        outs.append(torch.matmul(p, v[:, :, lo:i1].float()).to(q.dtype))
+        outs.append(torch.matmul(p, v[:, :, lo:q_offset + b].float()).to(q.dtype))
     return torch.cat(outs, dim=2)
+
+
+def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
+                    softmax_scale=None):
+    """The attention weights softmax_j(s_ij) of the reference math: (B, H, Tq, Tk) float32, 0 on hidden keys.
+    For inspecting a few query rows (the result is Tq x Tk); same arguments as attention()."""
+    prior = bind(prior)
+    q_offset, softmax_scale, chunks = _reference_chunks(q, k, doc_start, q_offset, softmax_scale, None)
+    B, H, Tq, _ = q.shape
+    probs = torch.zeros(B, H, Tq, k.shape[2], device=q.device)
+    for a, b, lo in chunks:
+        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                    scale_prior=scale_prior, softmax_scale=softmax_scale)
+        probs[:, :, a:b, lo:q_offset + b] = torch.softmax(s, dim=-1)
+    return probs
 
 
 def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
               q_offset=None, softmax_scale=None, impl="auto"):
-    """The one attention function the model calls. See the module docstring for the math and shapes."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    """The one attention function the model calls. See the module docstring for the math, shapes and impls."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    prior = bind(prior)
     Tq, Tk = q.shape[2], k.shape[2]
     if Tq > Tk:
         raise ValueError(f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions")
     if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
-    use_triton = impl == "triton" or (impl == "auto" and q.is_cuda and _triton_available())
-    if use_triton:
-        return attention_triton(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                                scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale)
-    return attention_torch(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                           scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale)
+    kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
+              softmax_scale=softmax_scale)
+    impl = auto_impl(q, prior) if impl == "auto" else impl
+    if impl == "triton":
+        return attention_triton(q, k, v, **kw)
+    if impl == "flex":
+        return attention_flex(q, k, v, **kw)
+    return attention_torch(q, k, v, **kw)
+
+
+def needs_grad(*tensors):
+    """Whether autograd will want a gradient of any of these (tensors, BoundPriors, None)."""
+    flat = [t for x in tensors for t in ((x.params if isinstance(x, BoundPrior) else (x,)))]
+    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
+
+
+def auto_impl(q, prior):
+    """impl="auto": the fastest implementation that computes `prior` exactly. CUDA: the Triton kernel when the prior
+    is native to it, else FlexAttention. CPU: the reference, for training (Flex has no CPU backward) and for
+    evaluation too: a compiled Flex forward is faster per call (bench_attention.py --cpu: 2.7x at T = 512,
+    B1 H8 D64), but it compiles anew for every shape, 20 s to minutes of C++ each time, which an evaluation
+    over many prompt lengths never earns back. impl="flex" still runs it on the CPU when asked for."""
+    if q.is_cuda:
+        native = prior is None or "triton" in prior.prior.native
+        return "triton" if native and _triton_available() else "flex"
+    return "torch"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FlexAttention (torch.nn.attention.flex_attention, compiled): the fused path for any registered prior. The prior
+# enters as its table over the distances (_bias_table, the reference's), indexed in score_mod; the causal +
+# document mask is a block mask, so fully hidden tiles are skipped. Gradients reach the prior's parameters and
+# row_scale through the tensors score_mod captures (flex differentiates them). FlexAttention's CPU path has no
+# backward (torch 2.13): on the CPU impl="flex" evaluates, and refuses to run where a gradient is needed.
+# ----------------------------------------------------------------------------------------------------------
+def _flex_scores(q, k, v, table, rs, prior_scale, ds, q_offset, softmax_scale):
+    """FlexAttention with s = l * rs + B(d) * prior_scale, the visible keys doc_start[i] <= j <= i. One graph for
+    every variant (absent parts are ones / zeros), so torch.compile builds it once per shape, not per flag."""
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+
+    def score_mod(score, b, h, qi, ki):  # d = ki - (qi + q_offset) <= 0 where visible; hidden ones clamped in range
+        bias = table[h, torch.clamp(ki - qi - q_offset, max=0) + Tk - 1]
+        return score * rs[b, h, qi] + bias * prior_scale[b, h, qi]
+
+    def visible(b, h, qi, ki):
+        return (ki <= qi + q_offset) & (ki >= ds[b, qi + q_offset])
+
+    block_mask = create_block_mask(visible, B, None, Tq, Tk, device=q.device)
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale)
+
+
+# Compiled at the first call and again for each new shape: with dynamic shapes, torch 2.13's CPU FlexAttention
+# template generates C++ that does not compile, so the shapes stay static.
+_flex_compiled = torch.compile(_flex_scores, dynamic=False)
+
+
+def attention_flex(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
+                   softmax_scale=None):
+    """The FlexAttention implementation of attention() (same contract, see the module docstring)."""
+    prior = bind(prior)
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if not needs_grad(q, k, v, prior, row_scale):  # FlexAttention's CPU path refuses inputs that require grad
+        q, k, v = q.detach(), k.detach(), v.detach()
+    elif not q.is_cuda:
+        raise RuntimeError("impl='flex' has no backward on the CPU (FlexAttention's CPU path is forward-only in "
+                           f"torch {torch.__version__}); train on the CPU with impl='torch' (or 'auto')")
+    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    dev = q.device
+    table = _bias_table(prior, -(Tk - 1), 0, dev) if prior is not None else torch.zeros(H, Tk, device=dev)
+    ones = torch.ones(B, H, Tq, device=dev)
+    rs = row_scale.float().expand(B, H, Tq).contiguous() if row_scale is not None else ones
+    # BAM + SSMax scales the prior too: (l + B) r = l r + B r. A copy, not rs itself: tensors that alias each
+    # other would make torch.compile build a second graph.
+    prior_scale = rs.clone() if scale_prior and row_scale is not None else torch.ones_like(ones)
+    ds = doc_start.to(dev).expand(B, Tk) if doc_start is not None else torch.zeros(B, Tk, dtype=torch.long, device=dev)
+    return _flex_compiled(q, k.to(q.dtype), v.to(q.dtype), table, rs, prior_scale, ds.contiguous(), q_offset,
+                          softmax_scale)
 
 
 def _triton_available():
-    try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    return triton is not None  # the import is tried once, below (no import inside code that torch.compile traces)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -658,55 +746,77 @@ def _st(t):
     return tuple(t.stride())
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset,
-                softmax_scale):
-        B, H, Tq, D = q.shape
-        Tk = k.shape[2]
-        has_prior = theta_alpha is not None
-        has_doc = doc_start is not None
-        has_rs = row_scale is not None
-        dev = q.device
-        block_d = max(16, triton.next_power_of_2(D))
-        cfg = _configs(block_d, q.dtype)
-        dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
-        dummy = torch.zeros(1, device=dev, dtype=torch.float32)
-        prior = (theta_alpha, theta_beta, theta_mu) if has_prior else None
+# The kernels are registered as two PyTorch custom ops, forward and backward, with fake-tensor implementations
+# (shapes only) and the autograd formula tying them together: torch.compile then traces a model through
+# attention as through any other op (no graph break) and Inductor fuses the code around it. The ops are opaque:
+# they run the kernels exactly as eager mode does, so compiled and eager results are bitwise equal.
+Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
+
+
+def _launch_state(q, k, doc_start, row_scale):
+    """What both ops derive from their inputs: block_d, tile configuration, dot precision, doc_start as
+    (B, Tk) int32, row_scale as (B, H, Tq) fp32, and a dummy pointer for absent inputs."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(D))
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
+    dummy = torch.zeros(1, device=q.device, dtype=torch.float32)
+    ds = doc_start.to(device=q.device, dtype=torch.int32).contiguous().expand(B, Tk) if doc_start is not None else None
+    rs = row_scale.float().expand(B, H, Tq) if row_scale is not None else None
+    return block_d, _configs(block_d, q.dtype), dot_prec, dummy, ds, rs
+
+
+def _device_of(t):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@torch.library.custom_op("bam::triton_attention_fwd", mutates_args=())
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, theta_alpha: OptTensor, theta_beta: OptTensor,
+                theta_mu: OptTensor, row_scale: OptTensor, scale_prior: bool, q_offset: int,
+                softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """The forward kernel: (O, LSE). LSE (B, H, Tq) fp32 is the row log-sum-exp in base 2 (the backward needs it)."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    has_prior, has_doc, has_rs = theta_alpha is not None, doc_start is not None, row_scale is not None
+    with _device_of(q):
+        block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
+        prior = (theta_alpha, theta_beta, theta_mu)
         ptab, _, d0, n_dist = _prior_tables(prior, Tq, Tk, q_offset, cfg) if has_prior else (dummy, None, 0, 0)
-        ds = doc_start.to(device=dev, dtype=torch.int32).contiguous().expand(B, Tk) if has_doc else None
-        rs = row_scale.detach().float().expand(B, H, Tq) if has_rs else None
         o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), device=dev, dtype=torch.float32)
+        lse = torch.empty((B, H, Tq), device=q.device, dtype=torch.float32)
         bm, bn, warps, stages = cfg["fwd"]
-        grid = (triton.cdiv(Tq, bm), B * H)
-        _attn_fwd[grid](
+        _attn_fwd[(triton.cdiv(Tq, bm), B * H)](
             q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, ptab,
             *_st(q), *_st(k), *_st(v), *_st(o),
             ds.stride(0) if has_doc else 0, *(_st(rs) if has_rs else (0, 0, 0)),
             H, Tq, Tk, q_offset, softmax_scale, d0, n_dist,
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
-            HAS_RS=has_rs, SCALE_PRIOR=bool(scale_prior) and has_rs, DOT_PREC=dot_prec,
+            HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs, DOT_PREC=dot_prec,
             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-        ctx.save_for_backward(q, k, v, o, lse, ds, rs, *(prior if has_prior else (None, None, None)))
-        ctx.meta = (has_prior, has_doc, has_rs, bool(scale_prior) and has_rs, q_offset, softmax_scale, block_d,
-                    dot_prec, cfg, None if row_scale is None else (row_scale.shape, row_scale.dtype),
-                    None if theta_alpha is None else (theta_alpha.dtype, theta_beta.dtype, theta_mu.dtype))
-        return o
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, ds, rs, *prior = ctx.saved_tensors
-        (has_prior, has_doc, has_rs, scale_prior, q_offset, sm_scale, block_d, dot_prec, cfg, rs_meta,
-         th_dtypes) = ctx.meta
-        B, H, Tq, D = q.shape
-        Tk = k.shape[2]
+
+@_triton_fwd.register_fake
+def _(q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset, softmax_scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
+def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: OptTensor,
+                theta_alpha: OptTensor, theta_beta: OptTensor, theta_mu: OptTensor, row_scale: OptTensor,
+                scale_prior: bool, q_offset: int, softmax_scale: float, need_prior: bool,
+                need_rs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernels: (dQ, dK, dV, the prior's gradients (H, 3) fp64 [theta_alpha, theta_beta, theta_mu],
+    d row_scale (B, H, Tq) fp32). The last two are empty when need_prior / need_rs is False."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    has_prior, has_doc, has_rs = theta_alpha is not None, doc_start is not None, row_scale is not None
+    scale_prior = scale_prior and has_rs
+    with _device_of(q):
+        block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
+        prior = (theta_alpha, theta_beta, theta_mu)
         dev = q.device
-        need = ctx.needs_input_grad
-        need_prior = has_prior and any(need[4:7])
-        need_rs = has_rs and need[7]
         do = do.contiguous() if do.stride(-1) != 1 else do
-        dummy = torch.zeros(1, device=dev, dtype=torch.float32)
         dummy_i = torch.zeros(1, device=dev, dtype=torch.int32)
         ds_arg = ds if has_doc else dummy_i
         rs_arg = rs if has_rs else dummy
@@ -734,7 +844,7 @@ class _TritonAttention(torch.autograd.Function):
         _attn_bwd_dkdv[(n_kb, B * H)](
             q, k, v, do, dk, dv, lse, delta, ds_arg, rs_arg, ptab, q_end, q_clean,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dk), *_st(dv), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_kb,
+            H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_kb,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
         # dQ (+ d row_scale, + per-program prior partial sums): one program per query block, looping over keys
         dq = torch.empty_like(q)
@@ -745,24 +855,52 @@ class _TritonAttention(torch.autograd.Function):
         _attn_bwd_dq[(n_qb, B * H)](
             q, k, v, do, dq, lse, delta, ds_arg, rs_arg, ptab, pdtab, drs, part,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_qb,
+            H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_qb,
             BLOCK_M=bm, BLOCK_N=bn, NEED_PRIOR_GRAD=need_prior, NEED_RS_GRAD=need_rs,
             ACC_DPP=need_prior or need_rs, ACC_B=has_prior and (need_prior or (need_rs and scale_prior)),
             num_warps=warps, num_stages=stages, **common)
-        g_alpha = g_beta = g_mu = g_rs = None
-        if need_prior:  # deterministic reduction of the per-program partials (fixed order, no atomics)
-            g = part.double().sum(dim=(0, 2))  # (H, 3)
-            g_alpha = g[:, 0].to(th_dtypes[0]) if need[4] else None
-            g_beta = g[:, 1].to(th_dtypes[1]) if need[5] else None
-            g_mu = g[:, 2].to(th_dtypes[2]) if need[6] else None
-        if need_rs:
-            shape, dtype = rs_meta
-            g_rs = drs.sum_to_size(shape).to(dtype)  # a row_scale broadcast over the batch sums its gradient
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None,
-                g_alpha, g_beta, g_mu, g_rs, None, None, None)
+        # deterministic reduction of the per-program partials (fixed order, no atomics)
+        g_prior = part.double().sum(dim=(0, 2)) if need_prior else q.new_empty(0, dtype=torch.float64)
+    return dq, dk, dv, g_prior, drs if need_rs else q.new_empty(0, dtype=torch.float32)
 
 
-@torch.compiler.disable  # under torch.compile the kernel runs as it is (a graph break), never traced
+@_triton_bwd.register_fake
+def _(do, q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset,
+      softmax_scale, need_prior, need_rs):
+    H = q.shape[1]
+    g_prior = q.new_empty((H, 3) if need_prior else (0,), dtype=torch.float64)
+    drs = q.new_empty(q.shape[:3] if need_rs else (0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_prior, drs
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset, softmax_scale = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_start, theta_alpha, theta_beta, theta_mu, row_scale)
+    ctx.args = (scale_prior, q_offset, softmax_scale)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_backward(ctx, do, _dlse):
+    q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_prior = theta_alpha is not None and any(need[4:7])
+    need_rs = row_scale is not None and need[7]
+    dq, dk, dv, g, drs = _triton_bwd(do, q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale,
+                                     *ctx.args, need_prior, need_rs)
+    g_alpha = g_beta = g_mu = g_rs = None
+    if need_prior:
+        g_alpha = g[:, 0].to(theta_alpha.dtype) if need[4] else None
+        g_beta = g[:, 1].to(theta_beta.dtype) if need[5] else None
+        g_mu = g[:, 2].to(theta_mu.dtype) if need[6] else None
+    if need_rs:  # a row_scale broadcast over the batch sums its gradient
+        g_rs = drs.sum_to_size(row_scale.shape).to(row_scale.dtype)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None,
+            g_alpha, g_beta, g_mu, g_rs, None, None, None)
+
+
+_triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
 def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
                      q_offset=None, softmax_scale=None):
     """The Triton implementation of attention() (same contract, see the module docstring). Needs CUDA tensors,
@@ -790,18 +928,28 @@ def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, sca
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if doc_start is not None and doc_start.shape[-1] != Tk:
         raise ValueError(f"attention_triton: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}")
-    ta, tb, tm = prior if prior is not None else (None, None, None)
+    ta, tb, tm = _kernel_ggd_form(bind(prior))
     if row_scale is not None and row_scale.shape[-1] != Tq:
         raise ValueError(f"attention_triton: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
-    ctx = torch.cuda.device(q.device) if q.is_cuda else _nullcontext()
-    with ctx:
-        return _TritonAttention.apply(q, k, v, doc_start, ta, tb, tm, row_scale, scale_prior, q_offset,
-                                      softmax_scale)
+    return _triton_fwd(q, k, v, doc_start, ta, tb, tm, row_scale, bool(scale_prior), q_offset, softmax_scale)[0]
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
+def _kernel_ggd_form(prior):
+    """The kernel computes one form, -c (|d - mu| + eps)^beta with c = exp(theta_alpha): a prior it implements is
+    passed as that triple, any other raises (a prior is never replaced by another one)."""
+    if prior is None:
+        return None, None, None
+    name = prior.prior.name
+    if name not in _KERNEL_FORMS or "triton" not in prior.prior.native:
+        raise ValueError(f"impl='triton' cannot compute the prior {name!r}: the kernel hard-codes only "
+                         f"{', '.join(_KERNEL_FORMS)}; use impl='flex' (fused, CUDA) or impl='torch'")
+    return _KERNEL_FORMS[name](*prior.params)
 
-    def __exit__(self, *exc):
-        return False
+
+# ALiBi -m|d| as the GGD form: c = m, beta = 1, mu = 0. The kernel's eps adds the constant -m * 1e-5 to every
+# logit of a head, which softmax ignores. ALiBi's slopes are fixed, so the triple needs no gradient.
+_KERNEL_FORMS = {
+    "ggd": lambda theta_alpha, theta_beta, theta_mu: (theta_alpha, theta_beta, theta_mu),
+    "alibi": lambda slope: (slope.detach().float().log(), torch.ones_like(slope, dtype=torch.float32),
+                            torch.zeros_like(slope, dtype=torch.float32)),
+}

@@ -1,17 +1,21 @@
 """
-The Triton attention kernel against PyTorch's attention paths (CUDA only): speed, peak memory and correctness.
+The attention implementations against each other and PyTorch's attention paths: speed, peak memory, correctness.
 
-    python bench_attention.py                    # the table: T = 512 ... 32K, head_dim 48/64/128, bf16
+    python bench_attention.py                    # the table: T = 512 ... 32K, head_dim 48/64/128, bf16 (CUDA)
     python bench_attention.py --quick            # a small subset (< 2 minutes with compilation)
-    python bench_attention.py --check            # compiled kernel vs the PyTorch reference: values and grads
+    python bench_attention.py --check            # compiled kernel vs the PyTorch reference: values and grads (CUDA)
+    python bench_attention.py --check --check_impl flex --prior cauchy   # FlexAttention vs the reference (CUDA)
+    python bench_attention.py --cpu              # CPU evaluation: reference vs compiled Flex forward, no gradient
     python bench_attention.py --out bench.json   # also write the results as JSON
 
-Implementations compared (causal, one document per row, H = --heads, B = max(1, --tokens // T)):
-  kernel_bam    this repo's kernel with the GGD prior (theta trainable) and SSMax scaling the prior: the BAM path
+--prior picks the registered prior (priors.py, default ggd) every prior-carrying impl computes, with SSMax scaling
+it as in BAM. Implementations compared (causal, one document per row, H = --heads, B = max(1, --tokens // T)):
+  kernel_bam    this repo's Triton kernel with the prior (parameters trainable) and SSMax: the BAM path. Only for
+                priors native to the kernel; any other is refused, and the table says so
   kernel_plain  the same kernel without prior or SSMax
   sdpa_flash    torch SDPA, flash backend, no prior (the speed of light for plain causal attention)
-  sdpa_prior    torch SDPA with the GGD prior materialised as a float attn_mask (H x T x T, with gradient)
-  flex          torch FlexAttention: the same GGD prior + SSMax as a score_mod, causal block mask, compiled
+  sdpa_prior    torch SDPA with the prior materialised as a float attn_mask (H x T x T, with gradient)
+  flex          attention(impl="flex"): FlexAttention compiled, the prior's table in score_mod, causal block mask
 FLOPs follow Triton's tutorial: forward 4 B H T^2 D x 0.5 (causal); the backward counts 2.5x the forward, so a
 forward+backward step counts 3.5x. Forwards are timed with autograd recording (as in training). Peak memory is
 torch.cuda.max_memory_allocated above the inputs, for one call.
@@ -31,7 +35,10 @@ BWD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward (2 matmuls for dq/dk/dv + reco
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="correctness of the compiled kernel vs the reference")
+    p.add_argument("--check", action="store_true", help="correctness of an impl (--check_impl) vs the reference")
+    p.add_argument("--check_impl", default="triton", choices=["triton", "flex"], help="the impl --check tests")
+    p.add_argument("--prior", default="ggd", help="a registered prior (priors.py)")
+    p.add_argument("--cpu", action="store_true", help="CPU forward without gradient: reference vs compiled Flex")
     p.add_argument("--quick", action="store_true", help="T in {1024, 4096}, head_dim 64 only")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--head_dims", type=int, nargs="+", default=[48, 64, 128])
@@ -44,35 +51,50 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
-def make_problem(B, H, T, D, dtype, device, seed=0):
+def prior_params(name, H, gen=None):
+    """Per-head parameters of a registered prior for benchmarks and checks. GGD: a mixed bank of heads, anti-local
+    (beta < 0), NoPE-like (0), heavy tail, ALiBi-like, local, mu != 0 for some. Any other prior: its 'zero' init
+    spread over the heads (so that they differ), or its fixed values."""
+    from priors import BoundPrior, get_prior
+    prior = get_prior(name)
+    if name == "ggd":
+        betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0])
+        params = (torch.linspace(-1.0, 0.5, H), betas[torch.arange(H) % len(betas)].clone(),
+                  torch.where(torch.arange(H) % 3 == 0, 0.3, 0.0))
+    else:
+        params = tuple(t + (torch.linspace(-0.5, 0.5, H) if n in prior.trainable else 0.0)
+                       for n, t in zip(prior.params, prior.init("zero", H)))
+    return BoundPrior(prior, params)
+
+
+def make_problem(B, H, T, D, dtype, device, prior="ggd", seed=0, grad=True):
     g = torch.Generator(device=device).manual_seed(seed)
-    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g).requires_grad_(True)
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g).requires_grad_(grad)
                for _ in range(3))
     do = torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g)
-    # a mixed bank of heads: anti-local (beta < 0), NoPE-like (0), heavy tail, ALiBi-like, local; mu != 0 for some
-    betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0], device=device)
-    theta_alpha = (torch.linspace(-1.0, 0.5, H, device=device)).requires_grad_(True)
-    theta_beta = betas[torch.arange(H, device=device) % len(betas)].clone().requires_grad_(True)
-    theta_mu = torch.where(torch.arange(H, device=device) % 3 == 0, 0.3, 0.0).requires_grad_(True)
-    ssmax_s = torch.full((H,), 1.0, device=device, requires_grad=True)
+    bound = prior_params(prior, H)
+    params = tuple(t.to(device).requires_grad_(grad and n in bound.prior.trainable)
+                   for n, t in zip(bound.prior.params, bound.params))
+    ssmax_s = torch.full((H,), 1.0, device=device, requires_grad=grad)
     log_n = torch.arange(1, T + 1, device=device, dtype=torch.float32).log()
-    return dict(q=q, k=k, v=v, do=do, prior=(theta_alpha, theta_beta, theta_mu), ssmax_s=ssmax_s, log_n=log_n)
+    return dict(q=q, k=k, v=v, do=do, prior=bound._replace(params=params), ssmax_s=ssmax_s, log_n=log_n)
 
 
 def leaves(pb):
-    return [pb["q"], pb["k"], pb["v"], *pb["prior"], pb["ssmax_s"]]
+    return [pb["q"], pb["k"], pb["v"], *pb["prior"].params, pb["ssmax_s"]]
 
 
 # ---------------------------------------------------------------------------------------------------- impls
 def impl_fn(name, pb):
     """A zero-argument callable computing the attention output (autograd-connected to the leaves)."""
-    from attention_kernel import attention, ggd_prior
+    from attention_kernel import attention
     import torch.nn.functional as F
     q, k, v = pb["q"], pb["k"], pb["v"]
     B, H, T, D = q.shape
-    if name == "kernel_bam":
+    if name in ("kernel_bam", "flex"):
+        impl = "triton" if name == "kernel_bam" else "flex"
         return lambda: attention(q, k, v, prior=pb["prior"], row_scale=pb["ssmax_s"][None, :, None] * pb["log_n"],
-                                 scale_prior=True, impl="triton")
+                                 scale_prior=True, impl=impl)
     if name == "kernel_plain":
         return lambda: attention(q, k, v, impl="triton")
     if name == "sdpa_flash":
@@ -85,30 +107,12 @@ def impl_fn(name, pb):
     if name == "sdpa_prior":
         def f():
             pos = torch.arange(T, device=q.device)
-            table = ggd_prior(torch.arange(-(T - 1), T, device=q.device), *pb["prior"])  # (H, 2T - 1)
+            table = pb["prior"].table(torch.arange(-(T - 1), T, device=q.device))  # (H, 2T - 1)
             bias = table[:, pos[None, :] - pos[:, None] + T - 1]  # (H, T, T): the materialised prior
             bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf")).to(q.dtype)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
         return f
-    if name == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        alpha, beta, mu_raw = pb["prior"]
-        s, log_n = pb["ssmax_s"], pb["log_n"]
-        compiled = _compiled_flex(flex_attention)
-        block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, T, T, device=q.device)
-
-        def score_mod(score, b, h, qi, ki):  # (l + B) * s log n, B = -exp(alpha) (|d - mu| + eps)^beta
-            x = ((ki - qi).to(torch.float32) - 2.0 * torch.sinh(mu_raw[h])).abs() + 1e-5
-            return (score - torch.exp(alpha[h]) * torch.pow(x, beta[h])) * (s[h] * log_n[qi])
-        return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
     raise ValueError(f"unknown impl {name!r}")
-
-
-def _compiled_flex(flex_attention):
-    # every (B, T, D) point compiles anyway; a fresh dynamo cache per point keeps the table clear of the recompile
-    # limit, past which dynamo would silently fall back to the unfused eager flex_attention
-    torch._dynamo.reset()
-    return torch.compile(flex_attention, dynamic=False)
 
 
 def _peak_mb(fn):
@@ -124,6 +128,9 @@ def _peak_mb(fn):
 
 def measure(name, pb, rep):
     import triton.testing
+    # every (B, T, D) point compiles anyway; a fresh dynamo cache per point keeps the table clear of the recompile
+    # limit, past which dynamo would silently fall back to the unfused eager flex_attention
+    torch._dynamo.reset()
     fn = impl_fn(name, pb)
     B, H, T, D = pb["q"].shape
     fwd_flops = 4 * B * H * T * T * D * 0.5
@@ -176,7 +183,7 @@ def run_table(args):
                 row = dict(impl=name, head_dim=D, T=T, B=B, H=args.heads, dtype="bf16")
                 pb = None
                 try:
-                    pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda")
+                    pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda", prior=args.prior)
                     row.update(measure(name, pb, rep))
                     row["status"] = "ok"
                 except torch.cuda.OutOfMemoryError:
@@ -197,7 +204,7 @@ def run_table(args):
                 else:
                     print(f"{D:>4} {T:>6} {B:>3} {name:<13} {row['status']}", flush=True)
     ratios = []
-    print("\nkernel_bam (GGD prior + SSMax) fwd+bwd throughput relative to (>1: the kernel is faster):")
+    print(f"\nkernel_bam ({args.prior} prior + SSMax) fwd+bwd throughput relative to (>1: the kernel is faster):")
     for D in head_dims:
         for T in lengths:
             get = {r["impl"]: r for r in rows if r["head_dim"] == D and r["T"] == T and "fwdbwd_tflops" in r}
@@ -232,20 +239,24 @@ CHECKS = [
 ]
 
 
-def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0):
-    from attention_kernel import alibi_slopes
+def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0, prior="ggd"):
+    """Inputs of one check. opt["prior"]: "bam" is the --prior under test (GGD: random heads of every shape),
+    "bam_negative" GGD with theta_beta < 0 everywhere, "alibi" the fixed ALiBi prior."""
+    from priors import BoundPrior, alibi_slopes, get_prior
     g = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(B, H, Tq, D, generator=g)
     k, v = (torch.randn(B, H, Tk, D, generator=g) for _ in range(2))
     do = torch.randn(B, H, Tq, D, generator=g)
     kw, frozen = {}, ()
-    if opt.get("prior") == "bam":
+    if opt.get("prior") == "bam" and prior == "ggd":
         kw["prior"] = (torch.rand(H, generator=g) - 0.5, torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0] * H)[:H],
                        torch.where(torch.arange(H) % 2 == 0, 0.3, 0.0))
+    elif opt.get("prior") == "bam":
+        kw["prior"] = prior_params(prior, H)
     elif opt.get("prior") == "bam_negative":
         kw["prior"] = (torch.zeros(H), torch.full((H,), -1.5), torch.zeros(H))
     elif opt.get("prior") == "alibi":
-        kw["prior"] = (alibi_slopes(H).log(), torch.ones(H), torch.zeros(H))
+        kw["prior"] = BoundPrior(get_prior("alibi"), (alibi_slopes(H),))
         frozen = ("prior",)
     if opt.get("docs"):
         p = 0.3 if opt["docs"] == "short" else 0.005
@@ -271,10 +282,12 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
     named = {"q": q, "k": k, "v": v}
     kw = dict(kw)
     if "prior" in kw:
-        pr = tuple(t.detach().clone().to(device).requires_grad_("prior" not in frozen) for t in kw["prior"])
-        kw["prior"] = pr
+        from priors import bind
+        bound = bind(kw["prior"])
+        pr = tuple(t.detach().clone().to(device).requires_grad_("prior" not in frozen) for t in bound.params)
+        kw["prior"] = bound._replace(params=pr)
         if "prior" not in frozen:
-            named.update(theta_alpha=pr[0], theta_beta=pr[1], theta_mu=pr[2])
+            named.update(zip(bound.prior.params, pr))
     if "row_scale" in kw:
         kw["row_scale"] = kw["row_scale"].detach().clone().to(device).requires_grad_(True)
         named["row_scale"] = kw["row_scale"]
@@ -285,8 +298,13 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
     return out.detach().float(), {n: t.grad.detach().float() for n, t in named.items()}
 
 
-def run_check(device="cuda", checks=CHECKS):
-    from attention_kernel import attention_torch, attention_triton
+def run_check(device="cuda", checks=CHECKS, impl="triton", prior="ggd"):
+    """impl (triton | flex) against the fp32 reference on every check: outputs and every gradient."""
+    from attention_kernel import attention_flex, attention_torch, attention_triton
+    from priors import get_prior
+    fast = attention_triton if impl == "triton" else attention_flex
+    if prior != "ggd":  # the all-negative GGD case is the GGD kernel's numerics, not another prior's
+        checks = [c for c in checks if c[-1].get("prior") != "bam_negative"]
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be full fp32
     torch.backends.cudnn.allow_tf32 = False
     results, failed = [], 0
@@ -294,8 +312,8 @@ def run_check(device="cuda", checks=CHECKS):
         t0 = time.time()
         entry = {"check": name}
         try:
-            tensors, kw, frozen = _check_inputs(B, H, Tq, Tk, D, dtype, opt, device)
-            o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
+            tensors, kw, frozen = _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, prior=prior)
+            o_k, g_k = _run_once(fast, tensors, kw, frozen, dtype, device)
             # the reference in fp32 on the same (rounded) inputs
             ref_t = tuple(t.to(dtype).float() if i < 3 else t for i, t in enumerate(tensors))
             o_r, g_r = _run_once(attention_torch, ref_t, kw, frozen, torch.float32, device)
@@ -306,8 +324,8 @@ def run_check(device="cuda", checks=CHECKS):
             entry["rel_errors"] = errs
             finite = bool(torch.isfinite(o_k).all()) and all(bool(torch.isfinite(t).all()) for t in g_k.values())
             ok = finite and errs["out"] <= tol_o and all(e <= tol_g for n, e in errs.items() if n != "out")
-            if dtype != torch.float32:  # determinism: a second backward is bitwise equal
-                _, g_k2 = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
+            if dtype != torch.float32 and impl == "triton":  # the kernel's backward is deterministic: bitwise equal
+                _, g_k2 = _run_once(fast, tensors, kw, frozen, dtype, device)
                 entry["deterministic"] = all(torch.equal(g_k[n], g_k2[n]) for n in g_k)
                 ok = ok and entry["deterministic"]
             entry["status"] = "PASS" if ok else "FAIL"
@@ -322,6 +340,20 @@ def run_check(device="cuda", checks=CHECKS):
             print("        max|err|/max|ref|: " + "  ".join(f"{n}={e:.1e}" for n, e in errs.items())
                   + (f"  deterministic={entry['deterministic']}" if "deterministic" in entry else ""))
         results.append(entry)
+    if "triton" not in get_prior(prior).native:  # the kernel refuses a prior it does not hard-code
+        entry = {"check": f"impl='triton' refuses the prior {prior!r}"}
+        tensors, kw, frozen = _check_inputs(1, 2, 64, 64, 64, torch.float32, dict(prior="bam"), device, prior=prior)
+        try:
+            _run_once(attention_triton, tensors, kw, frozen, torch.float32, device)
+            entry["status"] = "FAIL: it ran"
+        except ValueError as e:
+            entry["status"] = "PASS" if prior in str(e) else f"FAIL: {e}"
+        failed += entry["status"] != "PASS"
+        print(f"[{entry['status'][:5]:<5}] {entry['check']}")
+        results.append(entry)
+    if impl != "triton":
+        print(f"\n{len(results) - failed}/{len(results)} checks passed")
+        return results, failed
     # a query with no visible key (doc_start after it): output 0, finite grads
     entry = {"check": "row without visible keys -> 0, no NaN"}
     try:
@@ -347,8 +379,47 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()
 
 
+# ---------------------------------------------------------------------------------------------------- CPU
+def run_cpu(args, reps=3):
+    """Evaluation on the CPU (no gradient): the reference vs compiled FlexAttention, the prior + SSMax of BAM.
+    Per length: the first Flex call (compilation included) and the median of `reps` timed calls of each."""
+    from attention_kernel import attention
+    lengths = [512, 1024, 2048, 4096] if args.quick or args.lengths == parse_args([]).lengths else args.lengths
+    D, rows = 64, []
+    print(f"CPU, {torch.get_num_threads()} threads, B=1 H={args.heads} D={D} fp32, {args.prior} prior + SSMax")
+    print(f"{'T':>6} {'torch ms':>9} {'flex ms':>9} {'flex 1st call s':>16} {'torch/flex':>11}")
+    for T in lengths:
+        pb = make_problem(1, args.heads, T, D, torch.float32, "cpu", prior=args.prior, grad=False)
+        row = {"T": T}
+        with torch.no_grad():
+            for impl in ("torch", "flex"):
+                fn = lambda: attention(pb["q"], pb["k"], pb["v"], prior=pb["prior"], scale_prior=True,
+                                       row_scale=pb["ssmax_s"][None, :, None] * pb["log_n"], impl=impl)
+                t0 = time.perf_counter()
+                fn()
+                row[f"{impl}_first_s"] = time.perf_counter() - t0
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                row[f"{impl}_ms"] = 1000 * sorted(times)[reps // 2]
+        row["torch_over_flex"] = row["torch_ms"] / row["flex_ms"]
+        rows.append(row)
+        print(f"{T:>6} {row['torch_ms']:>9.1f} {row['flex_ms']:>9.1f} {row['flex_first_s']:>16.1f} "
+              f"{row['torch_over_flex']:>10.2f}x", flush=True)
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.cpu:
+        out = {"env": dict(torch=torch.__version__, threads=torch.get_num_threads()), "args": vars(args),
+               "cpu": run_cpu(args)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     if not torch.cuda.is_available():
         print("bench_attention.py: no CUDA device; the Triton kernel benchmark and --check need a GPU. Nothing to do.")
         return 0
@@ -363,7 +434,7 @@ def main(argv=None):
     out = {"env": info, "args": vars(args)}
     status = 0
     if args.check:
-        out["check"], failed = run_check()
+        out["check"], failed = run_check(impl=args.check_impl, prior=args.prior)
         status = 1 if failed else 0
     else:
         torch.manual_seed(0)

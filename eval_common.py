@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from attention_check import SelfCheckError, self_check_model
 from data import DataError, get_tokenizer
 from model import CheckpointError, load_model
 
@@ -20,8 +21,8 @@ class EvalError(ValueError):
 
 
 # What each evaluation's main turns into one line `<script>: error: ...` and exit status 1 (anything else is a bug
-# and keeps its traceback).
-EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError)
+# and keeps its traceback). SelfCheckError: the attention impl was refused by the startup self-check.
+EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError, SelfCheckError)
 
 
 # ---- options ---------------------------------------------------------------------------------------------
@@ -31,6 +32,9 @@ def add_common_args(parser, default_out):
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn_impl", default=None, choices=["auto", "torch", "flex", "triton"],
+                        help="attention implementation (attention_kernel.py; default: the checkpoint's, normally auto). "
+                             "One that cannot compute the model's prior stops with an error")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,
@@ -66,16 +70,21 @@ def run_label(path):
     return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
 
 
-def load_runs(paths, device):
-    """Load every checkpoint; all must share one tokenizer so that they see identical prompts.
-    Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path, block_size, tokenizer and
-    data_dir (the training data the checkpoint records, or None)."""
+def load_runs(paths, device, attn_impl=None, dtype="auto"):
+    """Load every checkpoint (attention computed by attn_impl, if given); all must share one tokenizer so that they
+    see identical prompts. On CUDA each model's attention impl must first pass the self-check (attention_check.py)
+    in the evaluation's precision (SelfCheckError otherwise). Returns (runs, tokenizer) where runs is a list of
+    dicts: label, model, ckpt_path, block_size, tokenizer, data_dir (the training data the checkpoint records, or
+    None), attention_check (None on the CPU)."""
     runs = []
     for p in paths:
-        model, ckpt = load_model(p, device)
-        runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"],
-                         block_size=model.config.block_size, tokenizer=model.config.tokenizer,
-                         data_dir=ckpt.get("config", {}).get("data_dir")))
+        model, ckpt = load_model(p, device, attn_impl=attn_impl)
+        check = None
+        if torch.device(device).type == "cuda":
+            check = self_check_model(model, training=False, dtype=getattr(torch, resolve_dtype(device, dtype)))
+        runs.append(dict(label=run_label(p), model=model, ckpt_path=ckpt["path"], block_size=model.config.block_size,
+                         tokenizer=model.config.tokenizer, data_dir=ckpt.get("config", {}).get("data_dir"),
+                         attention_check=check))
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
         raise EvalError("the checkpoints were trained with different tokenizers "
@@ -100,6 +109,15 @@ def training_data_dir(runs, data_dir=None):
         raise EvalError(f"the checkpoints were trained on {recorded[0]!r}, which does not exist from here "
                         f"({os.getcwd()}); pass --data_dir")
     return recorded[0]
+
+
+def save_attention_checks(runs, out_dir):
+    """<out_dir>/attention_check.json: each run's self-check result (CUDA only; nothing is written on the CPU)."""
+    checks = [dict(label=r["label"], **r["attention_check"]) for r in runs if r["attention_check"] is not None]
+    if checks:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "attention_check.json"), "w") as f:
+            json.dump(checks, f, indent=1)
 
 
 # ---- memory ----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ positional encoding: nope | sinusoidal | rope | alibi | bam, each with or withou
 Everything positional happens in three places, all in this file or attention_kernel.py:
   - sinusoidal: added to the token embeddings (absolute positions)
   - rope: rotates q and k (absolute positions, not reset at document boundaries, as the authors did)
-  - alibi / bam: an additive log-prior on the logits, computed inside attention() from (theta_alpha, theta_beta, theta_mu)
+  - alibi / bam: an additive log-prior on the logits, computed inside attention() from a registered prior
+    (priors.py: alibi's fixed slopes, or the learned family `prior` of bam, GGD by default) and its parameters
 and SSMax multiplies each query row's logits by s_h * log(n_i), n_i = keys visible to query i in its document.
 
 Also here: checkpoint save/load (the one place), the size presets, the optimizer groups and prior inspection.
@@ -19,9 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention_kernel import alibi_slopes, attention
+from attention_kernel import attention
+from priors import PRIORS, BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
+ATTN_IMPLS = ("auto", "torch", "flex", "triton")
 
 # (n_layer, n_embd, n_head) exactly as spec §1. l12 is the paper's "120M" model, l24 its "1.1B".
 MODEL_SIZES = {
@@ -46,8 +49,10 @@ class GPTConfig:
     ssmax_init: float = 1.0          # s starts at 1.0 in the authors' code (spec §4)
     ssmax_prior: bool = True         # BAM+SSMax scales content AND prior, (l + B) * s log n (the authors' default);
                                      # attention() takes it as scale_prior
-    bam_init: str = "zero"           # zero (theta_alpha = theta_beta = 0, NoPE-equivalent) | alibi | linear | "A,B"
-    train_mu: bool = False           # theta_mu is frozen at 0 in the paper (mu = 0)
+    prior: str = "ggd"               # the learned prior family of bam, a name registered in priors.py
+    bam_init: str = "zero"           # its init spec (priors.py); ggd: zero (NoPE-equivalent) | alibi | linear | "A,B"
+    train_mu: bool = False           # ggd: theta_mu is frozen at 0 in the paper (mu = 0)
+    attn_impl: str = "auto"          # auto | torch | flex | triton (attention_kernel.py); changes no weights
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     tokenizer: str = "gpt2"          # stored so that no script pairs a model with the wrong tokenizer
@@ -59,7 +64,16 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.n_embd // self.n_head}")
-        bam_init_values(self.bam_init, self.n_head)  # fail early on a malformed init string
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        prior = get_prior(self.prior)  # an unregistered name fails here, naming the registered ones
+        if self.pos_encoding == "bam":
+            try:  # fail early on a malformed init string
+                prior.init(self.bam_init, self.n_head)
+            except ValueError as e:
+                raise ValueError(f"bam_init {e} (the init of the prior {prior.name!r})") from None
+        if self.train_mu and "theta_mu" not in prior.params:
+            raise ValueError(f"train_mu=True, but the prior {prior.name!r} has no theta_mu")
 
     @property
     def padded_vocab_size(self):
@@ -71,23 +85,6 @@ class GPTConfig:
             raise ValueError(f"unknown model_size {size!r}; choose one of {list(MODEL_SIZES)}")
         n_layer, n_embd, n_head = MODEL_SIZES[size]
         return cls(n_layer=n_layer, n_embd=n_embd, n_head=n_head, **kwargs)
-
-
-def bam_init_values(spec, n_head):
-    """Initial (theta_alpha, theta_beta) per head. 'zero' is the authors' current default (spec §3): a constant
-    prior, i.e. BAM starts as NoPE and learns its shape. 'alibi' starts exactly at ALiBi. 'linear' spreads
-    theta_beta over [0, 1] across heads (theta_alpha = 0). 'A,B' sets every head to theta_alpha=A, theta_beta=B."""
-    if spec == "zero":
-        return torch.zeros(n_head), torch.zeros(n_head)
-    if spec == "alibi":
-        return alibi_slopes(n_head).log(), torch.ones(n_head)
-    if spec == "linear":
-        return torch.zeros(n_head), torch.linspace(0.0, 1.0, n_head)
-    try:
-        a, b = (float(x) for x in spec.split(","))
-    except ValueError:
-        raise ValueError(f"bam_init must be 'zero', 'alibi', 'linear' or 'ALPHA,BETA' (two floats), got {spec!r}")
-    return torch.full((n_head,), a), torch.full((n_head,), b)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -160,42 +157,53 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
-        self.pos_encoding, self.ssmax_prior = cfg.pos_encoding, cfg.ssmax_prior
+        self.config, self.pos_encoding, self.ssmax_prior = cfg, cfg.pos_encoding, cfg.ssmax_prior
         self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        if cfg.pos_encoding == "bam":  # one prior per layer ("local"), one (alpha, beta, mu) per head
-            alpha, beta = bam_init_values(cfg.bam_init, cfg.n_head)
-            self.theta_alpha = nn.Parameter(alpha)
-            self.theta_beta = nn.Parameter(beta)
-            self.theta_mu = nn.Parameter(torch.zeros(cfg.n_head), requires_grad=cfg.train_mu)
-        elif cfg.pos_encoding == "alibi":  # ALiBi = the GGD prior with theta_beta = 1, theta_alpha = log slope, frozen
-            self.register_buffer("alibi_alpha", alibi_slopes(cfg.n_head).log(), persistent=False)
-            self.register_buffer("alibi_beta", torch.ones(cfg.n_head), persistent=False)
-            self.register_buffer("alibi_mu", torch.zeros(cfg.n_head), persistent=False)
+        # the positional prior: bam learns one per layer ("local"), with one value of each parameter per head,
+        # stored under the prior's parameter names; alibi's slopes are fixed and not saved (they never change)
+        self.prior_def = get_prior(cfg.prior if cfg.pos_encoding == "bam" else "alibi") \
+            if cfg.pos_encoding in ("bam", "alibi") else None
+        if self.prior_def is not None:
+            trainable = set(self.prior_def.trainable) | ({"theta_mu"} if cfg.train_mu else set())
+            for name, value in zip(self.prior_def.params, self.prior_def.init(cfg.bam_init, cfg.n_head)):
+                if cfg.pos_encoding == "bam":
+                    setattr(self, name, nn.Parameter(value, requires_grad=name in trainable))
+                else:
+                    self.register_buffer(name, value, persistent=False)
         if cfg.ssmax:
             self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), float(cfg.ssmax_init)))
 
     def prior(self):
-        if self.pos_encoding == "bam":
-            return self.theta_alpha, self.theta_beta, self.theta_mu
-        if self.pos_encoding == "alibi":
-            return self.alibi_alpha, self.alibi_beta, self.alibi_mu
-        return None
+        """This layer's prior with its parameters (a BoundPrior), or None without a positional prior."""
+        if self.prior_def is None:
+            return None
+        return BoundPrior(self.prior_def, tuple(getattr(self, name) for name in self.prior_def.params))
 
-    def forward(self, x, rope, doc_start, log_n, kv_cache):
+    def qkv(self, x, rope):
+        """Queries, keys and values (B, H, T, D) of x (B, T, C), rotated if rope = (cos, sin) is given."""
         B, T, C = x.shape
         q, k, v = (w(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
+        return q, k, v
+
+    def attention_kwargs(self, doc_start, log_n):
+        """The keyword arguments of attention() for this layer: doc_start, prior, row_scale, scale_prior."""
         row_scale = None
         if log_n is not None:  # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
             row_scale = self.ssmax_s[None, :, None] * log_n[:, None, :]
-        y = attention(q, k, v, doc_start=doc_start, prior=self.prior(), row_scale=row_scale,
-                      scale_prior=self.pos_encoding == "bam" and self.ssmax_prior)
+        return dict(doc_start=doc_start, prior=self.prior(), row_scale=row_scale,
+                    scale_prior=self.pos_encoding == "bam" and self.ssmax_prior)
+
+    def forward(self, x, rope, doc_start, log_n, kv_cache):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x, rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        y = attention(q, k, v, **self.attention_kwargs(doc_start, log_n), impl=self.config.attn_impl)
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -310,10 +318,11 @@ class GPT(nn.Module):
     def param_groups(self):
         """Name -> params for the four optimizer groups: weight-decayed matrices, norms, prior, SSMax (spec §6)."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
+        prior_params = {id(p) for b in self.blocks if b.attn.prior_def is not None for p in b.attn.prior().params}
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
-            if ".theta_" in name:
+            if id(p) in prior_params:
                 groups["prior"].append(p)
             elif name.endswith("ssmax_s"):
                 groups["ssmax"].append(p)
@@ -340,16 +349,18 @@ class GPT(nn.Module):
     # ---- inspection --------------------------------------------------------------------------------------
     @torch.no_grad()
     def prior_summary(self):
-        """Per layer: the learned prior's theta_alpha, theta_beta, mu and SSMax s per head (lists of floats).
-        ALiBi layers report their fixed prior in the same form (theta_beta = 1). Empty for nope/rope/sinusoidal."""
+        """Per layer: the prior's name, each of its parameters per head (lists of floats; ggd also mu) and SSMax
+        s per head. ALiBi layers report their fixed slopes. Empty for nope/rope/sinusoidal without SSMax."""
         rows = []
         for i, block in enumerate(self.blocks):
             attn = block.attn
             prior = attn.prior()
             row = {"layer": i}
             if prior is not None:
-                a, b, m = (t.detach().float().cpu() for t in prior)
-                row.update(theta_alpha=a.tolist(), theta_beta=b.tolist(), mu=(2 * torch.sinh(m)).tolist())
+                row["prior"] = prior.prior.name
+                row.update({n: t.detach().float().cpu().tolist() for n, t in zip(prior.prior.params, prior.params)})
+                if prior.prior.name == "ggd":
+                    row["mu"] = ggd_mu(attn.theta_mu.detach().float().cpu()).tolist()
             if hasattr(attn, "ssmax_s"):
                 row["ssmax_s"] = attn.ssmax_s.detach().float().cpu().tolist()
             if len(row) > 1:
@@ -442,6 +453,24 @@ def load_checkpoint(path, map_location="cpu"):
     return ckpt
 
 
+RUNTIME_KEYS = ("attn_impl",)  # model settings that choose how to compute, not what: free to differ from a checkpoint
+
+
+def checkpoint_model_args(ckpt):
+    """A checkpoint's GPTConfig as a dict, with the settings it predates at their defaults (a checkpoint without
+    `prior` is ggd). Raises CheckpointError for settings this code does not know and for an unregistered prior."""
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    unknown = set(ckpt["model_args"]) - set(defaults)
+    if unknown:
+        raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} has model settings this code does not know: "
+                              f"{sorted(unknown)}")
+    args = {**defaults, **ckpt["model_args"]}
+    if args["pos_encoding"] == "bam" and args["prior"] not in PRIORS:
+        raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} uses the prior {args['prior']!r}, which is not "
+                              f"registered (registered: {', '.join(PRIORS)}); register it in priors.py to load it")
+    return args
+
+
 def config_diff(a: dict, b: dict):
     """Human-readable list of the keys where two model configs differ."""
     keys = sorted(set(a) | set(b))
@@ -451,8 +480,10 @@ def config_diff(a: dict, b: dict):
 def load_state(model, ckpt):
     """Load ckpt["model"] into model, or raise an error that says how the checkpoint's model differs."""
     raw = unwrap(model)
-    known = {f.name for f in fields(GPTConfig)}
-    diff = config_diff({k: v for k, v in ckpt["model_args"].items() if k in known}, asdict(raw.config))
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    ckpt_args = {**defaults, **{k: v for k, v in ckpt["model_args"].items() if k in defaults}}
+    diff = config_diff({k: v for k, v in ckpt_args.items() if k not in RUNTIME_KEYS},
+                       {k: v for k, v in asdict(raw.config).items() if k not in RUNTIME_KEYS})
     if diff:
         raise ValueError(f"checkpoint {ckpt.get('path', '')!r} is from another model (checkpoint vs this model):\n  "
                          + "\n  ".join(diff))
@@ -467,14 +498,13 @@ def load_state(model, ckpt):
     raw.load_state_dict(ckpt["model"])
 
 
-def load_model(path, device="cpu"):
-    """Build a GPT from a checkpoint file or run directory. Returns (model in eval mode, checkpoint dict)."""
+def load_model(path, device="cpu", attn_impl=None):
+    """Build a GPT from a checkpoint file or run directory. Returns (model in eval mode, checkpoint dict).
+    attn_impl (auto | torch | flex | triton) replaces the checkpoint's attention implementation."""
     ckpt = load_checkpoint(path)
-    known = {f.name for f in fields(GPTConfig)}
-    unknown = set(ckpt["model_args"]) - known
-    if unknown:
-        raise CheckpointError(f"checkpoint {ckpt['path']!r} has model settings this code does not know: "
-                              f"{sorted(unknown)}")
-    model = GPT(GPTConfig(**ckpt["model_args"]))
+    args = checkpoint_model_args(ckpt)
+    if attn_impl is not None:
+        args["attn_impl"] = attn_impl
+    model = GPT(GPTConfig(**args))
     load_state(model, ckpt)
     return model.to(device).eval(), ckpt

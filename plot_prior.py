@@ -5,16 +5,17 @@ query to the key on a log axis.
 
     python plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png] [--max_distance 4096]
 
-The numbers come from attention_kernel.ggd_prior (the one home of the formula) with each layer's own parameters,
-so the figure is exactly what the model adds. Heads with theta_beta < 0 ("anti-local": the prior is lowest at the
-query and rises towards 0 far away, the heads that let BAM retrieve beyond its training context) are drawn thick
-and warm-coloured; the others thin and cool. The dashed line marks the training length. With SSMax and
-ssmax_prior=True the model multiplies content + prior by s_h * log(n) (spec §4); the figure shows B itself, and
-s_h is listed in the legend and the JSON.
+The numbers come from the model's registered prior (priors.py, the one home of every formula) with each layer's
+own parameters, so the figure is exactly what the model adds; title and formula come from the registry too. The
+heads the prior's highlight rule picks are drawn thick and warm-coloured, the others thin and cool. For GGD that
+is theta_beta < 0 ("anti-local": the prior is lowest at the query and rises towards 0 far away, the heads that
+let BAM retrieve beyond its training context); a prior without a rule draws every head alike. The dashed line
+marks the training length. With SSMax and ssmax_prior=True the model multiplies content + prior by s_h * log(n);
+the figure shows B itself, and s_h is listed in the legend and the JSON.
 
-Writes the PNG and, beside it, a JSON with the same numbers (<out>.json): per layer and head theta_alpha,
-theta_beta, mu, SSMax s, B at d = 0, and B at every plotted distance. Works for bam and alibi checkpoints (ALiBi
-is the prior with theta_beta = 1 and fixed slopes); other encodings have no prior to show.
+Writes the PNG and, beside it, a JSON with the same numbers (<out>.json): per layer and head the prior's
+parameters (and GGD's mu), SSMax s, whether it is highlighted, B at d = 0, and B at every plotted distance.
+Works for bam (any registered prior) and alibi checkpoints; other encodings have no prior to show.
 """
 import argparse
 import json
@@ -24,7 +25,6 @@ import sys
 import numpy as np
 import torch
 
-from attention_kernel import ggd_prior
 from model import load_model
 
 
@@ -36,27 +36,36 @@ def distances(max_distance, per_octave=8):
 
 @torch.no_grad()
 def prior_tables(model, dist):
-    """[{layer, heads: [{head, theta_alpha, theta_beta, mu, ssmax_s, bias_at_0, bias}]}] for every layer that has a
-    prior. bias[k] = B(d = -dist[k]): the key lies dist[k] positions before the query."""
+    """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0, bias}]}] for every
+    layer that has a prior. bias[k] = B(d = -dist[k]): the key lies dist[k] positions before the query."""
     summary = {row["layer"]: row for row in model.prior_summary()}
     d = -torch.tensor([0] + list(dist), dtype=torch.float64)
     layers = []
     for i, block in enumerate(model.blocks):
-        prior = block.attn.prior()
-        if prior is None:
+        bound = block.attn.prior()
+        if bound is None:
             continue
-        table = ggd_prior(d, *prior).double()  # (H, 1 + len(dist))
+        table = bound.table(d).double()  # (H, 1 + len(dist))
+        rule = bound.prior.highlight
+        highlighted = rule(*bound.params).tolist() if rule is not None else [False] * table.shape[0]
         row = summary[i]
-        heads = []
-        for h in range(table.shape[0]):
-            heads.append(dict(head=h, theta_alpha=row["theta_alpha"][h], theta_beta=row["theta_beta"][h],
-                              mu=row["mu"][h], ssmax_s=row["ssmax_s"][h] if "ssmax_s" in row else None,
-                              bias_at_0=table[h, 0].item(), bias=table[h, 1:].tolist()))
+        per_head = [k for k in row if k not in ("layer", "prior")]  # the parameters, mu (ggd), ssmax_s
+        heads = [dict(head=h, **{k: row[k][h] for k in per_head}, highlighted=bool(highlighted[h]),
+                      bias_at_0=table[h, 0].item(), bias=table[h, 1:].tolist()) for h in range(table.shape[0])]
         layers.append(dict(layer=i, heads=heads))
     return layers
 
 
-def plot(layers, dist, block_size, title, path):
+def head_label(h, prior):
+    """h3: θbeta=+0.52, θalpha=-1.3, s=1.02 (the shape parameter first)."""
+    names = sorted(prior.params, key=lambda n: n != prior.shape_param)
+    parts = [f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in names]
+    if h.get("ssmax_s") is not None:
+        parts.append(f"s={h['ssmax_s']:.2f}")
+    return f"h{h['head']}: " + ", ".join(parts)
+
+
+def plot(layers, dist, block_size, prior, title, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -66,21 +75,21 @@ def plot(layers, dist, block_size, title, path):
     warm, cool = plt.get_cmap("autumn"), plt.get_cmap("winter")
     for ax, layer in zip(axes[0], layers):
         heads = layer["heads"]
-        neg = [h for h in heads if h["theta_beta"] < 0]
-        pos = [h for h in heads if h["theta_beta"] >= 0]
-        for group, cmap, lw, ls in ((pos, cool, 1.2, "--"), (neg, warm, 2.6, "-")):
-            for k, h in enumerate(sorted(group, key=lambda h: h["theta_beta"])):
-                label = f"h{h['head']}: θβ={h['theta_beta']:+.2f}, θα={h['theta_alpha']:+.1f}"
-                if h["ssmax_s"] is not None:
-                    label += f", s={h['ssmax_s']:.2f}"
-                ax.plot(dist, h["bias"], ls, lw=lw, color=cmap(0.85 * k / max(1, len(group) - 1)), label=label)
+        hot = [h for h in heads if h["highlighted"]]
+        rest = [h for h in heads if not h["highlighted"]]
+        for group, cmap, lw, ls in ((rest, cool, 1.2, "--"), (hot, warm, 2.6, "-")):
+            for k, h in enumerate(sorted(group, key=lambda h: h[prior.shape_param])):
+                ax.plot(dist, h["bias"], ls, lw=lw, color=cmap(0.85 * k / max(1, len(group) - 1)),
+                        label=head_label(h, prior))
         ax.axvline(block_size, color="gray", ls=":", lw=1)
         ax.annotate(f"train length {block_size}", (block_size, 0.02), xycoords=("data", "axes fraction"),
                     rotation=90, fontsize=7, color="gray", ha="right", va="bottom")
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("distance to the key |j - i| (tokens, log scale)")
-        ax.set_title(f"layer {layer['layer']}: {len(neg)} of {len(heads)} heads with θβ < 0", fontsize=9)
+        ax.set_title(f"layer {layer['layer']}" + (f": {len(hot)} of {len(heads)} heads with "
+                                                  f"{prior.highlight_label}" if prior.highlight else ""),
+                     fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, loc="lower left")
     axes[0][0].set_ylabel("log-prior B(d) added to the logits (symlog)")
@@ -91,7 +100,7 @@ def plot(layers, dist, block_size, title, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Plot the learned GGD-BAM prior of every layer and head.")
+    ap = argparse.ArgumentParser(description="Plot the positional prior of every layer and head of a checkpoint.")
     ap.add_argument("--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)")
     ap.add_argument("--out", default=None, help="PNG path (default: prior.png in the run directory); "
                                                  "the numbers go to the same path with .json")
@@ -101,31 +110,34 @@ def main(argv=None):
     model, ckpt = load_model(args.ckpt)
     cfg = model.config
     if cfg.pos_encoding not in ("bam", "alibi"):
-        sys.exit(f"plot_prior.py: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, which has no positional "
+        sys.exit(f"plot_prior.py: error: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, which has no positional "
                  "prior to plot (bam and alibi do)")
     out = args.out or os.path.join(os.path.dirname(ckpt["path"]), "prior.png")
     max_distance = args.max_distance or 64 * cfg.block_size
     if max_distance < 2:
-        sys.exit("--max_distance must be at least 2")
+        sys.exit("plot_prior.py: error: --max_distance must be at least 2")
     dist = distances(max_distance)
     layers = prior_tables(model, dist)
+    prior = model.blocks[0].attn.prior_def
     run = os.path.basename(os.path.dirname(os.path.abspath(ckpt["path"])))
     name = cfg.pos_encoding + ("+ssmax" if cfg.ssmax else "")
-    n_neg = sum(h["theta_beta"] < 0 for layer in layers for h in layer["heads"])
+    n_hot = sum(h["highlighted"] for layer in layers for h in layer["heads"])
     n_all = sum(len(layer["heads"]) for layer in layers)
-    title = (f"{run} ({name}, step {ckpt.get('step', '?')}): learned prior B(d) = -exp(θα)(|d - μ| + 1e-5)^θβ; "
-             f"{n_neg}/{n_all} heads with θβ < 0")
+    hot = f"{n_hot}/{n_all} heads with {prior.highlight_label}" if prior.highlight else ""
+    title = (f"{run} ({name}, step {ckpt.get('step', '?')}): {prior.name} prior {prior.formula}"
+             + (f"\n{hot}" if hot else ""))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    plot(layers, dist, cfg.block_size, title, out)
+    plot(layers, dist, cfg.block_size, prior, title, out)
     json_path = os.path.splitext(out)[0] + ".json"
     with open(json_path, "w") as f:
-        json.dump(dict(ckpt=ckpt["path"], step=ckpt.get("step"), pos_encoding=cfg.pos_encoding, ssmax=cfg.ssmax,
-                       ssmax_prior=cfg.ssmax_prior, block_size=cfg.block_size, distances=dist,
-                       heads_theta_beta_negative=n_neg, heads=n_all, layers=layers), f, indent=1)
+        json.dump(dict(ckpt=ckpt["path"], step=ckpt.get("step"), pos_encoding=cfg.pos_encoding, prior=prior.name,
+                       formula=prior.formula, ssmax=cfg.ssmax, ssmax_prior=cfg.ssmax_prior, block_size=cfg.block_size,
+                       distances=dist, highlight=prior.highlight_label, heads_highlighted=n_hot, heads=n_all,
+                       layers=layers), f, indent=1)
     for layer in layers:
-        betas = " ".join(f"{h['theta_beta']:+.2f}" for h in layer["heads"])
-        print(f"layer {layer['layer']}: theta_beta {betas}")
-    print(f"{n_neg}/{n_all} heads with theta_beta < 0; wrote {out} and {json_path}")
+        values = " ".join(f"{h[prior.shape_param]:+.2f}" for h in layer["heads"])
+        print(f"layer {layer['layer']}: {prior.shape_param} {values}")
+    print((hot + "; " if hot else "") + f"wrote {out} and {json_path}")
 
 
 if __name__ == "__main__":

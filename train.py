@@ -10,7 +10,8 @@ Train a bam-gpt model: the paper's recipe (spec §0, §6) in one loop, on one CP
 Settings are the module-level variables below; their defaults are the paper's recipe, and a config file and
 --key=value arguments override them (configurator.py). The run directory out_dir/ holds:
     config.json     the resolved settings (plus world_size, vocab_size, tokenizer, model_args)
-    env.json        versions, GPUs, host, git commit and command line of every launch
+    env.json        versions, GPUs, host, git commit and command line of every launch, and (CUDA) the result of
+                    the attention self-check run before the first step (attention_check.py)
     metrics.jsonl   one JSON object per logged step: step, train_loss, lr, grad_norm, tokens_per_s, ms_per_step,
                     mfu (CUDA), and at evaluations val_loss and the learned prior (bam)
     ckpt_{step:07d}.pt  model.save_checkpoint(): model_args, model, optimizer, step, config, rng, val_loss, ...
@@ -35,10 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from attention_check import SelfCheckError, self_check_model
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
-from model import (GPT, MODEL_SIZES, POS_ENCODINGS, CheckpointError, GPTConfig, autocast, checkpoint_name,
-                   checkpoints, config_diff, load_checkpoint, load_state, peak_flops, save_checkpoint)
+from model import (GPT, MODEL_SIZES, POS_ENCODINGS, RUNTIME_KEYS, CheckpointError, GPTConfig, autocast,
+                   checkpoint_model_args, checkpoint_name, checkpoints, config_diff, load_checkpoint, load_state,
+                   peak_flops, save_checkpoint)
+from priors import PRIORS
 
 # ----------------------------------------------------------------------------------------------------------
 # Settings. The defaults are the paper's l12 BAM+SSMax recipe: config/bam_120m.py only names the run.
@@ -62,7 +66,8 @@ gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (ea
 tokens_per_step = 589824         # > 0 overrides the above: accumulation = this / (batch_size * block_size * world size)
 allow_data_repeat = False        # let the run read its training data more than once (else it refuses to start)
 # model: model_size, then every field of model.GPTConfig with its default there (n_layer, n_head, n_embd,
-# block_size = the training context, pos_encoding, ssmax, ...), except vocab_size and tokenizer: the data sets those
+# block_size = the training context, pos_encoding, ssmax, prior, attn_impl, ...), except vocab_size and tokenizer:
+# the data sets those
 model_size = ""                  # "" or l6 | l8 | l12 | l15 | l18 | l24 (spec §1): overrides n_layer, n_head, n_embd
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer"))
 globals().update({f.name: f.default for f in fields(GPTConfig) if f.name in MODEL_KEYS})
@@ -140,14 +145,27 @@ def resolve_config(c, world_size):
             errors.append(f"device={c['device']!r} is not a device torch knows ({e})")
     if c["wandb_log"] and importlib.util.find_spec("wandb") is None:
         errors.append("wandb_log=True needs the wandb package (pip install wandb)")
+    errors += attn_impl_errors(c)
     if not errors:
-        try:  # the model's own checks (head_dim, rope, bam_init); the vocabulary comes later from the data
+        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
             GPTConfig(**model_args(c, vocab_size=1, tokenizer=""))
         except ValueError as e:
             errors.append(str(e))
     if errors:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(errors))
     return c
+
+
+def attn_impl_errors(c):
+    """attn_impl settings that could not train this model: said before any data or model is touched."""
+    if c["attn_impl"] == "flex" and (c["device"] == "cpu" or (c["device"] == "auto" and not torch.cuda.is_available())):
+        return ["attn_impl='flex' cannot train on the CPU (FlexAttention has no CPU backward in this torch); "
+                "use attn_impl=torch or auto"]
+    prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
+    if c["attn_impl"] == "triton" and prior in PRIORS and "triton" not in PRIORS[prior].native:
+        return [f"attn_impl='triton' cannot compute the prior {prior!r} (the kernel hard-codes "
+                f"{', '.join(p for p in PRIORS if 'triton' in PRIORS[p].native)}); use attn_impl=flex or auto"]
+    return []
 
 
 def check_data_budget(c, train_windows, tokens_per_update):
@@ -237,8 +255,8 @@ def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
     """Load model, optimizer, scaler and this process's RNG from a checkpoint; hyperparameters stay those of c.
     Returns (step, checkpoint path, val_loss)."""
     ckpt = load_checkpoint(path, map_location="cpu")
-    args = model_args(c, c["vocab_size"], c["tokenizer"])
-    diff = config_diff({k: ckpt["model_args"].get(k) for k in args}, args)
+    args, old_args = model_args(c, c["vocab_size"], c["tokenizer"]), checkpoint_model_args(ckpt)
+    diff = config_diff(*({k: a[k] for k in args if k not in RUNTIME_KEYS} for a in (old_args, args)))
     if diff:
         raise TrainingError(f"cannot resume {ckpt['path']!r}: its model differs from these settings "
                             "(checkpoint vs now):\n  " + "\n  ".join(diff))
@@ -271,8 +289,9 @@ def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
 def describe(raw_model, c, accum, tokens_per_update):
     """Three lines for the log: the model, its parameters, the batch."""
     groups = raw_model.param_groups()
-    return (f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}, {c['n_layer']} layers, {c['n_head']} "
-            f"heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})\n"
+    prior = f" ({c['prior']} prior)" if c["pos_encoding"] == "bam" else ""
+    return (f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}{prior}, {c['n_layer']} layers, "
+            f"{c['n_head']} heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})\n"
             f"parameters: {raw_model.num_params():,} total, {raw_model.num_params(non_embedding=True):,} "
             f"non-embedding, {sum(p.numel() for p in groups['prior'])} trainable prior, "
             f"{sum(p.numel() for p in groups['ssmax'])} SSMax s\n"
@@ -303,9 +322,10 @@ def environment(argv, world_size):
             "command": shlex.join([sys.executable, *argv])}
 
 
-def write_run_files(c, tokens_per_update, argv, start_step):
-    """config.json, env.json (this launch, and the earlier ones of a resumed run) and metrics.jsonl cut back to
-    start_step: records of steps after it were lost with the crash. Returns the metrics path."""
+def write_run_files(c, tokens_per_update, argv, start_step, attention_check):
+    """config.json, env.json (this launch with its attention self-check result, and the earlier launches of a
+    resumed run) and metrics.jsonl cut back to start_step: records of steps after it were lost with the crash.
+    Returns the metrics path."""
     os.makedirs(c["out_dir"], exist_ok=True)
     with open(os.path.join(c["out_dir"], "config.json"), "w") as f:
         json.dump(dict(c, model_args=model_args(c, c["vocab_size"], c["tokenizer"]),
@@ -317,8 +337,8 @@ def write_run_files(c, tokens_per_update, argv, start_step):
             prev = json.load(f)
         earlier = prev.pop("earlier_launches", []) + [prev]
     with open(env_path, "w") as f:
-        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, earlier_launches=earlier), f,
-                  indent=2)
+        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, attention_check=attention_check,
+                       earlier_launches=earlier), f, indent=2)
     metrics_path = os.path.join(c["out_dir"], "metrics.jsonl")
     kept = []
     if c["resume"] and os.path.exists(metrics_path):
@@ -403,13 +423,18 @@ def evaluate(raw_model, loader, eval_iters, ctx):
 
 
 def prior_record(raw_model):
-    """theta_beta per layer as [min, median, max] and the number of heads with theta_beta < 0 (bam only)."""
-    if raw_model.config.pos_encoding != "bam":
+    """The learned prior's shape parameter per layer as [min, median, max], and how many heads its highlight rule
+    picks (ggd: theta_beta < 0). bam only."""
+    prior_def = raw_model.blocks[0].attn.prior_def
+    if raw_model.config.pos_encoding != "bam" or not prior_def.shape_param:
         return {}
-    betas = [torch.tensor(row["theta_beta"]) for row in raw_model.prior_summary()]
-    return {"theta_beta": [[round(b.min().item(), 4), round(b.quantile(0.5).item(), 4), round(b.max().item(), 4)]
-                           for b in betas],
-            "heads_beta_negative": int(sum((b < 0).sum() for b in betas))}
+    bound = [b.attn.prior() for b in raw_model.blocks]
+    shapes = [p.params[prior_def.params.index(prior_def.shape_param)].detach().float().cpu() for p in bound]
+    record = {prior_def.shape_param: [[round(x.min().item(), 4), round(x.quantile(0.5).item(), 4),
+                                       round(x.max().item(), 4)] for x in shapes]}
+    if prior_def.highlight is not None:
+        record["heads_highlighted"] = int(sum(prior_def.highlight(*p.params).sum().item() for p in bound))
+    return record
 
 
 def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
@@ -419,9 +444,11 @@ def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
     msg = f"step {step}: val loss {val_loss:.4f}"
     if prior:
         record["prior"] = prior
-        cfg = raw_model.config
-        msg += (f" | theta_beta median per layer {[b[1] for b in prior['theta_beta']]}"
-                f" | heads with theta_beta < 0: {prior['heads_beta_negative']}/{cfg.n_layer * cfg.n_head}")
+        cfg, prior_def = raw_model.config, raw_model.blocks[0].attn.prior_def
+        msg += f" | {prior_def.shape_param} median per layer {[x[1] for x in prior[prior_def.shape_param]]}"
+        if "heads_highlighted" in prior:
+            msg += (f" | heads with {prior_def.highlight_label}: "
+                    f"{prior['heads_highlighted']}/{cfg.n_layer * cfg.n_head}")
     log(msg)
     return val_loss
 
@@ -447,8 +474,8 @@ def write_metrics(path, record, wandb):
         f.write(json.dumps(record) + "\n")
     if wandb is not None:
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        if "prior" in record:
-            scalars["heads_beta_negative"] = record["prior"]["heads_beta_negative"]
+        if "heads_highlighted" in record.get("prior", {}):
+            scalars["heads_highlighted"] = record["prior"]["heads_highlighted"]
         wandb.log(scalars, step=record["step"])
 
 
@@ -522,10 +549,15 @@ def train(c, argv=()):
     step, last_ckpt, val_loss = 0, None, None
     if c["resume"]:
         step, last_ckpt, val_loss = restore(existing[-1][1], raw_model, optimizer, scaler, c, rank, world_size, log)
+    attn_check = None  # on CUDA: the attention impl vs the reference, before the first step (attention_check.py)
+    if device.type == "cuda":
+        attn_check = self_check_model(raw_model, training=True, dtype=getattr(torch, c["dtype"]))
+        log(f"attention self-check: {attn_check['impl']} matches the reference (max error "
+            f"{attn_check['max_err']:.1e}, {attn_check['seconds']:.1f} s)")
     model = torch.compile(raw_model) if c["compile"] else raw_model
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    metrics_path = write_run_files(c, tokens_per_update, argv, step) if master else None
+    metrics_path = write_run_files(c, tokens_per_update, argv, step, attn_check) if master else None
     wandb = start_wandb(c) if master and c["wandb_log"] else None
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if device.type == "cuda" and peak is None:  # MFU needs the GPU's peak
@@ -575,5 +607,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError) as e:  # expected failures
+    except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError, SelfCheckError) as e:
         sys.exit(f"train.py: error: {e}")

@@ -118,7 +118,8 @@ def test_plot_prior_draws_the_model_prior(tmp_path):
     plot_prior.main(["--ckpt", str(tmp_path / "run"), "--out", str(out), "--max_distance", "1000"])
     assert out.stat().st_size > 10_000
     info = json.loads((tmp_path / "fig" / "prior.json").read_text())
-    assert info["heads"] == 8 and info["heads_theta_beta_negative"] == 1
+    assert info["heads"] == 8 and info["heads_highlighted"] == 1 and info["prior"] == "ggd"
+    assert [h["head"] for layer in info["layers"] for h in layer["heads"] if h["highlighted"]] == [0]
     assert info["distances"][0] == 1 and info["distances"][-1] == 1000
     head = info["layers"][1]["heads"][0]
     assert head["theta_beta"] == pytest.approx(-0.7) and head["theta_alpha"] == pytest.approx(1.5)

@@ -324,7 +324,9 @@ def test_prior_summary_reports_every_layer():
     assert len(rows) == 2 and len(rows[0]["theta_beta"]) == 4 and len(rows[0]["ssmax_s"]) == 4
     assert rows[0]["theta_beta"][0] == pytest.approx(-0.8) and rows[0]["mu"] == [0.0] * 4
     assert GPT(tiny("rope", False)).prior_summary() == []
-    assert GPT(tiny("alibi", False)).prior_summary()[0]["theta_beta"] == [1.0] * 4
+    assert rows[0]["prior"] == "ggd"
+    alibi = GPT(tiny("alibi", False)).prior_summary()[0]
+    assert alibi["prior"] == "alibi" and alibi["slope"] == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
 
 
 def test_bad_config_values_fail_clearly():

@@ -1,0 +1,185 @@
+"""
+The positional priors of bam-gpt: the one place that says what a prior is. Open this file first to try your own.
+
+A prior is a log-prior B_h(d) over the signed distance d = j - i from query i to key j (d <= 0 under the causal
+mask), one curve per head h, added to the attention logits: softmax(q.k/sqrt(D) + B) is then the posterior over
+which key to read (the paper's reading of positional encodings). Each prior is registered under a name:
+
+    fn(d, *params) -> (H, len(d)) float32   the log-prior; d a 1-D tensor of distances, params (H,) tensors
+    params          its per-head parameter names, in the order fn takes them (also the model's parameter names)
+    init(spec, H)   their initial values from a spec string (train.py's bam_init: "zero", "alibi", "A,B", ...)
+    trainable       the parameters trained by default (the others are kept fixed)
+    native          the attention implementations that compute it: "torch" (the reference) and "flex"
+                    (FlexAttention) evaluate fn itself; "triton" only for the forms the kernel hard-codes
+    formula         for figures and docs; shape_param labels a head in figures; highlight(*params) -> (H,) bool
+                    picks the heads figures draw thick, described by highlight_label
+
+attention() receives a BoundPrior (the prior and one layer's parameters). Priors shipped: ggd (the paper's,
+the default), alibi (fixed slopes) and cauchy (a learnable heavy-tailed example of adding one).
+"""
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+IMPLS = frozenset({"torch", "flex", "triton"})
+
+
+@dataclass(frozen=True)
+class Prior:
+    name: str
+    fn: Callable
+    params: tuple
+    init: Callable
+    trainable: tuple
+    native: frozenset = frozenset({"torch", "flex"})
+    formula: str = ""
+    shape_param: str = ""
+    highlight: Optional[Callable] = None
+    highlight_label: str = ""
+
+
+class BoundPrior(NamedTuple):
+    """A prior with one layer's parameters: what attention() receives as `prior`."""
+    prior: Prior
+    params: tuple
+
+    def table(self, d):
+        """The log-prior at distances d (1-D): (H, len(d)) float32."""
+        return self.prior.fn(d, *self.params)
+
+
+PRIORS = {}
+
+
+def register(prior):
+    """Add a prior to the registry (under prior.name) and return it."""
+    if PRIORS.get(prior.name, prior) is not prior:
+        raise ValueError(f"a different prior is already registered as {prior.name!r}")
+    bad = [n for n in prior.trainable if n not in prior.params]
+    if bad or not prior.native <= IMPLS or prior.shape_param not in prior.params + ("",):
+        raise ValueError(f"prior {prior.name!r}: trainable {prior.trainable} and shape_param {prior.shape_param!r} "
+                         f"must be among its params {prior.params}, native {set(prior.native)} within {set(IMPLS)}")
+    PRIORS[prior.name] = prior
+    return prior
+
+
+def get_prior(name):
+    if name not in PRIORS:
+        raise ValueError(f"unknown prior {name!r}; registered priors: {', '.join(PRIORS)}")
+    return PRIORS[name]
+
+
+def bind(prior):
+    """attention()'s `prior` argument as a BoundPrior: None stays None, a bare 3-tuple of (H,) tensors is GGD."""
+    if prior is None or isinstance(prior, BoundPrior):
+        return prior
+    if isinstance(prior, (tuple, list)) and len(prior) == 3 and all(torch.is_tensor(t) for t in prior):
+        return BoundPrior(PRIORS["ggd"], tuple(prior))
+    raise TypeError("prior must be None, a BoundPrior, or a GGD triple (theta_alpha, theta_beta, theta_mu) of (H,) "
+                    f"tensors; got {type(prior).__name__}")
+
+
+def _per_head(*params):
+    return (t.float()[:, None] for t in params)
+
+
+def _two_floats(spec, n_head, names, options):
+    try:
+        a, b = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"must be {options} or '{names}' (two floats), got {spec!r}") from None
+    return torch.full((n_head,), a), torch.full((n_head,), b)
+
+
+# ---------------------------------------------------------------------------------------------------------- GGD
+GGD_EPS = 1e-5  # keeps (|d - mu| + eps)^theta_beta finite at d = mu when theta_beta < 0 (the authors' value)
+
+
+def ggd_mu(theta_mu):
+    """mu = 2 sinh(theta_mu) = exp(theta_mu) - exp(-theta_mu): an odd, unbounded reparametrisation of the centre."""
+    return 2.0 * torch.sinh(theta_mu)
+
+
+def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
+    """GGD-BAM (the paper, eq. for B): B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h.
+
+    The log-density of a generalised Gaussian centred at mu with shape theta_beta (up to a constant that softmax
+    ignores): theta_beta = 1 is Laplace (ALiBi), 0 is uniform (NoPE), < 0 puts the mass *far* from the query."""
+    d = d.float()[None, :]
+    alpha, beta, mu_raw = _per_head(theta_alpha, theta_beta, theta_mu)
+    return -torch.exp(alpha) * torch.pow((d - ggd_mu(mu_raw)).abs() + GGD_EPS, beta)
+
+
+def ggd_init(spec, n_head):
+    """'zero' (the authors' default): theta_alpha = theta_beta = 0, a constant prior, i.e. BAM starts as NoPE and
+    learns its shape. 'alibi' starts exactly at ALiBi. 'linear' spreads theta_beta over [0, 1] across heads
+    (theta_alpha = 0). 'A,B' sets every head to theta_alpha=A, theta_beta=B. theta_mu always starts at 0."""
+    if spec == "zero":
+        alpha, beta = torch.zeros(n_head), torch.zeros(n_head)
+    elif spec == "alibi":
+        alpha, beta = alibi_slopes(n_head).log(), torch.ones(n_head)
+    elif spec == "linear":
+        alpha, beta = torch.zeros(n_head), torch.linspace(0.0, 1.0, n_head)
+    else:
+        alpha, beta = _two_floats(spec, n_head, "ALPHA,BETA", "'zero', 'alibi', 'linear'")
+    return alpha, beta, torch.zeros(n_head)
+
+
+GGD = register(Prior(
+    name="ggd", fn=ggd_prior, params=("theta_alpha", "theta_beta", "theta_mu"), init=ggd_init,
+    trainable=("theta_alpha", "theta_beta"), native=frozenset({"torch", "flex", "triton"}),
+    formula="B(d) = -exp(θα)(|d - μ| + 1e-5)^θβ, μ = 2 sinh(θμ)", shape_param="theta_beta",
+    highlight=lambda theta_alpha, theta_beta, theta_mu: theta_beta < 0,
+    highlight_label="θβ < 0"))
+
+
+# -------------------------------------------------------------------------------------------------------- ALiBi
+def alibi_slopes(n_head):
+    """ALiBi's fixed per-head slopes (Press et al.), including head counts that are not powers of two: the first
+    n - c slopes at even indices of the 2c-head sequence, as in the ALiBi reference code."""
+    def power_of_2(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+    c = 2 ** int(math.floor(math.log2(n_head)))
+    slopes = power_of_2(c)
+    if c < n_head:
+        slopes += power_of_2(2 * c)[0::2][: n_head - c]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_prior(d, slope):
+    """ALiBi (Press et al.): B_h(d) = -m_h |d|, a Laplace prior centred on the query (the paper's Lemma 2)."""
+    (m,) = _per_head(slope)
+    return -m * d.float().abs()[None, :]
+
+
+ALIBI = register(Prior(
+    name="alibi", fn=alibi_prior, params=("slope",), init=lambda spec, n_head: (alibi_slopes(n_head),),
+    trainable=(), native=frozenset({"torch", "flex", "triton"}), formula="B(d) = -m|d|, fixed slopes m",
+    shape_param="slope"))
+
+
+# ------------------------------------------------------------------------------------------------------- Cauchy
+def cauchy_prior(d, theta_a, theta_s):
+    """A heavy-tailed learnable prior, the worked example of adding one (README, "Try your own prior"):
+    B_h(d) = -exp(theta_a_h) * log(1 + (d / exp(theta_s_h))^2).
+
+    theta_a = 0 is the log-density of a Cauchy distribution of scale exp(theta_s) centred on the query; other
+    theta_a give the Student-t family (exp(theta_a) = (nu + 1) / 2). Far away it decays like -2 exp(theta_a) log|d|,
+    a power law instead of ALiBi's linear penalty, so distant keys stay reachable."""
+    a, s = _per_head(theta_a, theta_s)
+    return -torch.exp(a) * torch.log1p((d.float()[None, :] / torch.exp(s)) ** 2)
+
+
+def cauchy_init(spec, n_head):
+    """'zero': theta_a = theta_s = 0, the standard Cauchy prior -log(1 + d^2). 'A,S' sets every head."""
+    if spec == "zero":
+        return torch.zeros(n_head), torch.zeros(n_head)
+    return _two_floats(spec, n_head, "A,S", "'zero'")
+
+
+CAUCHY = register(Prior(
+    name="cauchy", fn=cauchy_prior, params=("theta_a", "theta_s"), init=cauchy_init, trainable=("theta_a", "theta_s"),
+    formula="B(d) = -exp(θa) log(1 + (d / exp(θs))²)", shape_param="theta_s"))

@@ -1,0 +1,233 @@
+"""The prior registry (priors.py): every attention impl computes a registered prior exactly or refuses it, ALiBi
+stays the Laplace prior, and checkpoints record their prior.
+
+The Triton cases run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); their test names
+contain "kernel" so that `pytest -k kernel` selects them with the other kernel tests.
+"""
+import math
+
+import pytest
+import torch
+
+import attention_kernel as ak
+import eval_passkey
+from attention_kernel import alibi_slopes, attention, attention_probs
+from model import GPT, CheckpointError, GPTConfig, load_model, save_checkpoint
+from priors import PRIORS, BoundPrior, Prior, bind, get_prior, register
+
+
+# ------------------------------------------------------------------------------------ a prior no other test uses
+def tanh_prior(d, theta_p, theta_q):
+    """theta_p * tanh(|d| / exp(theta_q)): local (theta_p < 0) or anti-local (theta_p > 0), bounded."""
+    return theta_p.float()[:, None] * torch.tanh(d.float().abs()[None, :] / torch.exp(theta_q.float())[:, None])
+
+
+TANH = register(Prior(name="test_tanh", fn=tanh_prior, params=("theta_p", "theta_q"),
+                      init=lambda spec, n_head: (torch.zeros(n_head), torch.zeros(n_head)),
+                      trainable=("theta_p", "theta_q"), formula="θp tanh(|d| / exp(θq))", shape_param="theta_p"))
+
+
+def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior, q_offset):
+    """The whole (Tq x Tk) attention written out from the formula, independently of attention_kernel."""
+    Tq, Tk, D = q.shape[2], k.shape[2], q.shape[3]
+    i = q_offset + torch.arange(Tq)
+    j = torch.arange(Tk)
+    dist = (j[None, :] - i[:, None]).abs().double()  # (Tq, Tk)
+    prior = theta_p.double()[:, None, None] * torch.tanh(dist[None] / theta_q.double().exp()[:, None, None])
+    logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
+    r = row_scale.double()[..., None]
+    s = (logits + prior) * r if scale_prior else logits * r + prior
+    visible = (j[None, None, :] <= i[None, :, None]) & (j[None, None, :] >= doc_start[:, i][:, :, None])
+    s = s.masked_fill(~visible[:, None], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v.double()
+
+
+def impl_cases():
+    """(impl, has_backward) for every impl this machine has: torch; flex (forward only on CPU); the kernel."""
+    cases = [("torch", True)]
+    cases.append(("flex", torch.cuda.is_available()))
+    if ak._triton_available() and (torch.cuda.is_available() or ak._interpreting()):
+        cases.append(("triton_kernel", True))
+    return cases
+
+
+@pytest.mark.parametrize("impl,has_backward", impl_cases())
+@pytest.mark.parametrize("scale_prior", [True, False])
+def test_every_kernel_matches_dense_formula_or_raises(impl, has_backward, scale_prior):
+    """Documents, SSMax in both placements and q_offset (the queries are not the last positions)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    B, H, Tq, Tk, D, q_offset = 2, 3, 24, 40, 16, 10
+    q, k, v = (torch.randn(B, H, t, D, generator=gen) for t in (Tq, Tk, Tk))
+    ds = torch.zeros(B, Tk, dtype=torch.long)
+    ds[0, 13:], ds[0, 27:], ds[1, 20:] = 13, 27, 20
+    theta_p, theta_q = torch.tensor([-2.0, 1.5, 0.3]), torch.tensor([0.0, 1.0, 2.5])
+    pos = torch.arange(Tk)
+    rs = 0.8 * torch.log((pos - ds + 1).float())[:, None, q_offset:q_offset + Tq].expand(B, H, Tq).contiguous()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, theta_p, theta_q, rs)]
+    ref = dense_reference(*leaves[:3], ds, *leaves[3:5], leaves[5], scale_prior, q_offset)
+    dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ref_grads = torch.autograd.grad((ref * dout).sum(), leaves)
+
+    mine = [t.detach().to(dev).requires_grad_(True) for t in leaves]
+    call = lambda: attention(*mine[:3], doc_start=ds.to(dev), prior=BoundPrior(TANH, tuple(mine[3:5])),
+                             row_scale=mine[5], scale_prior=scale_prior, q_offset=q_offset,
+                             impl=impl.replace("_kernel", ""))
+    if impl == "triton_kernel":  # the kernel hard-codes its priors: this one is refused, never replaced
+        with pytest.raises(ValueError, match="test_tanh"):
+            call()
+        return
+    if not has_backward:  # FlexAttention on the CPU: the forward, and a clear refusal where a gradient is needed
+        with torch.no_grad():
+            out = call()
+        torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
+        with pytest.raises(RuntimeError, match="no backward on the CPU"):
+            call()
+        return
+    out = call()
+    torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
+    grads = torch.autograd.grad((out.double() * dout.to(dev)).sum(), mine)
+    for name, g, r in zip(("q", "k", "v", "theta_p", "theta_q", "row_scale"), grads, ref_grads):
+        torch.testing.assert_close(g.double().cpu(), r.double(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_attention_probs_are_the_reference_weights():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 3, t, 8, generator=gen) for t in (5, 30, 30))
+    ds = torch.zeros(1, 30, dtype=torch.long)
+    ds[0, 12:] = 12
+    prior = BoundPrior(TANH, (torch.tensor([-1.0, 0.5, 2.0]), torch.tensor([0.0, 1.0, 2.0])))
+    rs = torch.rand(1, 3, 5) + 0.5
+    kw = dict(doc_start=ds, prior=prior, row_scale=rs, scale_prior=True, q_offset=20)
+    p = attention_probs(q, k, **kw)
+    assert p.shape == (1, 3, 5, 30) and torch.allclose(p.sum(-1), torch.ones(1, 3, 5))
+    assert (p[..., :12] == 0).all() and (p[..., 25:] == 0).all()  # another document; the future
+    torch.testing.assert_close(p @ v, attention(q, k, v, **kw, impl="torch"))
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+def test_registry_names_and_errors():
+    assert {"ggd", "alibi", "cauchy"} <= set(PRIORS) and get_prior("ggd") is PRIORS["ggd"]
+    with pytest.raises(ValueError, match="unknown prior 'nope'.*ggd, alibi, cauchy"):
+        get_prior("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register(Prior(name="ggd", fn=tanh_prior, params=("theta_p", "theta_q"), init=TANH.init, trainable=()))
+    assert register(TANH) is TANH  # registering the same prior twice is harmless
+    with pytest.raises(ValueError, match="trainable"):
+        register(Prior(name="bad", fn=tanh_prior, params=("a",), init=TANH.init, trainable=("b",)))
+    triple = tuple(torch.zeros(2) for _ in range(3))
+    assert bind(triple).prior.name == "ggd" and bind(None) is None
+    with pytest.raises(TypeError):
+        bind((torch.zeros(2), torch.zeros(2)))
+
+
+def test_cauchy_prior_formula_and_kernel_native_sets():
+    d = torch.arange(-6, 1)
+    table = get_prior("cauchy").fn(d, torch.tensor([0.0, 0.7]), torch.tensor([0.0, 1.2]))
+    expect = torch.stack([-torch.log(1 + d.float() ** 2),
+                          -math.exp(0.7) * torch.log(1 + (d.float() / math.exp(1.2)) ** 2)])
+    torch.testing.assert_close(table, expect)
+    for name, prior in PRIORS.items():  # the registry says which priors the kernel computes; the kernel agrees
+        assert ("triton" in prior.native) == (name in ak._KERNEL_FORMS), name
+
+
+def test_alibi_prior_is_ggd_with_theta_beta_one():
+    """ALiBi -m|d| is GGD with theta_beta = 1 and theta_alpha = log m, up to GGD's eps (a constant per head, which
+    softmax ignores): equal tables up to that constant and equal attention, in both SSMax placements."""
+    H = 6
+    slope = alibi_slopes(H)
+    alibi = BoundPrior(get_prior("alibi"), (slope,))
+    ggd = (slope.log(), torch.ones(H), torch.zeros(H))
+    d = torch.arange(-300, 1)
+    torch.testing.assert_close(alibi.table(d) - bind(ggd).table(d), (slope * 1e-5)[:, None].expand(H, len(d)))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, H, 64, 16, generator=gen) for _ in range(3))
+    rs = torch.rand(1, H, 64, generator=gen) + 0.5
+    for scale_prior in (False, True):
+        a = attention(q, k, v, prior=alibi, row_scale=rs, scale_prior=scale_prior, impl="torch")
+        b = attention(q, k, v, prior=ggd, row_scale=rs, scale_prior=scale_prior, impl="torch")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_alibi_prior_matches_reference():
+    """The kernel takes ALiBi natively (as its GGD form with beta = 1) and agrees with the reference's -m|d|."""
+    if not (ak._triton_available() and (torch.cuda.is_available() or ak._interpreting())):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() and not ak._interpreting() else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 48, 16, generator=gen).to(dev) for _ in range(3))
+    ds = torch.zeros(1, 48, dtype=torch.long)
+    ds[0, 30:] = 30
+    alibi = BoundPrior(get_prior("alibi"), (alibi_slopes(4).to(dev),))
+    kw = dict(doc_start=ds.to(dev), prior=alibi, row_scale=torch.rand(1, 4, 48, generator=gen).to(dev) + 0.5)
+    old, ak.INTERPRET_BLOCKS = ak.INTERPRET_BLOCKS, (16, 16)
+    try:
+        out = attention(q, k, v, **kw, impl="triton")
+    finally:
+        ak.INTERPRET_BLOCKS = old
+    torch.testing.assert_close(out, attention(q, k, v, **kw, impl="torch"), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_refuses_cauchy_and_auto_never_substitutes():
+    q = torch.randn(1, 2, 8, 16)
+    cauchy = BoundPrior(get_prior("cauchy"), (torch.zeros(2), torch.zeros(2)))
+    with pytest.raises(ValueError, match="cannot compute the prior 'cauchy'"):
+        attention(q, q, q, prior=cauchy, impl="triton")
+    ref = attention(q, q, q, prior=cauchy, impl="torch")
+    torch.testing.assert_close(attention(q, q, q, prior=cauchy, impl="auto"), ref)
+    assert not torch.allclose(ref, attention(q, q, q, prior=(torch.zeros(2),) * 3, impl="torch"))
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+def tiny(**kw):
+    return GPTConfig(vocab_size=257, tokenizer="byte", n_layer=2, n_head=2, n_embd=16, block_size=16, **kw)
+
+
+def test_old_checkpoint_without_prior_loads_as_ggd(tmp_path):
+    """Checkpoints written before the registry have no `prior` / `attn_impl`: they are GGD (and ALiBi's slopes
+    were never saved), and load to the same outputs."""
+    x = torch.randint(0, 257, (1, 12))
+    for pos in ("bam", "alibi"):
+        torch.manual_seed(0)
+        model = GPT(tiny(pos_encoding=pos)).eval()
+        save_checkpoint(str(tmp_path / pos / "ckpt_0000001.pt"), model, step=1)
+        path = tmp_path / pos / "ckpt_0000001.pt"
+        ckpt = torch.load(path, weights_only=True)
+        del ckpt["model_args"]["prior"], ckpt["model_args"]["attn_impl"]
+        torch.save(ckpt, path)
+        loaded, _ = load_model(str(path))
+        assert loaded.config.prior == "ggd" and loaded.config.attn_impl == "auto"
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x)[0], model(x)[0])
+    assert set(loaded.state_dict()) == set(ckpt["model"])  # alibi: still nothing positional saved
+    assert "blocks.0.attn.theta_beta" in torch.load(tmp_path / "bam" / "ckpt_0000001.pt")["model"]
+
+
+def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = GPT(tiny(prior="test_tanh", attn_impl="torch"))
+    save_checkpoint(str(tmp_path / "run" / "ckpt_0000001.pt"), model, step=1)
+    loaded, ckpt = load_model(str(tmp_path / "run"), attn_impl="auto")
+    assert ckpt["model_args"]["prior"] == "test_tanh" and loaded.config.attn_impl == "auto"
+    assert loaded.blocks[1].attn.prior().prior is TANH
+    ckpt = torch.load(tmp_path / "run" / "ckpt_0000001.pt", weights_only=True)
+    ckpt["model_args"]["prior"] = "my_unregistered_prior"
+    torch.save(ckpt, tmp_path / "run" / "ckpt_0000001.pt")
+    with pytest.raises(CheckpointError, match="'my_unregistered_prior', which is not registered"):
+        load_model(str(tmp_path / "run"))
+    with pytest.raises(eval_passkey.ec.EXPECTED_ERRORS) as e:  # what the script prints as one line `error: ...`
+        eval_passkey.main(["--ckpt", str(tmp_path / "run"), "--template", "demo", "--out", str(tmp_path / "pk")])
+    msg = str(e.value)
+    assert "my_unregistered_prior" in msg and "\n" not in msg
+
+
+def test_auto_picks_the_fastest_exact_impl():
+    """CUDA: the kernel for its own priors, Flex for the rest. CPU: the reference (Flex recompiles per shape).
+    The CUDA branch only reads .is_cuda, so a stand-in is enough here."""
+    from types import SimpleNamespace
+    cuda = SimpleNamespace(is_cuda=True)
+    ggd, cauchy = bind(tuple(torch.zeros(2) for _ in range(3))), BoundPrior(get_prior("cauchy"), ())
+    assert ak.auto_impl(cuda, ggd) == "triton" and ak.auto_impl(cuda, None) == "triton"
+    assert ak.auto_impl(cuda, BoundPrior(get_prior("alibi"), ())) == "triton"
+    assert ak.auto_impl(cuda, cauchy) == "flex"
+    assert ak.auto_impl(torch.zeros(1), cauchy) == "torch" and ak.auto_impl(torch.zeros(1), ggd) == "torch"
