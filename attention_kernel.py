@@ -262,8 +262,9 @@ def _triton_available():
 #   dS = P * (dP - Delta)          gradient w.r.t. the final score s
 #   dl = dS r,  dq = softmax_scale dl K,  dk = softmax_scale dl^T Q,  dv = P^T dO
 #   dB = dS r if scale_prior else dS ;  dr_i = sum_j dS_ij (l_ij + B_ij) if scale_prior else sum_j dS_ij l_ij
-#   dB/dtheta_alpha = B ;  dB/dtheta_beta and dB/dtheta_mu: two more tables by distance (forward-mode autograd of
-#   ggd_prior, so sign(0) = 0 as torch.abs), read by the dQ kernel only when the prior is trained
+#   dB/dtheta_alpha = B ;  dB/dtheta_beta = B ln x ;  dB/dtheta_mu = -B theta_beta sign(d - mu) / x * 2 cosh(theta_mu)
+#   with x = |d - mu| + eps (sign(0) = 0, as torch.abs): two more tables by distance, read by the dQ kernel only
+#   when the prior is trained
 # theta_beta < 0 makes B(d = mu) about -1e7: exact in fp32 softmax, but sum_j dS_ij B_ij then multiplies rounding
 # noise in (dP - Delta) by 1e7 on rows where that entry carries the probability (a document's first query).
 # Because sum_j dS_ij = 0 exactly in real arithmetic, the dQ kernel replaces Delta by Delta'_i = sum_j P_ij dP_ij
@@ -707,8 +708,10 @@ def _configs(block_d, dtype):
 def _prior_tables(prior, Tq, Tk, q_offset, cfg, grads=False):
     """The prior by distance, for the kernels to read instead of evaluating it per score: B (H, n) float32 whose
     entry t is B(d0 + t), covering every distance a tile touches (padded rows and keys included), and with
-    grads its derivatives in theta_beta and theta_mu (H, 2, n) by forward-mode autograd; dB/dtheta_alpha = B.
-    Deterministic elementwise ops: the backward rebuilds exactly the forward's table, hence bit-identical scores."""
+    grads its derivatives in theta_beta and theta_mu (H, 2, n); dB/dtheta_alpha = B. The derivatives are written
+    out, not taken by torch.func.jvp: this runs inside the custom ops, below the autograd dispatch key, where
+    forward-mode AD is not allowed (torch.library.opcheck refuses it). Deterministic elementwise ops: the
+    backward rebuilds exactly the forward's table, hence bit-identical scores."""
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
     d0 = -(q_offset + Tq - 1) - pad
     n = Tq + Tk + 2 * pad - 1
@@ -717,8 +720,10 @@ def _prior_tables(prior, Tq, Tk, q_offset, cfg, grads=False):
     table = ggd_prior(d, ta, tb, tm).contiguous()
     if not grads:
         return table, None, d0, n
-    _, d_beta = torch.func.jvp(lambda x: ggd_prior(d, ta, x, tm), (tb,), (torch.ones_like(tb),))
-    _, d_mu = torch.func.jvp(lambda x: ggd_prior(d, ta, tb, x), (tm,), (torch.ones_like(tm),))
+    dm = d.float()[None, :] - ggd_mu(tm)[:, None]  # d - mu, as ggd_prior forms it
+    x = dm.abs() + GGD_EPS
+    d_beta = table * torch.log(x)  # B = -exp(theta_alpha) x^theta_beta
+    d_mu = -table * tb[:, None] * torch.sign(dm) / x * (2.0 * torch.cosh(tm))[:, None]  # dmu/dtheta_mu = 2 cosh
     return table, torch.stack((d_beta, d_mu), 1).contiguous(), d0, n
 
 
