@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from attention_check import SelfCheckError, self_check_model
 from data import DataError, get_tokenizer
 from model import CheckpointError, load_model
 
@@ -23,8 +24,8 @@ class EvalError(ValueError):
 
 
 # What each evaluation's main turns into one line `<script>: error: ...` and exit status 1 (anything else is a bug
-# and keeps its traceback).
-EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError)
+# and keeps its traceback). SelfCheckError: the attention impl was refused by the startup self-check.
+EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError, SelfCheckError)
 
 
 # ---- options ---------------------------------------------------------------------------------------------
@@ -84,11 +85,13 @@ def checkpoint_digest(ckpt):
     return h.hexdigest()[:16]
 
 
-def load_runs(paths, device, attn_impl=None):
+def load_runs(paths, device, attn_impl=None, dtype="auto"):
     """Load every checkpoint (attention computed by attn_impl, if given); all must share one tokenizer so that they
-    see identical prompts. Returns (runs, tokenizer) where runs is a list of dicts: label, model, ckpt_path
-    (absolute), ckpt_step, ckpt_sha256 (checkpoint_digest), block_size, tokenizer and data_dir (the training data
-    the checkpoint records, or None). Every result record carries identity(run)."""
+    see identical prompts. On CUDA each model's attention impl must first pass the self-check (attention_check.py)
+    in the evaluation's precision (SelfCheckError otherwise). Returns (runs, tokenizer) where runs is a list of
+    dicts: label, model, ckpt_path (absolute), ckpt_step, ckpt_sha256 (checkpoint_digest), block_size, tokenizer,
+    data_dir (the training data the checkpoint records, or None), attention_check (None on the CPU). Every result
+    record carries identity(run)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device, attn_impl=attn_impl)
@@ -96,10 +99,13 @@ def load_runs(paths, device, attn_impl=None):
         if attn_impl in ("triton", "flex") and prior is not None and attn_impl not in prior.native:
             raise EvalError(f"--attn_impl {attn_impl} cannot compute the prior {prior.name!r} of {p}; "
                             f"use one of {sorted(prior.native)} or auto")
+        check = None
+        if torch.device(device).type == "cuda":
+            check = self_check_model(model, training=False, dtype=getattr(torch, resolve_dtype(device, dtype)))
         runs.append(dict(label=run_label(p), model=model, ckpt_path=os.path.abspath(ckpt["path"]),
                          ckpt_step=ckpt.get("step"), ckpt_sha256=checkpoint_digest(ckpt),
                          block_size=model.config.block_size, tokenizer=model.config.tokenizer,
-                         data_dir=ckpt.get("config", {}).get("data_dir")))
+                         data_dir=ckpt.get("config", {}).get("data_dir"), attention_check=check))
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
         raise EvalError("the checkpoints were trained with different tokenizers "
@@ -129,6 +135,15 @@ def training_data_dir(runs, data_dir=None):
 def identity(run):
     """The fields that tie a result record to the checkpoint that produced it (not only to its path)."""
     return dict(ckpt=run["ckpt_path"], ckpt_step=run["ckpt_step"], ckpt_sha256=run["ckpt_sha256"])
+
+
+def save_attention_checks(runs, out_dir):
+    """<out_dir>/attention_check.json: each run's self-check result (CUDA only; nothing is written on the CPU)."""
+    checks = [dict(label=r["label"], **r["attention_check"]) for r in runs if r["attention_check"] is not None]
+    if checks:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "attention_check.json"), "w") as f:
+            json.dump(checks, f, indent=1)
 
 
 # ---- memory ----------------------------------------------------------------------------------------------

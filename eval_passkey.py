@@ -475,7 +475,8 @@ def main(argv=None):
     if torch.device(device).type == "cpu":
         ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
     torch.manual_seed(args.seed)
-    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
+    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    ec.save_attention_checks(runs, args.out)
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
     check_template(template)
     if args.lengths:
@@ -506,7 +507,8 @@ def main(argv=None):
     wall = time.perf_counter() - t_start
     meta = dict(settings=settings, lengths=lengths, device=str(device), torch=torch.__version__,
                 runs=[dict(label=r["label"], **ec.identity(r), train_length=r["block_size"],
-                           pos_encoding=r["model"].config.pos_encoding, ssmax=r["model"].config.ssmax)
+                           pos_encoding=r["model"].config.pos_encoding, ssmax=r["model"].config.ssmax,
+                           attention_check=r["attention_check"])
                       for r in runs],
                 skipped=skipped, scored_this_call=scored, wall_seconds=round(wall, 2),
                 peak_rss_mib=round(ec.peak_memory_bytes("cpu") / 2**20, 1),

@@ -51,7 +51,8 @@ from tqdm import tqdm
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
 from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, identity,
                          load_runs, model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory,
-                         resolve_dtype, return_freed_memory_to_os, training_data_dir, write_table)
+                         resolve_dtype, return_freed_memory_to_os, save_attention_checks, training_data_dir,
+                         write_table)
 from model import autocast
 
 MODES = ("full", "sliding")
@@ -326,7 +327,8 @@ def main(argv=None):
         return_freed_memory_to_os()  # keeps a long CPU forward's resident memory linear in the length
     torch.manual_seed(args.seed)  # nothing here is random; seeded so that nothing ever silently becomes so
     np.random.seed(args.seed)
-    runs, _ = load_runs(args.ckpt, device, args.attn_impl)
+    runs, _ = load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    save_attention_checks(runs, args.out)
     seqs, data_desc, notes = load_sequences(args, runs)
     for note in notes:
         print(f"note: {note}")

@@ -63,8 +63,8 @@ from tqdm import tqdm
 
 from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
 from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
-                         fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, training_data_dir,
-                         write_table)
+                         fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, save_attention_checks,
+                         training_data_dir, write_table)
 from model import autocast
 from templates import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
                        RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR,
@@ -651,7 +651,8 @@ def main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
     device = pick_device(args.device)
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl)
+    runs, enc = load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    save_attention_checks(runs, args.out)
     lengths = args.lengths or geometric_lengths(min(r["block_size"] for r in runs), args.max_length)
     tasks = args.tasks
     essay = None

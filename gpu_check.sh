@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go (about 5 minutes on an H100/H200): `bash gpu_check.sh` (or `make gpu-check`).
 # Everything lands in results/gpu/ (logs and JSON); copy the numbers into the README's GPU section.
+#   0. the startup self-check that train.py and the evaluations run (attention_check.py), for every impl at l12
 #   1. the compiled Triton kernel vs the PyTorch reference: values and every gradient, fp32 / bf16; then
 #      FlexAttention (impl="flex") vs the reference for the cauchy prior, forward + backward (its parameters'
 #      gradients too), and the Triton kernel refusing cauchy
-#   2. the kernel and prior test suites on the GPU (compiled, not interpreted; Flex with its backward)
+#   2. the kernel, prior and torch.compile test suites on the GPU (compiled, not interpreted; Flex with its backward)
 #   3. kernel vs SDPA-flash (no prior), SDPA with a materialised prior, FlexAttention (same prior): TFLOP/s, memory,
 #      and the performance model's predicted ratios next to the measured ones (perf_model.py, README)
 #   4. a training step of l12: BAM+SSMax vs NoPE time ratio, tokens/s and MFU, bf16 + torch.compile
@@ -30,9 +31,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 
+run attention_check   $PY attention_check.py --model_size l12 --out "$OUT/attention_check.json"
 run kernel_check      $PY bench_attention.py --check --out "$OUT/kernel_check.json"
 run flex_check_cauchy $PY bench_attention.py --check --check_impl flex --prior cauchy --out "$OUT/flex_check_cauchy.json"
-run kernel_tests      env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py tests/test_priors.py
+run kernel_tests      env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py tests/test_priors.py \
+                      tests/test_kernel_compile.py
 run attention_bench   $PY bench_attention.py --quick --out "$OUT/bench_attention.json"
 run perf_model        $PY perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
                       --compare "$OUT/bench_attention.json" --out "$OUT/perf_model"

@@ -465,11 +465,11 @@ def checkpoint_model_args(ckpt):
     unknown = set(ckpt["model_args"]) - set(defaults)
     if unknown:
         raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} has model settings this code does not know: "
-                         f"{sorted(unknown)}")
+                              f"{sorted(unknown)}")
     args = {**defaults, **ckpt["model_args"]}
     if args["pos_encoding"] == "bam" and args["prior"] not in PRIORS:
         raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} uses the prior {args['prior']!r}, which is not "
-                         f"registered (registered: {', '.join(PRIORS)}); register it in priors.py to load it")
+                              f"registered (registered: {', '.join(PRIORS)}); register it in priors.py to load it")
     return args
 
 

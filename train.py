@@ -10,7 +10,8 @@ Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or ma
 Settings are the module-level variables below; their defaults are the paper's recipe, and a config file and
 --key=value arguments override them (configurator.py). The run directory out_dir/ holds:
     config.json     the resolved settings (plus world_size, vocab_size, tokenizer, model_args)
-    env.json        versions, GPUs, host, git commit and command line of every launch
+    env.json        versions, GPUs, host, git commit and command line of every launch, and (CUDA) the result of
+                    the attention self-check run before the first step (attention_check.py)
     metrics.jsonl   one JSON object per logged step: step, train_loss, lr, grad_norm, tokens_per_s, ms_per_step,
                     mfu (CUDA), and at evaluations val_loss and the learned prior (bam)
     ckpt_{step:07d}.pt  model.save_checkpoint(): model_args, model, optimizer, step, config, rng, val_loss, ...
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from attention_check import SelfCheckError, self_check_model
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, RUNTIME_KEYS, CheckpointError, GPTConfig, autocast,
@@ -64,7 +66,8 @@ gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (ea
 tokens_per_step = 589824         # > 0 overrides the above: accumulation = this / (batch_size * block_size * world size)
 allow_data_repeat = False        # let the run read its training data more than once (else it refuses to start)
 # model: model_size, then every field of model.GPTConfig with its default there (n_layer, n_head, n_embd,
-# block_size = the training context, pos_encoding, ssmax, ...), except vocab_size and tokenizer: the data sets those
+# block_size = the training context, pos_encoding, ssmax, prior, attn_impl, ...), except vocab_size and tokenizer:
+# the data sets those
 model_size = ""                  # "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES): sets n_layer, n_head, n_embd
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer"))
 globals().update({f.name: f.default for f in fields(GPTConfig) if f.name in MODEL_KEYS})
@@ -331,9 +334,10 @@ def environment(argv, world_size):
             "command": shlex.join([sys.executable, *argv])}
 
 
-def write_run_files(c, tokens_per_update, argv, start_step):
-    """config.json, env.json (this launch, and the earlier ones of a resumed run) and metrics.jsonl cut back to
-    start_step: records of steps after it were lost with the crash. Returns the metrics path."""
+def write_run_files(c, tokens_per_update, argv, start_step, attention_check):
+    """config.json, env.json (this launch with its attention self-check result, and the earlier launches of a
+    resumed run) and metrics.jsonl cut back to start_step: records of steps after it were lost with the crash.
+    Returns the metrics path."""
     os.makedirs(c["out_dir"], exist_ok=True)
     with open(os.path.join(c["out_dir"], "config.json"), "w") as f:
         json.dump(dict(c, model_args=model_args(c, c["vocab_size"], c["tokenizer"]),
@@ -345,8 +349,8 @@ def write_run_files(c, tokens_per_update, argv, start_step):
             prev = json.load(f)
         earlier = prev.pop("earlier_launches", []) + [prev]
     with open(env_path, "w") as f:
-        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, earlier_launches=earlier), f,
-                  indent=2)
+        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, attention_check=attention_check,
+                       earlier_launches=earlier), f, indent=2)
     metrics_path = os.path.join(c["out_dir"], "metrics.jsonl")
     kept = []
     if c["resume"] and os.path.exists(metrics_path):
@@ -455,7 +459,8 @@ def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
         cfg, prior_def = raw_model.config, raw_model.blocks[0].attn.prior_def
         msg += f" | {prior_def.shape_param} median per layer {[x[1] for x in prior[prior_def.shape_param]]}"
         if "heads_highlighted" in prior:
-            msg += f" | heads with {prior_def.highlight_label}: {prior['heads_highlighted']}/{cfg.n_layer * cfg.n_head}"
+            msg += (f" | heads with {prior_def.highlight_label}: "
+                    f"{prior['heads_highlighted']}/{cfg.n_layer * cfg.n_head}")
     log(msg)
     return val_loss
 
@@ -557,10 +562,15 @@ def train(c, argv=()):
     step, last_ckpt, val_loss = 0, None, None
     if c["resume"]:
         step, last_ckpt, val_loss = restore(existing[-1][1], raw_model, optimizer, scaler, c, rank, world_size, log)
+    attn_check = None  # on CUDA: the attention impl vs the reference, before the first step (attention_check.py)
+    if device.type == "cuda":
+        attn_check = self_check_model(raw_model, training=True, dtype=getattr(torch, c["dtype"]))
+        log(f"attention self-check: {attn_check['impl']} matches the reference (max error "
+            f"{attn_check['max_err']:.1e}, {attn_check['seconds']:.1f} s)")
     model = torch.compile(raw_model) if c["compile"] else raw_model
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    metrics_path = write_run_files(c, tokens_per_update, argv, step) if master else None
+    metrics_path = write_run_files(c, tokens_per_update, argv, step, attn_check) if master else None
     wandb = start_wandb(c) if master and c["wandb_log"] else None
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if device.type == "cuda" and peak is None:  # MFU needs the GPU's peak
@@ -610,7 +620,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError) as e:  # expected failures
+    except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError, SelfCheckError) as e:
         if os.environ.get("RANK", "0") == "0" or not isinstance(e, ConfigError):  # settings errors: rank 0 says it
             print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)
