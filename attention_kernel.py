@@ -675,6 +675,12 @@ if triton is not None:
         tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd,
                  dv.to(DV.dtype.element_ty), mask=kv_mask)
 
+    # The dQ kernel's per-row accumulators (sums over the row's visible keys j; dS = P (dP - Delta), l the content
+    # score, B the prior, B_beta = dB/dtheta_beta, B_mu = dB/dtheta_mu):
+    #   pdp = sum P dP (Delta')    sb, pb = sum dS B, sum P B            -> theta_alpha (dB/dtheta_alpha = B), row_scale
+    #   sbl, pbl = sum dS B_beta, sum P B_beta  -> theta_beta            sbm, pbm = sum dS B_mu, sum P B_mu -> theta_mu
+    #   sl, pl = sum dS l, sum P l              -> row_scale
+    # Each "p" sum corrects its "s" sum for Delta' - Delta (see the section comment).
     @triton.jit
     def _bwd_dq_inner(dq, acc_pdp, acc_sb, acc_pb, acc_sbl, acc_pbl, acc_sbm, acc_pbm, acc_sl, acc_pl,
                       q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows,

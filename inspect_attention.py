@@ -44,6 +44,7 @@ from tqdm import tqdm
 import eval_common as ec
 import eval_passkey as ep
 from attention_kernel import attention_probs
+from model import autocast
 from priors import get_prior
 
 SYMBOLS = {"theta_beta": "θβ", "theta_alpha": "θα", "theta_mu": "θμ"}  # figure labels of the GGD parameters
@@ -57,12 +58,12 @@ def key_positions(enc, tokens, info):
     """Positions of the tokens that carry the key's digits inside the needle (info from eval_passkey.build_prompt).
     A token that merges a digit with a neighbouring character (gpt2: " 123", "45.") counts."""
     start, end = info["needle_start"], info["needle_end"]
-    text, offsets = enc.decode_with_offsets(tokens[start:end])
-    bounds = list(offsets) + [len(text)]
-    spans = [m.span() for m in re.finditer(re.escape(str(info["key"])), text)]
+    pieces = [enc.token_bytes(t) for t in tokens[start:end]]  # byte offsets: the key's digits are ASCII
+    text, bounds = b"".join(pieces), np.cumsum([0] + [len(b) for b in pieces]).tolist()
+    spans = [m.span() for m in re.finditer(re.escape(str(info["key"]).encode()), text)]
     pos = [start + t for t in range(end - start) if any(bounds[t] < b and a < bounds[t + 1] for a, b in spans)]
     if not pos:
-        raise ValueError(f"the key {info['key']} does not occur in the needle {text!r}")
+        raise ValueError(f"the key {info['key']} does not occur in the needle {text.decode(errors='replace')!r}")
     return pos
 
 
@@ -135,7 +136,7 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
         i = len(tokens) - 1
         keys = key_positions(enc, prompt, info)
         idx = torch.tensor([tokens], dtype=torch.long, device=device)
-        with ec.autocast(device, dtype):
+        with autocast(device, ec.resolve_dtype(device, dtype)):
             probs, logits = answer_row_probs(model, idx)
         n_correct += int(logits[0, :model.config.vocab_size].argmax()) == answer[n_given]
         m = torch.stack(row_metrics(probs[:, 0], i, keys), -1).cpu()  # (n_layer, H, 3)
@@ -346,12 +347,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         rows, summary = run(args)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (*ec.EXPECTED_ERRORS, ValueError, RuntimeError, OSError) as e:  # expected failures: one line
         sys.exit(f"inspect_attention.py: error: {e}")
-    except SystemExit as e:  # eval_common's one-line messages (tokenizer mismatch, missing GPU, bad checkpoint)
-        if isinstance(e.code, str) and ": error: " not in e.code:
-            sys.exit(f"inspect_attention.py: error: {e.code}")
-        raise
     report(summary)
     print(f"wrote attention_heads.{{json,csv,png}}, attention_needle_vs_length.png and attention_summary.json "
           f"to {args.out}/")

@@ -307,7 +307,7 @@ def compare(summary, bench_path):
     return lines
 
 
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="directory for perf_model.json, .csv and .md")
     p.add_argument("--before", default=None, help="also model the kernels of this git revision")
@@ -315,7 +315,11 @@ def main(argv=None):
     p.add_argument("--head_dims", type=int, nargs="+", default=list(HEAD_DIMS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--compare", default=None, help="a bench_attention.py --out JSON: print predicted vs measured")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     variants = ["none"] + [v for v in args.variants if v != "none"]  # the baseline of every ratio
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("perf_model.py: error: TRITON_INTERPRET is set; unset it (the model compiles real kernels)")

@@ -156,6 +156,34 @@ def resolve_config(c, world_size):
     return c
 
 
+def open_data(c, rank, world_size, tokens_per_update, log):
+    """The train and val loaders, and the validation batches per evaluation. Sets c's tokenizer, vocab_size and
+    world_size from the data, and refuses a run that would repeat it (check_data_budget)."""
+    try:
+        train_loader = TokenLoader(c["data_dir"], "train", c["block_size"], c["batch_size"], rank, world_size)
+        val_loader = TokenLoader(c["data_dir"], "val", c["block_size"], c["batch_size"], tokenizer=train_loader.tokenizer)
+    except ValueError as e:  # data that cannot be used (too short, mixed tokenizers, a broken shard): say why
+        raise ConfigError(str(e)) from e
+    eval_iters = min(c["eval_iters"], max(1, len(val_loader) // c["batch_size"]))
+    if eval_iters < c["eval_iters"]:
+        log(f"note: the val split holds {len(val_loader)} windows = {eval_iters} batches; eval_iters "
+            f"{c['eval_iters']} -> {eval_iters}")
+    c.update(tokenizer=train_loader.tokenizer, vocab_size=train_loader.vocab_size, world_size=world_size)
+    check_data_budget(c, len(train_loader), tokens_per_update)
+    return train_loader, val_loader, eval_iters
+
+
+def check_attention(raw_model, device, dtype, log):
+    """On CUDA, before the first step: the model's attention impl vs the reference, values and every gradient
+    (attention_check.py); raises SelfCheckError beyond the dtype's tolerance. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    result = self_check_model(raw_model, training=True, dtype=getattr(torch, dtype))
+    log(f"attention self-check: {result['impl']} matches the reference (max error {result['max_err']:.1e}, "
+        f"{result['seconds']:.1f} s)")
+    return result
+
+
 def check_data_budget(c, train_windows, tokens_per_update):
     """Refuse a run that would wrap around its training data (the loader repeats it), unless allow_data_repeat."""
     T = c["block_size"]
@@ -541,18 +569,7 @@ def train(c, argv=()):
     scaler = torch.amp.GradScaler(device.type, enabled=c["dtype"] == "float16")
     existing = check_run_dir(c["out_dir"], c["resume"])
 
-    # ---- data ----
-    try:
-        train_loader = TokenLoader(c["data_dir"], "train", c["block_size"], c["batch_size"], rank, world_size)
-        val_loader = TokenLoader(c["data_dir"], "val", c["block_size"], c["batch_size"], tokenizer=train_loader.tokenizer)
-    except ValueError as e:  # data that cannot be used (too short, mixed tokenizers, a broken shard): say why
-        raise ConfigError(str(e)) from e
-    eval_iters = min(c["eval_iters"], max(1, len(val_loader) // c["batch_size"]))
-    if eval_iters < c["eval_iters"]:
-        log(f"note: the val split holds {len(val_loader)} windows = {eval_iters} batches; eval_iters "
-            f"{c['eval_iters']} -> {eval_iters}")
-    c.update(tokenizer=train_loader.tokenizer, vocab_size=train_loader.vocab_size, world_size=world_size)
-    check_data_budget(c, len(train_loader), tokens_per_update)
+    train_loader, val_loader, eval_iters = open_data(c, rank, world_size, tokens_per_update, log)
 
     # ---- model and optimizer ----
     raw_model = GPT(GPTConfig(**model_args(c, c["vocab_size"], c["tokenizer"]))).to(device)  # evals, ckpts use it
@@ -562,11 +579,7 @@ def train(c, argv=()):
     step, last_ckpt, val_loss = 0, None, None
     if c["resume"]:
         step, last_ckpt, val_loss = restore(existing[-1][1], raw_model, optimizer, scaler, c, rank, world_size, log)
-    attn_check = None  # on CUDA: the attention impl vs the reference, before the first step (attention_check.py)
-    if device.type == "cuda":
-        attn_check = self_check_model(raw_model, training=True, dtype=getattr(torch, c["dtype"]))
-        log(f"attention self-check: {attn_check['impl']} matches the reference (max error "
-            f"{attn_check['max_err']:.1e}, {attn_check['seconds']:.1f} s)")
+    attn_check = check_attention(raw_model, device, c["dtype"], log)
     model = torch.compile(raw_model) if c["compile"] else raw_model
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -605,7 +618,8 @@ def train(c, argv=()):
             last_ckpt = save(step, raw_model, optimizer, scaler, c, val_loss, tokens_per_update, master)
     log(f"done: step {step} of {c['max_iters']} in {format_eta(time.time() - train_start)}; val loss {val_loss}; "
         f"checkpoint {last_ckpt}")
-    if ddp:
+    if ddp:  # leave together: a rank tearing down gloo while another still exits can hang it
+        dist.barrier()
         dist.destroy_process_group()
     return {"step": step, "train_loss": train_loss, "val_loss": val_loss, "checkpoint": last_ckpt,
             "out_dir": c["out_dir"]}

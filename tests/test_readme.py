@@ -31,7 +31,8 @@ def readme_commands():
             if command.strip():
                 out.append((command.strip(), comment))
     for line in text.splitlines():  # inline commands in tables and prose
-        out += [(c, line) for c in re.findall(r"`([^`]+)`", line) if c.startswith(STARTS)]
+        out += [(c, line) for c in re.findall(r"`([^`]+)`", line)
+                if c.startswith(STARTS) and not re.fullmatch(r"[A-Z_]+=\S*", c)]  # not a bare VAR=value
     return out
 
 
@@ -108,10 +109,11 @@ def test_readme_command_parses(command, note):
 
 def stand_ins(tmp_path):
     """Tiny byte-level checkpoints at the demo's run paths (training them is what make demo does)."""
-    for name, pe, ssmax in (("bam_ssmax", "bam", True), ("rope", "rope", False), ("alibi", "alibi", False),
-                            ("nope", "nope", False)):
+    for name, pe, ssmax, prior in (("bam_ssmax", "bam", True, "ggd"), ("rope", "rope", False, "ggd"),
+                                   ("alibi", "alibi", False, "ggd"), ("nope", "nope", False, "ggd"),
+                                   ("cauchy", "bam", True, "cauchy")):
         gpt = model.GPT(model.GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
-                                        block_size=64, pos_encoding=pe, ssmax=ssmax))
+                                        block_size=64, pos_encoding=pe, ssmax=ssmax, prior=prior))
         model.save_checkpoint(str(tmp_path / "out" / "demo" / f"{name}-s1" / "ckpt_0003000.pt"), gpt, step=3000)
 
 
