@@ -202,10 +202,7 @@ def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
 def _sdpa_mask_is_constant(prior, row_scale, scale_prior):
     """Whether no tensor that the mask is built from needs a gradient (the fused kernel gives none for its mask):
     true for NoPE, RoPE, a fixed prior such as ALiBi, and SSMax that scales only the content."""
-    needs = lambda t: t is not None and t.requires_grad and torch.is_grad_enabled()  # noqa: E731
-    if prior is None:
-        return True
-    return not any(needs(t) for t in prior.params) and not (scale_prior and needs(row_scale))
+    return not needs_grad(prior) and not (scale_prior and prior is not None and needs_grad(row_scale))
 
 
 def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
@@ -227,7 +224,7 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(dtype)
     chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
     written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    grad = needs_grad(q, k, v)
     buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
     k_rev, v_rev = k.flip(2), v.flip(2)  # key j sits at Tk - 1 - j
     outs = []
