@@ -49,7 +49,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 # alibi_slopes and ggd_prior are re-exported: `from attention_kernel import alibi_slopes` keeps working
 from priors import GGD_EPS, BoundPrior, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401
 
-IMPLS = ("auto", "torch", "flex", "triton", "sdpa")
+IMPLS = ("auto", "torch", "cpu", "flex", "triton", "sdpa")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -156,6 +156,119 @@ def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_p
 
 
 # ----------------------------------------------------------------------------------------------------------
+# CPU training path (impl="cpu"): the reference's math with a hand-written backward.
+#
+# Autograd through the reference keeps every intermediate of a score block and reaches the prior by scattering
+# each score's gradient back through the (rows x keys) gather of its table. Written out by hand, per query block:
+#   forward   q' = q * softmax_scale * r            SSMax's row scale folds into the queries: q'.k = l r
+#             S = q' K^T + B rho                    rho = r when SSMax scales the prior, else 1; -inf where hidden
+#             P = softmax(S),  O = P V              P is kept for the backward
+#   backward  dS = P * (dP - rowsum(dP * P)),  dP = dO V^T      softmax's own fused backward
+#             dq' = dS K,  dK += dS^T q',  dV += P^T dO
+#             dB(d) = sum over b, i of rho_bi dS_b,i,i+d        sum_b rho dS, summed along its diagonals
+#             drho_bi = sum_j dS_bij B(j - i)                   a matmul batched over (head, row)
+# and autograd takes it from q' to q and r, and from the table to the prior's parameters. The (rows x keys)
+# matrix B(j - i) of a block is a strided *view* of `ext`, the table repeated once per block row: row i of the
+# view starts i entries earlier in its own copy (_toeplitz). Its backward is the same view: each block adds its
+# sum_b rho dS into a zeroed ext-shaped buffer through it, and one sum over the rows gives dB per distance.
+# Each block of CPU_BLOCK query rows stops at its last query's key and starts at its earliest document start, so
+# most of the triangle that causality hides is skipped instead of computed and masked. The gradients are the
+# reference's up to float rounding (tests/test_model.py); the saved P blocks make training memory O(T^2), as
+# the reference's is.
+# ----------------------------------------------------------------------------------------------------------
+CPU_BLOCK = 64  # query rows per block: fewer rows skip more of the causal triangle, each block costs ~25 op calls
+
+
+def _toeplitz(ext, rows, keys, col):
+    """The (H, rows, keys) view v[h, i, j] = table[h, col - i + j] of ext (H, R, n), R >= rows copies of the
+    table (H, n); needs col >= rows - 1 and col + keys <= n."""
+    H, R, n = ext.shape
+    return ext.as_strided((H, rows, keys), (R * n, n - 1, 1), ext.storage_offset() + col)
+
+
+class _CPUAttention(torch.autograd.Function):
+    """q' (= q * softmax_scale * r), k, v -> O. table: the prior at distances dmin..CPU_BLOCK - 1, (H or 1, n);
+    rho: the prior's row scale (B or 1, H, Tq) or None; blocks = [(a, b, lo, i0)]: query rows a..b-1 at absolute
+    positions i0.. against keys lo..i0 + b - a - 1."""
+
+    @staticmethod
+    def forward(ctx, qs, k, v, table, rho, doc_start, blocks, dmin, save):
+        out, saved = torch.empty_like(qs), []
+        rows_max = max(b - a for a, b, _, _ in blocks)
+        ext = table[:, None, :].expand(-1, rows_max, -1).contiguous() if table is not None else None
+        for a, b, lo, i0 in blocks:
+            i1 = i0 + b - a
+            s = torch.matmul(qs[:, :, a:b], k[:, :, lo:i1].transpose(-1, -2))
+            bias = None
+            if table is not None:
+                bias = _toeplitz(ext, b - a, i1 - lo, lo - i0 - dmin)
+                s.add_(bias) if rho is None else s.addcmul_(bias, rho[:, :, a:b, None])
+            qpos, kpos = torch.arange(i0, i1, device=qs.device), torch.arange(lo, i1, device=qs.device)
+            hidden = kpos[None, :] > qpos[:, None]
+            if doc_start is not None:
+                hidden = (hidden | (kpos[None, None, :] < doc_start[:, i0:i1, None]))[:, None]
+            s.add_(_neg_inf_where(hidden))
+            p = torch.softmax(s, dim=-1)
+            out[:, :, a:b] = torch.matmul(p, v[:, :, lo:i1])
+            saved.append((p, bias) if save else None)
+        ctx.blocks, ctx.dmin, ctx.blocks_saved = blocks, dmin, saved
+        if save:
+            ctx.save_for_backward(qs, k, v, table, rho, ext)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        qs, k, v, table, rho, ext = ctx.saved_tensors
+        dqs, dk, dv = torch.empty_like(qs), torch.zeros_like(k), torch.zeros_like(v)
+        dext = qs.new_zeros(ext.shape[0] if table.shape[0] > 1 else qs.shape[1], *ext.shape[1:]) \
+            if ctx.needs_input_grad[3] else None  # (H, R, n), one table copy per row
+        drho = torch.zeros_like(rho) if ctx.needs_input_grad[4] else None
+        for (a, b, lo, i0), (p, bias) in zip(ctx.blocks, ctx.blocks_saved):
+            i1, dob = i0 + b - a, do[:, :, a:b]
+            ds = torch._softmax_backward_data(torch.matmul(dob, v[:, :, lo:i1].transpose(-1, -2)), p, -1, p.dtype)
+            dv[:, :, lo:i1] += torch.matmul(p.transpose(-1, -2), dob)
+            dqs[:, :, a:b] = torch.matmul(ds, k[:, :, lo:i1])
+            dk[:, :, lo:i1] += torch.matmul(ds.transpose(-1, -2), qs[:, :, a:b])
+            if drho is not None:  # (H, rows, B, keys) @ (H, rows, keys, 1): one pass over ds
+                g = torch.matmul(ds.permute(1, 2, 0, 3), bias[..., None])[..., 0].permute(2, 0, 1)
+                drho[:, :, a:b] += g.sum_to_size(drho[:, :, a:b].shape)
+            if dext is not None:
+                view = _toeplitz(dext, b - a, i1 - lo, lo - i0 - ctx.dmin)
+                if rho is None:
+                    view += ds.sum(0)
+                elif rho.shape[0] == 1:
+                    view.addcmul_(ds.sum(0), rho[0, :, a:b, None])
+                else:  # ds is not needed after this
+                    view += ds.mul_(rho[:, :, a:b, None]).sum(0)
+        del ctx.blocks_saved
+        dtable = dext.sum(1).sum_to_size(table.shape) if dext is not None else None
+        return dqs, dk, dv, dtable, drho, None, None, None, None
+
+
+def attention_cpu(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                  q_offset=None, softmax_scale=None, block_rows=CPU_BLOCK):
+    """attention() with the reference's math and a hand-written backward (see above): CPU training's impl."""
+    prior = bind(prior)
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    blocks = []
+    for a in range(0, Tq, block_rows):
+        b = min(a + block_rows, Tq)
+        lo = int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
+        blocks.append((a, b, lo, q_offset + a))
+    dmin = min(lo - (i0 + b - a - 1) for a, b, lo, i0 in blocks)  # the most negative distance any block sees
+    table = _bias_table(prior, dmin, min(block_rows, Tq) - 1, q.device) if prior is not None else None
+    scale = softmax_scale if row_scale is None else softmax_scale * row_scale[..., None].float()
+    rho = row_scale.float() if row_scale is not None and scale_prior and prior is not None else None
+    with torch.autocast(q.device.type, enabled=False):  # fp32 throughout, like the reference
+        out = _CPUAttention.apply(q.float() * scale, k.float(), v.float(), table, rho, doc_start, blocks, dmin,
+                                  needs_grad(q, k, v, prior, row_scale))
+    return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # CPU fast path (impl="sdpa"): PyTorch's fused CPU attention kernel with the prior as a float attn_mask.
 #
 # Per query chunk, SSMax's row scale r_i moves into the queries, l_ij r_i = ((q_i r_i) . k_j) * softmax_scale, so
@@ -214,7 +327,7 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
     prior = bind(prior)
     if not _sdpa_mask_is_constant(prior, row_scale, scale_prior):
         raise NotImplementedError("impl='sdpa' gives no gradient for the prior (nor for an SSMax scale applied to "
-                                  "it); train with impl='torch' (impl='auto' does)")
+                                  "it); train with impl='cpu' (impl='auto' does)")
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     q_offset = Tk - Tq if q_offset is None else int(q_offset)
@@ -266,6 +379,8 @@ def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prio
         return attention_flex(q, k, v, **kw)
     if impl == "sdpa":
         return attention_sdpa(q, k, v, **kw)
+    if impl == "cpu":
+        return attention_cpu(q, k, v, **kw)
     return attention_torch(q, k, v, **kw)
 
 
@@ -279,12 +394,13 @@ def auto_impl(q, prior, *tensors):
     """impl="auto": the fastest implementation that computes `prior` exactly. CUDA: the Triton kernel when the prior
     is native to it, else FlexAttention. CPU without gradients (evaluation): the fused-SDPA path, 2-6x faster than
     the reference (README, "Measured on a 2-core CPU"); compiled Flex is slower there and compiles anew for every
-    shape. CPU training: the reference (the fused CPU kernel gives no gradient for its mask, i.e. for a trained
-    prior, and training through the reference keeps runs bitwise reproducible across versions)."""
+    shape. CPU training: "cpu", the reference's math with a hand-written backward (the fused CPU kernel gives no
+    gradient for its mask, i.e. for a trained prior; "cpu" trains every prior, also faster than SDPA's own
+    backward for NoPE at the demo's and bench.py's shapes)."""
     if q.is_cuda:
         native = prior is None or "triton" in prior.prior.native
         return "triton" if native and _triton_available() else "flex"
-    return "torch" if needs_grad(q, prior, *tensors) else "sdpa"
+    return "cpu" if needs_grad(q, prior, *tensors) else "sdpa"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -326,7 +442,7 @@ def attention_flex(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
         q, k, v = q.detach(), k.detach(), v.detach()
     elif not q.is_cuda:
         raise RuntimeError("impl='flex' has no backward on the CPU (FlexAttention's CPU path is forward-only in "
-                           f"torch {torch.__version__}); train on the CPU with impl='torch' (or 'auto')")
+                           f"torch {torch.__version__}); train on the CPU with impl='cpu' (or 'auto')")
     q_offset = Tk - Tq if q_offset is None else int(q_offset)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     dev = q.device

@@ -21,7 +21,7 @@ import torch
 
 from data import doc_starts
 from eval_common import peak_memory_bytes, reset_peak_memory
-from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, autocast, peak_flops
+from model import ATTN_IMPLS, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, autocast, peak_flops
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 TARGET = {"cpu": 1.25, "cuda": 1.05}  # bam+ssmax / nope step time (README: "Measured on a 2-core CPU", "GPU")
@@ -41,6 +41,8 @@ def build_parser():
     p.add_argument("--doc_len", type=int, default=300, help="mean document length of the synthetic stream")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="autocast precision; default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--attn_impl", default="auto", choices=list(ATTN_IMPLS),
+                   help="attention implementation (attention_kernel.py), for both variants alike")
     p.add_argument("--compile", action="store_true", help="torch.compile the models (as train.py does by default)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20 on CPU, 50 on CUDA)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
@@ -171,7 +173,7 @@ def main(argv=None):
     for pe, ss in variants:
         torch.manual_seed(42)
         model = GPT(GPTConfig(vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T,
-                              pos_encoding=pe, ssmax=ss, tokenizer="bench")).to(device)
+                              pos_encoding=pe, ssmax=ss, tokenizer="bench", attn_impl=args.attn_impl)).to(device)
         opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
         runs[name(pe, ss)] = {"model": model, "step_fn": torch.compile(model) if args.compile else model,
                               "opt": opt, "ms": [], "cpu_ms": []}

@@ -15,7 +15,7 @@ import torch
 
 from attention_check import SelfCheckError, self_check_model
 from data import DataError, get_tokenizer
-from model import CheckpointError, load_model
+from model import ATTN_IMPLS, CheckpointError, load_model
 
 
 class EvalError(ValueError):
@@ -35,7 +35,7 @@ def add_common_args(parser, default_out):
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn_impl", default=None, choices=["auto", "torch", "flex", "triton", "sdpa"],
+    parser.add_argument("--attn_impl", default=None, choices=list(ATTN_IMPLS),
                         help="attention implementation (attention_kernel.py; default: the checkpoint's, normally auto). "
                              "One that cannot compute the model's prior stops with an error")
     parser.add_argument("--seed", type=int, default=1234)

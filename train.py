@@ -202,7 +202,10 @@ def attn_impl_errors(c):
     """attn_impl settings that could not train this model: said before any data or model is touched."""
     if c["attn_impl"] == "flex" and (c["device"] == "cpu" or (c["device"] == "auto" and not torch.cuda.is_available())):
         return ["attn_impl='flex' cannot train on the CPU (FlexAttention has no CPU backward in this torch); "
-                "use attn_impl=torch or auto"]
+                "use attn_impl=cpu or auto"]
+    if c["attn_impl"] == "sdpa" and c["pos_encoding"] == "bam":
+        return ["attn_impl='sdpa' cannot train bam (PyTorch's fused kernel gives no gradient for the learned prior "
+                "in its mask); use attn_impl=cpu or auto"]
     prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
     if c["attn_impl"] == "triton" and prior in PRIORS and "triton" not in PRIORS[prior].native:
         return [f"attn_impl='triton' cannot compute the prior {prior!r} (the kernel hard-codes "

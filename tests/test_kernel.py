@@ -315,21 +315,23 @@ def test_kernel_matches_flex_attention_forward():
 
 
 def test_kernel_dispatch(monkeypatch):
-    """impl='auto' on CPU tensors: the fused-SDPA path when nothing needs a gradient (evaluation), the reference
-    when anything does (training); impl='triton' uses the kernel (here, the interpreter)."""
+    """impl='auto' on CPU tensors: the fused-SDPA path when nothing needs a gradient (evaluation), the hand-written
+    backward when anything does (training); impl='triton' uses the kernel (here, the interpreter)."""
     calls = []
     monkeypatch.setattr(ak, "attention_torch", lambda *a, **kw: calls.append("torch") or "t")
+    monkeypatch.setattr(ak, "attention_cpu", lambda *a, **kw: calls.append("cpu") or "c")
     monkeypatch.setattr(ak, "attention_triton", lambda *a, **kw: calls.append("triton") or "k")
     monkeypatch.setattr(ak, "attention_sdpa", lambda *a, **kw: calls.append("sdpa") or "s")
     q = torch.randn(1, 1, 4, 16)
     assert attention(q, q, q, impl="auto") == "s"
-    assert attention(q.clone().requires_grad_(), q, q, impl="auto") == "t"
+    assert attention(q.clone().requires_grad_(), q, q, impl="auto") == "c"
     trained = (torch.zeros(1, requires_grad=True), torch.zeros(1), torch.zeros(1))
-    assert attention(q, q, q, prior=trained, impl="auto") == "t"
+    assert attention(q, q, q, prior=trained, impl="auto") == "c"
     assert attention(q, q, q, impl="triton") == "k"
     assert attention(q, q, q, impl="torch") == "t"
     assert attention(q, q, q, impl="sdpa") == "s"
-    assert calls == ["sdpa", "torch", "torch", "triton", "torch", "sdpa"]
+    assert attention(q, q, q, impl="cpu") == "c"
+    assert calls == ["sdpa", "cpu", "cpu", "triton", "torch", "sdpa", "cpu"]
     with pytest.raises(ValueError):
         attention(q, q, q, impl="cuda")
 

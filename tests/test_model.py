@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attention_kernel import alibi_slopes, attention, attention_sdpa, attention_torch, ggd_prior
+from attention_kernel import alibi_slopes, attention, attention_cpu, attention_sdpa, attention_torch, ggd_prior
 from configurator import ConfigError, configure
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
 from priors import BoundPrior, get_prior
@@ -64,7 +64,7 @@ def random_doc_start(B, T, gen):
     return starts
 
 
-@pytest.mark.parametrize("impl", ["torch", "sdpa"])
+@pytest.mark.parametrize("impl", ["torch", "cpu", "sdpa"])
 @pytest.mark.parametrize("case", ["plain", "prior", "prior_neg_beta_mu", "ssmax", "ssmax_scale_prior",
                                   "docs", "q_offset", "everything"])
 def test_attention_matches_dense_formula(case, impl):
@@ -110,6 +110,74 @@ def test_reference_chunked_equals_unchunked_with_grads():
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scale_prior", [False, True])
+@pytest.mark.parametrize("prior_name", ["ggd", "cauchy"])
+def test_cpu_path_gradients_match_reference_for_every_blocking(scale_prior, prior_name):
+    """impl='cpu' (hand-written backward) against autograd through the reference: the output and the gradient of
+    q, k, v, every prior parameter and row_scale, with documents, queries at an offset, a row scale per batch row
+    (0 or negative on some rows) and one broadcast over the batch, and blocks of 1, 7, 64 rows."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, Tq, Tk, D = 3, 4, 30, 41, 8
+    q, dout = (torch.randn(B, H, Tq, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, H, Tk, D, generator=gen) for _ in range(2))
+    doc_start = random_doc_start(B, Tk, gen)
+    prior_def = get_prior(prior_name)
+    params = [torch.randn(H, generator=gen) * 0.7 for _ in prior_def.params]
+    for rs_batch in (B, 1):
+        row_scale = torch.rand(rs_batch, H, Tq, generator=gen) * 2 - 0.2
+        row_scale[:, :, 3] = 0.0
+        results = {}
+        for impl, block in (("torch", None), ("cpu", 1), ("cpu", 7), ("cpu", 64)):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, *params, row_scale)]
+            kw = dict(doc_start=doc_start, prior=BoundPrior(prior_def, tuple(leaves[3:-1])), row_scale=leaves[-1],
+                      scale_prior=scale_prior, q_offset=6)
+            out = attention_torch(*leaves[:3], **kw) if impl == "torch" else \
+                attention_cpu(*leaves[:3], block_rows=block, **kw)
+            results[impl, block] = [out] + list(torch.autograd.grad((out * dout).sum(), leaves))
+        names = ["out", "q", "k", "v", *prior_def.params, "row_scale"]
+        for key, got in results.items():
+            for name, a, b in zip(names, got, results["torch", None]):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"{key} {name}: {m}")
+
+
+def test_cpu_path_without_prior_or_grad_and_in_bfloat16():
+    """NoPE (no table), no gradient at all (nothing is saved), and bf16 inputs (computed in fp32, returned in bf16,
+    gradients in bf16) all agree with the reference."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 19, 8, generator=gen) for _ in range(3))
+    doc_start = random_doc_start(2, 19, gen)
+    with torch.no_grad():
+        torch.testing.assert_close(attention_cpu(q, k, v, doc_start=doc_start, block_rows=5),
+                                   attention_torch(q, k, v, doc_start=doc_start))
+    grads = []
+    for fn in (attention_torch, attention_cpu):
+        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, doc_start=doc_start)
+        assert out.dtype == torch.bfloat16
+        grads.append([out] + list(torch.autograd.grad(out.float().sum(), leaves)))
+    for a, b in zip(*grads):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("pe,ssmax", VARIANTS)
+def test_model_gradients_cpu_impl_equal_reference(pe, ssmax):
+    """Every variant's training gradients (all parameters, incl. the priors' and SSMax's) through impl='cpu', the
+    CPU training default, equal those through the reference."""
+    idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    doc_start = torch.zeros(2, 16, dtype=torch.long)
+    doc_start[1, 6:] = 6
+    grads = []
+    for impl in ("torch", "cpu"):
+        model = make(tiny(pe, ssmax, attn_impl=impl))
+        _, loss = model(idx, idx, doc_start=doc_start)
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("scale_prior", [False, True])
@@ -165,7 +233,7 @@ def test_sdpa_path_gradients_match_reference(case):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     trained = (torch.zeros(H, requires_grad=True), torch.zeros(H), torch.zeros(H))
-    with pytest.raises(NotImplementedError, match="impl='torch'"):
+    with pytest.raises(NotImplementedError, match="impl='cpu'"):
         attention(q, k, v, prior=trained, impl="sdpa")
 
 

@@ -43,8 +43,8 @@ def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior
 
 
 def impl_cases():
-    """(impl, has_backward) for every impl this machine has: torch; flex (forward only on CPU); the kernel."""
-    cases = [("torch", True)]
+    """(impl, has_backward) for every impl this machine has: torch; cpu; flex (forward only on CPU); the kernel."""
+    cases = [("torch", True), ("cpu", True)]
     cases.append(("flex", torch.cuda.is_available()))
     if ak._triton_available() and (torch.cuda.is_available() or ak._interpreting()):
         cases.append(("triton_kernel", True))
@@ -223,7 +223,7 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
 
 
 def test_auto_picks_the_fastest_exact_impl():
-    """CUDA: the kernel for its own priors, Flex for the rest. CPU: sdpa for evaluation, the reference to train.
+    """CUDA: the kernel for its own priors, Flex for the rest. CPU: sdpa for evaluation, the cpu path to train.
     The CUDA branch only reads .is_cuda, so a stand-in is enough here."""
     from types import SimpleNamespace
     cuda = SimpleNamespace(is_cuda=True)
@@ -231,10 +231,10 @@ def test_auto_picks_the_fastest_exact_impl():
     assert ak.auto_impl(cuda, ggd) == "triton" and ak.auto_impl(cuda, None) == "triton"
     assert ak.auto_impl(cuda, BoundPrior(get_prior("alibi"), ())) == "triton"
     assert ak.auto_impl(cuda, cauchy) == "flex"
-    # CPU: the fused-SDPA path when nothing needs a gradient, the reference when anything does
+    # CPU: the fused-SDPA path when nothing needs a gradient, the hand-written backward when anything does
     assert ak.auto_impl(torch.zeros(1), cauchy) == "sdpa" and ak.auto_impl(torch.zeros(1), ggd) == "sdpa"
     trained = bind(tuple(torch.zeros(2, requires_grad=True) for _ in range(3)))
-    assert ak.auto_impl(torch.zeros(1), trained) == "torch"
-    assert ak.auto_impl(torch.zeros(1), None, torch.zeros(1, requires_grad=True)) == "torch"
+    assert ak.auto_impl(torch.zeros(1), trained) == "cpu"
+    assert ak.auto_impl(torch.zeros(1), None, torch.zeros(1, requires_grad=True)) == "cpu"
     with torch.no_grad():
         assert ak.auto_impl(torch.zeros(1), trained) == "sdpa"
