@@ -27,6 +27,8 @@ Implementations (impl), none of which ever substitutes one prior for another: an
 given prior raises.
   "torch"   the plain-PyTorch reference below, for every prior: it loops over query chunks and only ever
             materialises a (chunk x Tk) score block, so memory is linear in the length.
+  "cpu"     CPU training, every prior: the reference's math with a hand-written backward (query blocks that skip
+            the keys causality hides, the prior read as a view of its table and its gradient summed per distance).
   "triton"  the Triton flash-attention kernel below: no T x T tensor at all, but only for the priors whose form
             it hard-codes (none, ggd, alibi: a prior whose `native` set names "triton").
   "flex"    FlexAttention (compiled), for every prior: score_mod reads the prior's table over the distances, a
@@ -35,7 +37,7 @@ given prior raises.
   "sdpa"    CPU, every prior: PyTorch's fused SDPA kernel with the prior as a float attn_mask (below), chunked
             over queries like the reference; gradients only where that mask needs none (not for a trained prior).
   "auto"    the fastest impl that computes the prior: on CUDA Triton if the prior is native to it, else Flex; on
-            the CPU "sdpa" without gradients (evaluation), the reference with them (auto_impl says why).
+            the CPU "sdpa" without gradients (evaluation), "cpu" with them (auto_impl says why).
 """
 import contextlib
 import math

@@ -24,6 +24,7 @@ A failure (OOM or anything else) in one configuration is recorded and the others
 
     python bench_attention.py --cpu              # CPU, no grad, B1 H8 D64, T = 4096 and 16384 (~10 min on 2 cores)
     python bench_attention.py --cpu --lengths 4096 --doc_len 0 --threads 1
+    python bench_attention.py --cpu --train --lengths 1024 4096 --threads 1   # forward + backward, all gradients
 
 CPU table: GGD prior + SSMax scaling it (the BAM path), with documents of mean length --doc_len (0: one document),
 forward only (FlexAttention has no CPU backward), float32:
@@ -31,11 +32,15 @@ forward only (FlexAttention has no CPU backward), float32:
   sdpa          attention(impl="sdpa"): PyTorch's fused CPU kernel with the prior as a float attn_mask
   flex          FlexAttention compiled for CPU, the prior + SSMax as a score_mod, causal + document block mask
   sdpa_noprior  F.scaled_dot_product_attention(q, k, v, is_causal=True): no prior, no SSMax, no documents
+With --train: forward + backward, the gradients of q, k, v, the prior's trained parameters and SSMax's row scale
+(sdpa_noprior: of q, k, v), for reference, cpu (attention(impl="cpu"), the hand-written backward) and sdpa_noprior
+(flex and sdpa have no CPU backward for a learned prior); GFLOP/s then count 3.5x the forward.
 The implementations run in interleaved rounds (one call each, round after round, so that a machine shared with
 other work slows them alike); the median wall time is reported, with GFLOP/s (4 B H T^2 D x 0.5, causal) and the
 ratio to sdpa_noprior, and the median process CPU time and its ratio (which a busy machine disturbs less).
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -64,6 +69,7 @@ def build_parser():
     p.add_argument("--cpu", action="store_true", help="the CPU table (the default without CUDA)")
     p.add_argument("--doc_len", type=int, default=1000, help="CPU table: mean document length (0: one document)")
     p.add_argument("--rounds", type=int, default=3, help="CPU table: timed calls per implementation")
+    p.add_argument("--train", action="store_true", help="CPU table: forward + backward instead of the forward")
     p.add_argument("--threads", type=int, default=0, help="CPU table: torch threads (0 = torch's default)")
     return p
 
@@ -243,50 +249,56 @@ def run_table(args):
 
 # ---------------------------------------------------------------------------------------------------- CPU table
 CPU_IMPLS = ("reference", "sdpa", "flex", "sdpa_noprior")
+CPU_TRAIN_IMPLS = ("reference", "cpu", "sdpa_noprior")
 
 
-def cpu_problem(T, H=8, D=64, doc_len=1000, seed=0):
-    """q, k, v (1, H, T, D) and attention()'s keyword arguments for GGD + SSMax (+ documents)."""
+def cpu_problem(T, H=8, D=64, doc_len=1000, seed=0, train=False):
+    """q, k, v (1, H, T, D) and attention()'s keyword arguments for GGD + SSMax (+ documents); with train, the
+    tensors a training step differentiates (q, k, v, theta_alpha, theta_beta, the SSMax scale) require grad."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, H, T, D, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, H, T, D, generator=g).requires_grad_(train) for _ in range(3))
     betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0])
-    prior = (torch.linspace(-1.0, 0.5, H), betas[torch.arange(H) % len(betas)], torch.zeros(H))
+    alpha, beta = torch.linspace(-1.0, 0.5, H).requires_grad_(train), betas[torch.arange(H) % len(betas)]
+    prior = (alpha, beta.requires_grad_(train), torch.zeros(H))
     doc_start = torch.zeros(1, T, dtype=torch.long)
     if doc_len:
         for c in (torch.rand(T, generator=g) < 1.0 / doc_len).nonzero().flatten().tolist():
             doc_start[:, c:] = c
     log_n = (torch.arange(T)[None] - doc_start + 1).float().log()  # SSMax: n = keys visible in the document
-    row_scale = torch.ones(H)[None, :, None] * log_n[:, None, :]
+    row_scale = torch.ones(H, requires_grad=train)[None, :, None] * log_n[:, None, :]
     kw = dict(doc_start=doc_start if doc_len else None, prior=prior, row_scale=row_scale, scale_prior=True)
     return q, k, v, kw
 
 
-def cpu_impl_fn(name, q, k, v, kw):
+def cpu_impl_fn(name, q, k, v, kw, train=False):
     import torch.nn.functional as F
     from attention_kernel import attention
-    if name in ("reference", "sdpa"):
-        return lambda: attention(q, k, v, **kw, impl="torch" if name == "reference" else "sdpa")
-    if name == "sdpa_noprior":
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return lambda: attention(q, k, v, **kw, impl="flex")  # compiled FlexAttention, the prior's table in score_mod
+    impl = {"reference": "torch", "sdpa": "sdpa", "cpu": "cpu", "flex": "flex"}.get(name)
+    fn = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)) if name == "sdpa_noprior" else \
+        (lambda: attention(q, k, v, **kw, impl=impl))  # flex: compiled, the prior's table in score_mod
+    if not train:
+        return fn
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    return lambda: fn().backward(dout, retain_graph=name != "sdpa_noprior")  # row_scale's graph is reused
 
 
 def run_cpu_table(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [4096, 16384] if args.lengths == parse_args([]).lengths else args.lengths
-    print(f"CPU, torch threads {torch.get_num_threads()}, float32, no grad; B1 H8 D64, GGD prior + SSMax "
-          f"(scale_prior), {'documents of mean length ' + str(args.doc_len) if args.doc_len else 'one document'}")
+    print(f"CPU, torch threads {torch.get_num_threads()}, float32, {'forward + backward' if args.train else 'no grad'}; "
+          f"B1 H8 D64, GGD prior + SSMax (scale_prior), "
+          f"{'documents of mean length ' + str(args.doc_len) if args.doc_len else 'one document'}")
     print(f"{'T':>6} {'impl':<13} {'ms':>10} {'GFLOP/s':>8} {'vs sdpa_noprior':>16} {'CPU ms':>10} "
           f"{'vs sdpa_noprior':>16}")
     rows = []
-    with torch.no_grad():
+    with contextlib.nullcontext() if args.train else torch.no_grad():
         for T in lengths:
-            q, k, v, kw = cpu_problem(T, doc_len=args.doc_len)
+            q, k, v, kw = cpu_problem(T, doc_len=args.doc_len, train=args.train)
             fns, times = {}, {}
-            for name in CPU_IMPLS:
+            for name in CPU_TRAIN_IMPLS if args.train else CPU_IMPLS:
                 try:
-                    fns[name] = cpu_impl_fn(name, q, k, v, kw)
+                    fns[name] = cpu_impl_fn(name, q, k, v, kw, args.train)
                     fns[name]()  # compile / warm up
                     times[name] = []
                 except Exception as e:  # noqa: BLE001 -- one failing impl must not end the table
@@ -298,9 +310,10 @@ def run_cpu_table(args):
                     fns[name]()
                     times[name].append((1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)))
             base = [_median([t[i] for t in times["sdpa_noprior"]]) for i in (0, 1)]
+            flops = 4 * 8 * T * T * 64 * 0.5 * (3.5 if args.train else 1.0)
             for name, ts in times.items():
                 ms, cpu_ms = (_median([t[i] for t in ts]) for i in (0, 1))
-                row = dict(T=T, impl=name, ms=ms, cpu_ms=cpu_ms, gflops=4 * 8 * T * T * 64 * 0.5 / ms * 1e-6,
+                row = dict(T=T, impl=name, train=args.train, ms=ms, cpu_ms=cpu_ms, gflops=flops / ms * 1e-6,
                            vs_sdpa_noprior=ms / base[0], cpu_vs_sdpa_noprior=cpu_ms / base[1], status="ok")
                 rows.append(row)
                 print(f"{T:>6} {name:<13} {ms:>10.1f} {row['gflops']:>8.1f} {ms / base[0]:>15.2f}x "
