@@ -67,6 +67,15 @@ def _neg_inf_where(hidden):
     return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
+def _hidden(qpos, kpos, ds):
+    """Whether key j is hidden from query i: j > i, or j before the query's document start ds (B, rows). (rows, keys),
+    or (B, 1, rows, keys) with documents."""
+    hidden = kpos[None, :] > qpos[:, None]
+    if ds is not None:
+        hidden = (hidden | (kpos[None, None, :] < ds[:, :, None]))[:, None]
+    return hidden
+
+
 def _mask_invisible(s, qpos, kpos, ds):
     """Set s[..., i, j] = -inf where key j is not visible to query i: j > i, or j before doc start ds (B, rows).
     Without autograd, in place and only on the columns that can be hidden (the causal diagonal block, and keys
@@ -74,10 +83,7 @@ def _mask_invisible(s, qpos, kpos, ds):
     addition of a 0 / -inf tensor over the block is cheaper than in-place writes into slices (which add a
     CopySlices pass)."""
     if s.requires_grad:
-        visible = kpos[None, :] <= qpos[:, None]
-        if ds is not None:
-            visible = (visible & (kpos[None, None, :] >= ds[:, :, None]))[:, None]
-        return s + _neg_inf_where(~visible)  # the same values and gradients as masked_fill, faster both ways
+        return s + _neg_inf_where(_hidden(qpos, kpos, ds))  # the same values and gradients as masked_fill, faster
     c = int(qpos[0] - kpos[0])
     s[..., c:].masked_fill_(kpos[None, c:] > qpos[:, None], float("-inf"))
     if ds is not None and (c := int(ds.max() - kpos[0])) > 0:
@@ -112,8 +118,9 @@ def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scal
     return _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
 
 
-def _reference_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size):
-    """(q_offset, softmax_scale, [(a, b, lo)]): query chunks a..b-1 and the first key lo any of them can see."""
+def _query_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size):
+    """(q_offset, softmax_scale, [(a, b, lo)]): query chunks a..b-1 and the first key lo any of them can see; the
+    defaults of q_offset and softmax_scale resolved. Shared by the reference, "cpu" and "sdpa"."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     q_offset = Tk - Tq if q_offset is None else int(q_offset)
@@ -132,7 +139,7 @@ def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scal
                     q_offset=None, softmax_scale=None, chunk_size=None):
     """Plain-PyTorch attention with the contract above, chunked over queries (peak memory O(chunk x Tk))."""
     prior = bind(prior)
-    q_offset, softmax_scale, chunks = _reference_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size)
+    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size)
     outs = []
     for a, b, lo in chunks:
         s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
@@ -147,7 +154,7 @@ def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_p
     """The attention weights softmax_j(s_ij) of the reference math: (B, H, Tq, Tk) float32, 0 on hidden keys.
     For inspecting a few query rows (the result is Tq x Tk); same arguments as attention()."""
     prior = bind(prior)
-    q_offset, softmax_scale, chunks = _reference_chunks(q, k, doc_start, q_offset, softmax_scale, None)
+    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, None)
     B, H, Tq, _ = q.shape
     probs = torch.zeros(B, H, Tq, k.shape[2], device=q.device)
     for a, b, lo in chunks:
@@ -206,10 +213,7 @@ class _CPUAttention(torch.autograd.Function):
                 bias = _toeplitz(ext, b - a, i1 - lo, lo - i0 - dmin)
                 s.add_(bias) if rho is None else s.addcmul_(bias, rho[:, :, a:b, None])
             qpos, kpos = torch.arange(i0, i1, device=qs.device), torch.arange(lo, i1, device=qs.device)
-            hidden = kpos[None, :] > qpos[:, None]
-            if doc_start is not None:
-                hidden = (hidden | (kpos[None, None, :] < doc_start[:, i0:i1, None]))[:, None]
-            s.add_(_neg_inf_where(hidden))
+            s.add_(_neg_inf_where(_hidden(qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])))
             p = torch.softmax(s, dim=-1)
             out[:, :, a:b] = torch.matmul(p, v[:, :, lo:i1])
             saved.append((p, bias) if save else None)
@@ -222,8 +226,8 @@ class _CPUAttention(torch.autograd.Function):
     def backward(ctx, do):
         qs, k, v, table, rho, ext = ctx.saved_tensors
         dqs, dk, dv = torch.empty_like(qs), torch.zeros_like(k), torch.zeros_like(v)
-        dext = qs.new_zeros(ext.shape[0] if table.shape[0] > 1 else qs.shape[1], *ext.shape[1:]) \
-            if ctx.needs_input_grad[3] else None  # (H, R, n), one table copy per row
+        # (H, R, n): one table copy per block row, per head even for a table shared by the heads (summed at the end)
+        dext = qs.new_zeros(qs.shape[1], *ext.shape[1:]) if ctx.needs_input_grad[3] else None
         drho = torch.zeros_like(rho) if ctx.needs_input_grad[4] else None
         for (a, b, lo, i0), (p, bias) in zip(ctx.blocks, ctx.blocks_saved):
             i1, dob = i0 + b - a, do[:, :, a:b]
@@ -251,17 +255,10 @@ def attention_cpu(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_
                   q_offset=None, softmax_scale=None, block_rows=CPU_BLOCK):
     """attention() with the reference's math and a hand-written backward (see above): CPU training's impl."""
     prior = bind(prior)
-    B, H, Tq, D = q.shape
-    Tk = k.shape[2]
-    q_offset = Tk - Tq if q_offset is None else int(q_offset)
-    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    blocks = []
-    for a in range(0, Tq, block_rows):
-        b = min(a + block_rows, Tq)
-        lo = int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
-        blocks.append((a, b, lo, q_offset + a))
+    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, block_rows)
+    blocks = [(a, b, lo, q_offset + a) for a, b, lo in chunks]
     dmin = min(lo - (i0 + b - a - 1) for a, b, lo, i0 in blocks)  # the most negative distance any block sees
-    table = _bias_table(prior, dmin, min(block_rows, Tq) - 1, q.device) if prior is not None else None
+    table = _bias_table(prior, dmin, min(block_rows, q.shape[2]) - 1, q.device) if prior is not None else None
     scale = softmax_scale if row_scale is None else softmax_scale * row_scale[..., None].float()
     rho = row_scale.float() if row_scale is not None and scale_prior and prior is not None else None
     with torch.autocast(q.device.type, enabled=False):  # fp32 throughout, like the reference
@@ -330,23 +327,20 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
     if not _sdpa_mask_is_constant(prior, row_scale, scale_prior):
         raise NotImplementedError("impl='sdpa' gives no gradient for the prior (nor for an SSMax scale applied to "
                                   "it); train with impl='cpu' (impl='auto' does)")
-    B, H, Tq, D = q.shape
+    B, H, Tq, _ = q.shape
     Tk = k.shape[2]
-    q_offset = Tk - Tq if q_offset is None else int(q_offset)
-    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
+    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, chunk)
     dtype, (q, k, v) = q.dtype, (q.float(), k.float(), v.float())  # fp32 inside, like the reference
     if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(dtype)
-    chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
     written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
     grad = needs_grad(q, k, v)
     buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
     k_rev, v_rev = k.flip(2), v.flip(2)  # key j sits at Tk - 1 - j
     outs = []
-    for a in range(0, Tq, chunk):
-        b = min(a + chunk, Tq)
+    for a, b, lo in chunks:  # lo: keys before it are invisible to every query of the chunk
         i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
-        lo = int(doc_start[:, i0:i1].min()) if doc_start is not None else 0  # keys before lo are invisible to all
         dmin, dmax = lo - (i1 - 1), i1 - i0 - 1
         rtable = (_bias_table(prior, dmin, dmax, q.device).flip(1) if prior is not None
                   else q.new_zeros(1, dmax - dmin + 1))
