@@ -64,13 +64,19 @@ def corpus(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------------------
 # Tokenizers
 # ----------------------------------------------------------------------------------------------------------
-def test_byte_tokenizer_is_offline(monkeypatch):
+def forbid_network(monkeypatch, who):
+    """Any socket opened from now on fails the test, naming who must stay offline; the tokenizer cache is emptied so
+    that the next get_tokenizer loads its tokenizer under this guard."""
     def no_network(*a, **k):
-        raise AssertionError("the byte tokenizer must not touch the network")
+        raise AssertionError(f"{who} must not touch the network")
 
     monkeypatch.setattr(socket, "socket", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
     get_tokenizer.cache_clear()
+
+
+def test_byte_tokenizer_is_offline(monkeypatch):
+    forbid_network(monkeypatch, "the byte tokenizer")
     enc = get_tokenizer("byte")
     assert enc is get_tokenizer("byte")  # cached
     assert (enc.eot_token, enc.n_vocab) == (EOT["byte"], VOCAB_SIZE["byte"]) == (256, 257)
@@ -81,12 +87,7 @@ def test_byte_tokenizer_is_offline(monkeypatch):
 
 
 def test_mistral_tokenizer_is_offline_and_round_trips(monkeypatch):
-    def no_network(*a, **k):
-        raise AssertionError("the mistral tokenizer must not touch the network")
-
-    monkeypatch.setattr(socket, "socket", no_network)
-    monkeypatch.setattr(socket, "create_connection", no_network)
-    get_tokenizer.cache_clear()
+    forbid_network(monkeypatch, "the mistral tokenizer")
     tok = get_tokenizer("mistral")
     assert (tok.n_vocab, tok.doc_start, tok.eot_token, tok.doc_end) == (VOCAB_SIZE["mistral"], 1, 2, 2) == \
         (32768, 1, 2, 2)
@@ -233,24 +234,31 @@ def test_prepare_rejects_large_token_ids(monkeypatch):
         prepare_fineweb.tokenize("byte", "x")
 
 
+def interrupt_after_shards(monkeypatch, n):
+    """Make prepare_fineweb raise KeyboardInterrupt (a ^C) when it is about to write shard n + 1; returns the
+    function that puts the real write_shard back."""
+    real_write, written = prepare_fineweb.write_shard, []
+
+    def write_or_interrupt(path, tokens, name):
+        if len(written) == n:
+            raise KeyboardInterrupt
+        written.append(path)
+        real_write(path, tokens, name)
+
+    monkeypatch.setattr(prepare_fineweb, "write_shard", write_or_interrupt)
+    return lambda: monkeypatch.setattr(prepare_fineweb, "write_shard", real_write)
+
+
 def test_prepare_resume_is_byte_identical(corpus, tmp_path, monkeypatch, capsys):
     reference = shard_bytes(corpus["dir"])
     files = [corpus["path"]]
 
     # 1. interrupted after three shards: the rerun keeps them (same inode), skips their documents, finishes the rest
-    real_write, calls = prepare_fineweb.write_shard, []
-
-    def crash_after_three(path, tokens, name):
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        calls.append(path)
-        real_write(path, tokens, name)
-
-    monkeypatch.setattr(prepare_fineweb, "write_shard", crash_after_three)
+    restore = interrupt_after_shards(monkeypatch, 3)
     d = tmp_path / "d"
     with pytest.raises(KeyboardInterrupt):
         prepare(d, files)
-    monkeypatch.setattr(prepare_fineweb, "write_shard", real_write)
+    restore()
     inodes = {f: os.stat(d / f).st_ino for f in os.listdir(d) if f.endswith(".bin")}
     assert len(inodes) == 3
     real_tokenize, tokenized = prepare_fineweb.tokenize, []
@@ -284,18 +292,10 @@ def test_prepare_resume_across_the_gap(corpus, tmp_path, monkeypatch):
     reference = shard_bytes(tmp_path / "ref")
     full = stream(corpus["dir"])  # the same corpus without a gap
     np.testing.assert_array_equal(stream(tmp_path / "ref"), np.concatenate([full[:500], full[1200:]]))
-    real_write, calls = prepare_fineweb.write_shard, []
-
-    def crash(path, tokens, name):
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        calls.append(path)
-        real_write(path, tokens, name)
-
-    monkeypatch.setattr(prepare_fineweb, "write_shard", crash)
+    restore = interrupt_after_shards(monkeypatch, 1)
     with pytest.raises(KeyboardInterrupt):
         prepare(tmp_path / "d", [corpus["path"]], *gap)
-    monkeypatch.setattr(prepare_fineweb, "write_shard", real_write)
+    restore()
     prepare(tmp_path / "d", [corpus["path"]], *gap)
     assert shard_bytes(tmp_path / "d") == reference
     with pytest.raises(ValueError, match="gap_tokens: 700 there, 0 now"):
