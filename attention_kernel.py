@@ -118,13 +118,19 @@ def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scal
     return _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
 
 
+def _offset_and_scale(q, k, q_offset, softmax_scale):
+    """attention()'s defaults resolved: q_offset = Tk - Tq (the queries are the last positions), softmax_scale =
+    1 / sqrt(head_dim)."""
+    return (k.shape[2] - q.shape[2] if q_offset is None else int(q_offset),
+            1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale))
+
+
 def _query_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size):
     """(q_offset, softmax_scale, [(a, b, lo)]): query chunks a..b-1 and the first key lo any of them can see; the
     defaults of q_offset and softmax_scale resolved. Shared by the reference, "cpu" and "sdpa"."""
-    B, H, Tq, D = q.shape
+    B, H, Tq, _ = q.shape
     Tk = k.shape[2]
-    q_offset = Tk - Tq if q_offset is None else int(q_offset)
-    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
     chunk = chunk_size or _chunk_rows(B, H, Tk)
     chunks = []
     for a in range(0, Tq, chunk):
@@ -432,15 +438,14 @@ def attention_flex(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
                    softmax_scale=None):
     """The FlexAttention implementation of attention() (same contract, see the module docstring)."""
     prior = bind(prior)
-    B, H, Tq, D = q.shape
+    B, H, Tq, _ = q.shape
     Tk = k.shape[2]
     if not needs_grad(q, k, v, prior, row_scale):  # FlexAttention's CPU path refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
     elif not q.is_cuda:
         raise RuntimeError("impl='flex' has no backward on the CPU (FlexAttention's CPU path is forward-only in "
                            f"torch {torch.__version__}); train on the CPU with impl='cpu' (or 'auto')")
-    q_offset = Tk - Tq if q_offset is None else int(q_offset)
-    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
     dev = q.device
     table = _bias_table(prior, -(Tk - 1), 0, dev) if prior is not None else torch.zeros(H, Tk, device=dev)
     ones = torch.ones(B, H, Tq, device=dev)
@@ -1144,10 +1149,9 @@ def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, sca
     k, v = k.to(q.dtype), v.to(q.dtype)
     if D > 256:
         raise ValueError(f"attention_triton: head_dim {D} > 256 is not supported")
-    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
     if not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"attention_triton: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
-    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if Tq == 0:
         return q * 0.0  # nothing to attend from (still connected to autograd)
     # unit stride along head_dim keeps the loads vectorised; other strides are passed as they are
