@@ -24,10 +24,10 @@ test: deps
 test-all: deps
 	$(PYTHON) -m pytest -q tests/
 
-# every GPU check in one go (~5 min on an H100/H200): kernel correctness and speed, l12 step time, a 131K-token
-# forward, bf16 + torch.compile training; results in results/gpu/ (see gpu_check.sh)
+# every GPU check in one go (dev/README.md): kernel correctness and speed, l12 step time, a 131K-token forward,
+# bf16 + torch.compile training
 gpu-check: deps
-	PYTHON=$(PYTHON) bash gpu_check.sh
+	PYTHON=$(PYTHON) bash dev/gpu_check.sh
 
 # ---- the CPU demo ------------------------------------------------------------------------------------------------
 # Synthetic passkey data (prepare_demo.py), tiny models trained at a 64-token context (config/demo_cpu.py, two
@@ -49,7 +49,9 @@ DEMO_RESULTS ?= $(DEMO_OUT)/results
 DEMO_PREPARE_ARGS ?=
 DEMO_TRAIN_ARGS ?=
 DEMO_EVAL_ARGS ?=
-demo_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(DEMO_VARIANTS),$(v)-s$(s)))
+BASELINE_SEEDS ?= $(SEEDS)
+demo_seeds = $(shell seq 1 $(if $(filter bam%,$(1)),$(SEEDS),$(BASELINE_SEEDS)))
+demo_runs := $(foreach v,$(DEMO_VARIANTS),$(foreach s,$(call demo_seeds,$(v)),$(v)-s$(s)))
 # run name <variant>-s<seed>, variant <pos_encoding>[_ssmax]
 demo_seed = $(lastword $(subst -s, ,$(1)))
 demo_variant = $(firstword $(subst -s, ,$(1)))
@@ -64,7 +66,6 @@ demo: deps
 	$(PYTHON) inspect_attention.py --template demo $(patsubst %,--ckpt $(DEMO_OUT)/%,$(filter %-s1,$(demo_runs))) \
 		--lengths $(DEMO_LENGTHS) --samples 10 --out $(DEMO_RESULTS) --no_progress
 	$(foreach r,$(filter bam%,$(demo_runs)),$(PYTHON) plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(DEMO_RESULTS)/prior_$(r).png && ) true
-	$(PYTHON) demo_table.py $(DEMO_RESULTS)
 
 # $(call content_stamp,FILES,STAMP): write the sha256 of FILES to STAMP only when it differs. Make looks at the
 # stamp's date again after its recipe, so whatever depends on it is rebuilt only when the content changed.
