@@ -132,14 +132,14 @@ def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
                         f"--out_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("train.py: error: device=auto found no CUDA GPU under torchrun")
+    assert r.stderr.startswith("train.py: error: invalid settings: device=auto found no CUDA GPU under torchrun")
     assert "pass --device=cpu" in r.stderr
     # the GPU recipe's settings without torchrun, and on purpose with --device=cpu
     c = train.configure({k: getattr(train, k) for k in train.config_keys}, [os.path.join(ROOT, "config/bam_120m.py")])
     with pytest.raises(ConfigError, match="dtype=bfloat16 and compile=True; to train on the CPU on purpose"):
-        train.refuse_cpu_for_gpu_recipe(c, ddp=False)
-    train.refuse_cpu_for_gpu_recipe(dict(c, device="cpu"), ddp=True)
-    train.refuse_cpu_for_gpu_recipe(dict(c, compile=False), ddp=False)
+        train.check_device(c, ddp=False)
+    train.check_device(dict(c, device="cpu"), ddp=True)
+    train.check_device(dict(c, compile=False), ddp=False)
     assert not (tmp_path / "run").exists()
 
 
