@@ -12,7 +12,6 @@ step: train_loss, lr, grad_norm, tokens_per_s, ms_per_step, mfu on CUDA; val_los
 evaluations) and ckpt_{step:07d}.pt. "Step N" means "after N optimizer updates": ckpt_0000100.pt holds the model
 after update 100; the record of step 100 holds the training loss of update 100 and the val loss after it.
 """
-import importlib
 import importlib.util
 import json
 import math
@@ -38,16 +37,13 @@ from model import (GPT, MODEL_SIZES, CheckpointError, GPTConfig, autocast, check
                    checkpoints, load_checkpoint, load_state, peak_flops, save_checkpoint)
 from priors import PRIORS
 
-# ----------------------------------------------------------------------------------------------------------
-# Settings. The defaults are the paper's l12 BAM+SSMax recipe: config/bam_120m.py only names the run.
-# ----------------------------------------------------------------------------------------------------------
+# ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py only names the run) --
 # I/O
 out_dir = "out"                  # run directory (see the module docstring)
 data_dir = "data/fineweb_mistral"  # token shards written by prepare_fineweb.py / prepare_demo.py
 resume = False                   # continue from the newest checkpoint in out_dir: model, optimizer, step, RNG
 eval_interval = 250              # validation loss every this many steps (also at step 0 and at the end)
-eval_iters = 159                 # validation batches per evaluation (capped at what the val split holds); 159 x 48
-                                 # windows of 512 cover 99.4% of the 3,932,160-token FineWeb val split
+eval_iters = 159                 # val batches per evaluation (at most what the split holds): 99.4% of FineWeb's val
 log_interval = 10                # a progress line and a metrics.jsonl record every this many steps
 ckpt_interval = 1000             # a checkpoint every this many steps (and at the end)
 keep_last = 2                    # checkpoints kept in out_dir; older ones are deleted (0 = keep all)
@@ -91,7 +87,8 @@ device = "auto"                  # auto (cuda if available, else cpu) | cpu | cu
 dtype = "bfloat16"               # bfloat16 | float16 (CUDA, with a GradScaler) | float32: the autocast precision
 compile = True                   # torch.compile the model for training (evaluation uses the plain module)
 seed = 42                        # process r seeds torch with seed + r
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
+config_keys = [k for k, v in globals().items() if k.islower() and not k.startswith("_")
+               and isinstance(v, (bool, int, float, str))]
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer"))
 # ----------------------------------------------------------------------------------------------------------
 
@@ -113,9 +110,7 @@ def model_args(c, vocab_size, tokenizer):
     return dict({k: c[k] for k in MODEL_KEYS}, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Guards: every setting is checked before any data or model is touched
-# ----------------------------------------------------------------------------------------------------------
+# ---- Guards: every setting is checked before any data or model is touched --------------------------------
 def resolve_config(c, world_size):
     """The settings with the derived ones filled in; a ConfigError names every problem found."""
     c = dict(c)
@@ -220,9 +215,7 @@ def check_data_budget(c, train_windows, tokens_per_update):
                       "lower max_iters, or pass --allow_data_repeat=True")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Setup
-# ----------------------------------------------------------------------------------------------------------
+# ---- Setup -----------------------------------------------------------------------------------------------
 def setup_device(c, ddp, local_rank, log):
     """Resolve c["device"] (torchrun: one GPU per process) and start the process group. Where the hardware cannot
     do what c asks (a GPU without bfloat16, torch.compile on a CPU without a C++ compiler), fall back and say so."""
@@ -270,30 +263,27 @@ def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
     if "scaler" in ckpt and scaler.is_enabled():
         scaler.load_state_dict(ckpt["scaler"])
     rng = ckpt.get("rng", [])
-    if len(rng) == world_size:
+    if len(rng) == world_size:  # else the streams cannot continue: another number of processes wrote them
         torch.set_rng_state(rng[rank]["cpu"])
         if c["device"].startswith("cuda") and rng[rank]["cuda"] is not None:
             torch.cuda.set_rng_state(rng[rank]["cuda"])
-    changed = [f"{k}: {ckpt['config'].get(k)!r} -> {c[k]!r}" for k in config_keys
-               if k != "resume" and ckpt.get("config", {}).get(k, c[k]) != c[k]]
-    log(f"resuming {ckpt['path']} at step {ckpt['step']}; model and optimizer restored, "
-        + ("RNG restored" if len(rng) == world_size else f"RNG not restored ({len(rng)} processes wrote it)")
-        + "".join(f"\n  changed since: {x}" for x in changed))
+    changed = [f"{k}={c[k]!r} (was {v!r})" for k, v in ckpt.get("config", {}).items()
+               if k in c and k != "resume" and v != c[k]]
+    log(f"resuming {ckpt['path']} at step {ckpt['step']}; RNG {'' if len(rng) == world_size else 'not '}restored; "
+        f"settings changed: {', '.join(changed) or 'none'}")
     return ckpt["step"], ckpt["path"], ckpt.get("val_loss")
 
 
 def describe(raw_model, c, accum, tokens_per_update):
     """Three lines for the log: the model, its parameters, the batch."""
-    groups = raw_model.param_groups()
+    n = {k: sum(p.numel() for p in ps) for k, ps in raw_model.param_groups().items()}
     prior = f" ({c['prior']} prior)" if c["pos_encoding"] == "bam" else ""
     return (f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}{prior}, {c['n_layer']} layers, "
-            f"{c['n_head']} heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})\n"
-            f"parameters: {raw_model.num_params():,} total, {raw_model.num_params(non_embedding=True):,} "
-            f"non-embedding, {sum(p.numel() for p in groups['prior'])} trainable prior, "
-            f"{sum(p.numel() for p in groups['ssmax'])} SSMax s\n"
-            f"batch: {c['batch_size']} x {c['block_size']} tokens x {accum} accumulation x {c['world_size']} "
-            f"processes = {tokens_per_update:,} tokens per step; {c['max_iters']} steps; device {c['device']}, "
-            f"{c['dtype']}, compile={c['compile']}")
+            f"{c['n_head']} heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})\nparameters: "
+            f"{raw_model.num_params():,} total, {raw_model.num_params(non_embedding=True):,} non-embedding, "
+            f"{n['prior']} trainable prior, {n['ssmax']} SSMax s\nbatch: {c['batch_size']} x {c['block_size']} "
+            f"tokens x {accum} accumulation x {c['world_size']} processes = {tokens_per_update:,} tokens per step; "
+            f"{c['max_iters']} steps; device {c['device']}, {c['dtype']}, compile={c['compile']}")
 
 
 def git(*args):
@@ -354,9 +344,7 @@ def metrics_writer(c, path):
     return write
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------------------------------
+# ---- The loop --------------------------------------------------------------------------------------------
 def train_step(model, raw_model, optimizer, scaler, loader, ctx, step, accum, lr, c, last_ckpt):
     """Optimizer update step + 1 at learning rate lr (each group scaled by its own base_lr), over `accum`
     micro-batches per process. Returns (mean train loss, grad norm)."""
