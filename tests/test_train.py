@@ -325,18 +325,6 @@ def test_compiled_training_matches_eager(data_dir, tmp_path):
     assert [m.get("train_loss") for m in a] == pytest.approx([m.get("train_loss") for m in b], abs=1e-4)
 
 
-def test_bench_smoke(tmp_path):
-    """bench.py runs end to end on a very small model and writes the ratio it prints."""
-    import bench
-    out = tmp_path / "bench.json"
-    results = bench.main(["--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2",
-                          "--steps=2", "--warmup=1", "--threads=1", "--all", "--device=cpu", f"--out={out}"])
-    saved = json.load(open(out))
-    assert set(saved["variants"]) == {f"{p}{'+ssmax' if s else ''}" for p, s in VARIANTS} == set(results)
-    assert saved["ratio_bam_ssmax_vs_nope"] == results["bam+ssmax"]["median_ms"] / results["nope"]["median_ms"] > 0
-    assert all(len(v["ms"]) == 2 for v in saved["variants"].values())
-
-
 def test_wandb_logging_on_request(data_dir, tmp_path, monkeypatch):
     """--wandb_log=True sends every metrics record (its numbers) to wandb, named after out_dir; off by default."""
     import importlib.machinery
