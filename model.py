@@ -335,7 +335,8 @@ class GPT(nn.Module):
         for i, attn in enumerate(block.attn for block in self.blocks):
             row, prior = {"layer": i}, attn.prior()
             if prior is not None:
-                row.update({n: t.float().tolist() for n, t in zip(prior.prior.params, prior.params)}, prior=prior.prior.name)
+                row["prior"] = prior.prior.name
+                row.update({n: t.float().tolist() for n, t in zip(prior.prior.params, prior.params)})
                 if prior.prior.name == "ggd":
                     row["mu"] = ggd_mu(attn.theta_mu.float()).tolist()
             if hasattr(attn, "ssmax_s"):

@@ -429,7 +429,8 @@ def progress_record(step, train_loss, lr, grad_norm, dt, tokens_per_update, flop
         record["mfu"] = flops[0] / dt / flops[1]
     log(f"step {step}/{c['max_iters']} | loss {train_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
         f"{tokens_per_update / dt:,.0f} tok/s | {1000 * dt:.1f} ms/step"
-        + (f" | mfu {100 * record['mfu']:.1f}%" if flops else "") + f" | eta {format_eta(dt * (c['max_iters'] - step))}")
+        + (f" | mfu {100 * record['mfu']:.1f}%" if flops else "")
+        + f" | eta {format_eta(dt * (c['max_iters'] - step))}")
     return record
 
 

@@ -188,7 +188,10 @@ def run_table(args):
                     pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda", prior=args.prior)
                     from attention_kernel import impl_error
                     refused = name == "kernel_bam" and impl_error("triton", pb["prior"], "cuda", grad=True)
-                    row.update({"status": f"refused: {refused}"} if refused else dict(measure(name, pb, rep), status="ok"))
+                    if refused:
+                        row["status"] = f"refused: {refused}"
+                    else:
+                        row.update(measure(name, pb, rep), status="ok")
                 except torch.cuda.OutOfMemoryError:
                     row["status"] = "OOM"
                 except Exception as e:  # noqa: BLE001 -- one failing point must not end the table
