@@ -131,36 +131,35 @@ def resolve_config(c, world_size):
 
 def config_errors(c, world_size):
     """Every problem with the settings c, as a list of messages."""
-    errors = []
-    if c["model_size"] and c["model_size"] not in MODEL_SIZES:
-        errors.append(f"model_size must be '' or one of {list(MODEL_SIZES)}, got {c['model_size']!r}")
-    if c["dtype"] not in ("bfloat16", "float16", "float32"):
-        errors.append(f"dtype must be bfloat16, float16 or float32, got {c['dtype']!r}")
-    errors += [f"{k} must be at least 1, got {c[k]}" for k in (
-        "batch_size", "block_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
-        "log_interval", "ckpt_interval", "n_layer", "n_head", "n_embd") if c[k] < 1]
-    errors += [f"{k} must be >= 0, got {c[k]}" for k in (
-        "tokens_per_step", "warmup_iters", "keep_last", "grad_clip", "weight_decay", "prior_lr", "ssmax_lr",
-        "min_lr") if c[k] < 0]
-    errors += [msg for bad, msg in (
+    per_micro = c["batch_size"] * c["block_size"] * world_size
+    checks = [
+        (c["model_size"] not in ("", *MODEL_SIZES), f"model_size must be '' or one of {list(MODEL_SIZES)}, got "
+                                                    f"{c['model_size']!r}"),
+        (c["dtype"] not in ("bfloat16", "float16", "float32"), f"dtype must be bfloat16, float16 or float32, got "
+                                                               f"{c['dtype']!r}"),
+        *((c[k] < 1, f"{k} must be at least 1, got {c[k]}") for k in (
+            "batch_size", "block_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
+            "log_interval", "ckpt_interval", "n_layer", "n_head", "n_embd")),
+        *((c[k] < 0, f"{k} must be >= 0, got {c[k]}") for k in (
+            "tokens_per_step", "warmup_iters", "keep_last", "grad_clip", "weight_decay", "prior_lr", "ssmax_lr",
+            "min_lr")),
         (not c["learning_rate"] > 0, f"learning_rate must be > 0, got {c['learning_rate']}"),
         (c["min_lr"] > c["learning_rate"], f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}"),
         (not (0 <= c["beta1"] < 1 and 0 <= c["beta2"] < 1), f"beta1 and beta2 must lie in [0, 1), got "
                                                              f"{c['beta1']}, {c['beta2']}"),
-        (c["wandb_log"] and not importlib.util.find_spec("wandb"), "wandb_log=True needs the wandb package")) if bad]
-    per_micro = c["batch_size"] * c["block_size"] * world_size
-    if c["tokens_per_step"] > 0 and per_micro > 0 and c["tokens_per_step"] % per_micro:
-        errors.append(f"tokens_per_step={c['tokens_per_step']} is not a multiple of batch_size x block_size x "
-                      f"world_size = {per_micro}; choose a batch_size that divides it, or set tokens_per_step=0 "
-                      "and use gradient_accumulation_steps")
-    elif c["tokens_per_step"] == 0 and c["gradient_accumulation_steps"] % world_size:
-        errors.append(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} is not divisible by the "
-                      f"world size {world_size} (it counts micro-batches over all processes)")
-    return errors
+        (c["wandb_log"] and not importlib.util.find_spec("wandb"), "wandb_log=True needs the wandb package"),
+        (c["tokens_per_step"] > 0 and per_micro > 0 and c["tokens_per_step"] % per_micro,
+         f"tokens_per_step={c['tokens_per_step']} is not a multiple of batch_size x block_size x world_size = "
+         f"{per_micro}; choose a batch_size that divides it, or set tokens_per_step=0 and use "
+         "gradient_accumulation_steps"),
+        (c["tokens_per_step"] == 0 and c["gradient_accumulation_steps"] % world_size,
+         f"gradient_accumulation_steps={c['gradient_accumulation_steps']} is not divisible by the world size "
+         f"{world_size} (it counts micro-batches over all processes)")]
+    return [msg for bad, msg in checks if bad]
 
 
 def check_device(c, ddp):
-    """The device, precision and attention impl the settings ask for, against this machine (raises ConfigError)."""
+    """The device, precision and attention impl the settings ask for, against the hardware (raises ConfigError)."""
     if errors := device_errors(c, ddp):
         raise ConfigError("invalid settings: " + "; ".join(errors))
 
@@ -177,7 +176,7 @@ def device_errors(c, ddp):
     except RuntimeError as e:
         return [f"device={c['device']!r} is not a device torch knows ({e})"]
     if device.type == "cuda" and not cuda:
-        return [f"device={c['device']!r} but this machine has no CUDA GPU; use --device=cpu"]
+        return [f"device={c['device']!r} but no CUDA GPU is available; use --device=cpu"]
     if device.type == "cpu" and c["dtype"] == "float16":
         return ["dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU use bfloat16 or float32"]
     prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
