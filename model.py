@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention_kernel import IMPLS as ATTN_IMPLS, attention
+from attention_kernel import IMPLS as ATTN_IMPLS, attention, impl_error
 from priors import PRIORS, BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
@@ -54,8 +54,8 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.n_embd // self.n_head}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.attn_impl not in ATTN_IMPLS:  # unknown names only: what an impl can compute depends on the call
+            raise ValueError(impl_error(self.attn_impl, None, "cpu", False))
         prior = get_prior(self.prior)  # an unregistered name fails here, naming the registered ones
         if self.pos_encoding == "bam":
             try:  # fail early on a malformed init string
