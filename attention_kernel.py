@@ -11,7 +11,8 @@ Tk - Tq: the queries are the last positions). For query position i and key posit
     out_i = sum_j softmax_j(s_ij) v_j   over the visible keys doc_start[i] <= j <= i (causal, same document)
 B is the prior's log-prior of the distance (priors.py): prior is None (NoPE), a BoundPrior, or a bare GGD triple
 (theta_alpha, theta_beta, theta_mu) of (H,) tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1.
-doc_start (B, Tk) holds the first position of each position's document. Everything is differentiable.
+doc_start (B, Tk) holds the first position of each position's document. Gradients reach q, k, v, the prior's
+parameters and row_scale.
 Impls: "torch" the chunked reference (any prior, any device), "sdpa" the CPU evaluation path, "triton" the fused
 kernel (CUDA); "auto" the fastest that can. impl_error is the one place that says which impl can do what.
 """
