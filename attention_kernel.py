@@ -73,6 +73,11 @@ def _query_chunks(Tq, doc_start, q_offset, chunk):
     return chunks
 
 
+def _neg_inf_where(hidden):
+    # 0 where visible, -inf where hidden, added to the scores: faster on CPU than masked_fill, backward the identity
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
 def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scale_prior, softmax_scale):
     """The masked scores s of query rows a..b-1 against keys lo..q_offset + b - 1: (B, H, b - a, keys) fp32."""
     i = torch.arange(q_offset + a, q_offset + b, device=q.device)[:, None]  # query positions
@@ -87,7 +92,7 @@ def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scal
     visible = j <= i
     if doc_start is not None:
         visible = visible & (j >= doc_start[:, i])[:, None]
-    return s + _neg_inf_where(~visible)  # as masked_fill, but its backward is the identity: faster to train
+    return s + _neg_inf_where(~visible)
 
 
 def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
@@ -199,11 +204,6 @@ def _triton_available():
 def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
     # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
     return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
-
-
-def _neg_inf_where(hidden):
-    # adding a 0 / -inf tensor is several times faster on CPU than masked_fill_ with a broadcast boolean mask
-    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
 def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
