@@ -282,13 +282,10 @@ class GPT(nn.Module):
         out = []
         for _ in range(max_new_tokens):
             logits = logits[:, -1].float()
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
-            else:
-                nxt = logits.argmax(-1, keepdim=True)
-            tok = int(nxt)
-            out.append(tok)
-            if tok in stop_tokens:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1) if temperature > 0 else \
+                logits.argmax(-1, keepdim=True)
+            out.append(int(nxt))
+            if out[-1] in stop_tokens:
                 break
             logits, _ = self(nxt, kv_cache=cache)
         return out

@@ -143,6 +143,15 @@ def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_settings_block_lists_every_model_setting_with_the_models_default():
+    """The paper's switches (pos_encoding, ssmax, prior, bam_init, ...) are settings a reader sees in train.py."""
+    from dataclasses import fields
+    model_fields = {f.name: f.default for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")}
+    assert set(model_fields) <= set(train.config_keys)
+    assert {k: getattr(train, k) for k in model_fields} == model_fields
+    assert all(k.islower() for k in train.config_keys)
+
+
 def test_tokens_per_step_sets_accumulation():
     c = train.resolve_config({k: getattr(train, k) for k in train.config_keys}, world_size=8)
     assert c["gradient_accumulation_steps"] == 589824 // (48 * 512)  # 24 in all, 3 per process
