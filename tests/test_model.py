@@ -406,6 +406,11 @@ def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
     idx = torch.randint(0, 257, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0])
+    # how attention is computed is the caller's choice, never the checkpoint's (whatever impl the run used)
+    ckpt["model_args"]["attn_impl"] = "an impl of another version"
+    torch.save(ckpt, path)
+    assert load_model(path, attn_impl="torch")[0].config.attn_impl == "torch"
+    assert load_model(path)[0].config.attn_impl == "auto"
     other = GPT(tiny("rope", False))
     with pytest.raises(ValueError, match="pos_encoding: 'bam' vs 'rope'"):
         load_state(other, ckpt)
