@@ -60,8 +60,7 @@ def resolve_dtype(device, dtype="auto"):
 
 def model_device(model):
     """The device of a model's parameters (CPU for a model without any)."""
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------
@@ -82,15 +81,14 @@ def checkpoint_digest(ckpt):
     return h.hexdigest()[:16]
 
 
-def load_runs(paths, device, attn_impl=None, dtype="auto"):
+def load_runs(paths, device, attn_impl=None):
     """Load every checkpoint (attention computed by attn_impl if given, else the checkpoint's); all must share one
     tokenizer, so that they see identical prompts. Returns (runs, tokenizer); a run is a dict: label, model,
     ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (recorded, or None)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device, attn_impl=attn_impl)
-        prior = model.blocks[0].attn.prior_def if model.blocks else None
-        why = impl_error(model.config.attn_impl, prior, device, grad=False)
+        why = impl_error(model.config.attn_impl, model.blocks[0].attn.prior_def, device, grad=False)
         if why:
             raise EvalError(f"{p}: --attn_impl {model.config.attn_impl}: {why}")
         runs.append(dict(label=run_label(p), model=model, ckpt_path=os.path.abspath(ckpt["path"]),
@@ -131,8 +129,7 @@ def identity(run):
 # ---- memory ----------------------------------------------------------------------------------------------
 def free_memory_bytes(device):
     if torch.device(device).type == "cuda":
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return free
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     return int(info["MemAvailable"].split()[0]) * 1024
@@ -174,11 +171,9 @@ def return_freed_memory_to_os(threshold_bytes=1 << 20):
     goes straight back to the OS. Otherwise glibc's adaptive threshold moves multi-MiB tensors onto the heap, where
     they fragment and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS instead of ~2 GiB)."""
     import ctypes
-    import ctypes.util
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, int(threshold_bytes)))  # -3 = M_MMAP_THRESHOLD (fixed: no adaptation)
-    except (OSError, AttributeError):
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(threshold_bytes)))  # -3 = M_MMAP_THRESHOLD, fixed
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
         return False
 
 
@@ -190,22 +185,20 @@ class ResultLog:
     def __init__(self, path, key_fields, runs=()):
         self.path, self.key_fields = path, key_fields
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.records = []
+        self.records, lines, good = [], [], 0
         if os.path.exists(path):
             with open(path) as f:
                 lines = f.readlines()
-            good = 0
-            for line in lines:
-                if not line.endswith("\n"):
-                    break  # a line cut by an interruption: everything from it on is redone
-                if line.strip():
-                    try:
-                        self.records.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        break
-                good += 1
-            if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
-                self._rewrite(lines[:good])
+        for line in lines:
+            if not line.endswith("\n"):
+                break  # a line cut by an interruption: it and everything after it are redone
+            try:
+                self.records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError:
+                break
+            good += 1
+        if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
+            self._rewrite(lines[:good])
         self.done = {self.key(r) for r in self.records}
         if runs:
             self.drop_stale(runs)
@@ -225,19 +218,17 @@ class ResultLog:
             run = now.get(rec.get("ckpt"))
             return run is not None and rec.get("ckpt_sha256") != run["ckpt_sha256"]
 
-        stale = {}
-        for rec in filter(is_stale, self.records):
-            stale.setdefault(rec["ckpt"], []).append(rec)
+        stale = [r for r in self.records if is_stale(r)]
         if not stale:
             return
         self.records = [r for r in self.records if not is_stale(r)]
         self._rewrite([json.dumps(r) + "\n" for r in self.records])
         self.done = {self.key(r) for r in self.records}
-        for path, recs in stale.items():
-            old, new = recs[0], now[path]
+        for path in dict.fromkeys(r["ckpt"] for r in stale):
+            old, new, n = next(r for r in stale if r["ckpt"] == path), now[path], sum(r["ckpt"] == path for r in stale)
             print(f"note: {path} changed since {self.path} was written (step {old.get('ckpt_step')}, "
                   f"{old.get('ckpt_sha256') or 'no digest'} -> step {new['ckpt_step']}, {new['ckpt_sha256']}): "
-                  f"its {len(recs)} old results are dropped and it is evaluated again", file=sys.stderr)
+                  f"its {n} old results are dropped and it is evaluated again", file=sys.stderr)
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)
@@ -267,18 +258,13 @@ def check_settings(jsonl_path, settings):
     <jsonl>.settings.json: EvalError names the differences. Otherwise (re)write the settings file."""
     side = jsonl_path + ".settings.json"
     settings = json.loads(json.dumps(settings))  # normalise (tuples -> lists) so that the comparison is exact
-    has_records = os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0
-    if has_records:
-        if not os.path.exists(side):
-            raise EvalError(f"{jsonl_path} holds results but no {os.path.basename(side)} says how they were made; "
-                             "use another --out or delete the file to start over")
-        with open(side) as f:
-            old = json.load(f)
+    if os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0:
+        old = json.load(open(side)) if os.path.exists(side) else {}
         diff = [f"{k}: {old.get(k, '<absent>')!r} (stored) vs {settings.get(k, '<absent>')!r} (now)"
                 for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
         if diff:
-            raise EvalError(f"{jsonl_path} was made with other settings, so resuming would mix results:\n  "
-                             + "\n  ".join(diff) + "\nuse another --out, or delete the file to start over")
+            raise EvalError(f"{jsonl_path} was made with other settings ({'; '.join(diff)}), so resuming would mix "
+                            "results; use another --out, or delete the file to start over")
         return
     os.makedirs(os.path.dirname(os.path.abspath(side)), exist_ok=True)
     with open(side, "w") as f:
@@ -307,6 +293,8 @@ def seed_split(name):
     """(variant, seed) of a run name <variant>-s<seed>[ rest] (the demo's runs: bam_ssmax-s3); (name, None) else."""
     m = SEEDED_NAME.match(name)
     return (m["variant"] + m["rest"], int(m["seed"])) if m else (name, None)
+
+
 LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]
 
 
@@ -336,14 +324,8 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
                     va="top", ha="right", fontsize=8, color="gray")
+    ax.set(xscale="log", yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    if ylim:
-        ax.set_ylim(*ylim)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
@@ -360,8 +342,7 @@ def plot_heatmap(matrix, row_labels, col_labels, path, title, xlabel, ylabel, tr
     ax.set_yticks(range(len(row_labels)), [str(r) for r in row_labels], fontsize=8)
     if train_col is not None:
         ax.axvline(train_col, color="black", linestyle="--", linewidth=1.5)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()

@@ -474,7 +474,7 @@ def main(argv=None):
     if torch.device(device).type == "cpu":
         ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
     torch.manual_seed(args.seed)
-    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
     if args.lengths:
         lengths = _int_list(args.lengths)

@@ -305,7 +305,7 @@ def main(argv=None):
     dtype = resolve_dtype(device, args.dtype)
     if torch.device(device).type == "cpu":
         return_freed_memory_to_os()  # keeps a long CPU forward's resident memory linear in the length
-    runs, _ = load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    runs, _ = load_runs(args.ckpt, device, args.attn_impl)
     seqs, data_desc, notes = load_sequences(args, runs)
     for note in notes:
         print(f"note: {note}")

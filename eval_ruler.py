@@ -605,7 +605,7 @@ def main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
     device = pick_device(args.device)
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl, args.dtype)
+    runs, enc = load_runs(args.ckpt, device, args.attn_impl)
     lengths = args.lengths or geometric_lengths(min(r["block_size"] for r in runs), args.max_length)
     essay = None
     if any(TASKS[t]["type_haystack"] == "essay" for t in args.tasks):
