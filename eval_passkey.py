@@ -54,12 +54,8 @@ def _pieces(enc, template):
     do. Their SentencePiece tokenizer starts every piece with a word boundary; tiktoken does not, so with gpt2 and
     byte a piece after the task is tokenized as sep + piece (without it a byte model would read "there.The grass")."""
     sep = template.get("sep", "" if enc.word_boundary else PIECE_SEP)
-    pieces = dict(task=enc.encode_ordinary(template["task"]),
-                  filler=enc.encode_ordinary(sep + template["filler"]),
-                  question=enc.encode_ordinary(sep + template["question"]))
-    if not pieces["filler"]:
-        raise ValueError("the passkey template's filler is empty")
-    return pieces, sep
+    return dict(task=enc.encode_ordinary(template["task"]), filler=enc.encode_ordinary(sep + template["filler"]),
+                question=enc.encode_ordinary(sep + template["question"])), sep
 
 
 def _needle(enc, template, sep, key):
@@ -79,38 +75,29 @@ def answer_tokens(enc, key, given_digits=0):
     return answer, n_given
 
 
-def filler_units(enc, template, target_length):
-    """N: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
-    pieces, sep = _pieces(enc, template)
-    widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
-    room = target_length - len(pieces["task"]) - len(widest) - len(pieces["question"])
-    return max(0, room // len(pieces["filler"]))
-
-
 def min_prompt_length(enc, template):
     """Tokens of the prompt without any filler (with the widest key): shorter targets cannot be built."""
     pieces, sep = _pieces(enc, template)
-    widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
-    return len(pieces["task"]) + len(widest) + len(pieces["question"])
+    return len(pieces["task"]) + len(_needle(enc, template, sep, 10 ** template["digits"] - 1)) + len(pieces["question"])
+
+
+def filler_units(enc, template, target_length):
+    """N: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
+    room = target_length - min_prompt_length(enc, template)
+    return max(0, room // len(_pieces(enc, template)[0]["filler"]))
 
 
 def build_prompt(enc, template, target_length, key, k):
-    """The prompt for one sample: k filler units before the needle, N - k after it (N = filler_units).
-
-    Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_length: with a tokenizer where some
-    key tokenizes longer than the widest one used for N, filler units are dropped after the needle (then before it).
-    info: target_length, length (realised), n_filler, k, depth (= k / n_filler, 0 without filler), key,
-    needle_start, needle_end (the needle is tokens[needle_start:needle_end]), n_given (answer tokens given, not
-    scored), answer_text.
-    """
+    """The prompt for one sample, k filler units before the needle and N - k after it: (prompt tokens, answer
+    tokens, info). It never exceeds target_length: where some key tokenizes longer than the widest, filler units
+    are dropped after the needle (then before it). info: target_length, length (realised), n_filler, k, depth
+    (k / n_filler), key, needle_start, needle_end (tokens[needle_start:needle_end]), n_given, answer_text."""
     pieces, sep = _pieces(enc, template)
     key = int(key)
     if len(str(key)) != template["digits"]:
         raise ValueError(f"key {key} does not have {template['digits']} digits")
     needle = _needle(enc, template, sep, key)
     n = filler_units(enc, template, target_length)
-    if not 0 <= k <= n:
-        raise ValueError(f"depth index k={k} outside [0, {n}] filler units for length {target_length}")
     fixed = len(pieces["task"]) + len(needle) + len(pieces["question"])
     if fixed > target_length:
         raise ValueError(f"target length {target_length} is shorter than the prompt without filler ({fixed} tokens)")
@@ -132,15 +119,10 @@ def build_prompt(enc, template, target_length, key, k):
 
 def depth_indices(n, samples, mode, rng):
     """k (filler units before the needle) per sample. equidistant = linspace(0, N, samples).long() as the authors."""
-    if mode == "equidistant":
-        return torch.linspace(0, n, samples).long().tolist()
     if mode == "random":
         return [int(x) for x in rng.integers(0, n + 1, size=samples)]
-    if mode == "beginning":
-        return [0] * samples
-    if mode == "end":
-        return [n] * samples
-    raise ValueError(f"depths must be one of {DEPTH_MODES}, got {mode!r}")
+    return dict(equidistant=torch.linspace(0, n, samples).long().tolist(), beginning=[0] * samples,
+                end=[n] * samples)[mode]
 
 
 def make_samples(enc, template, target_length, samples, depths="equidistant", seed=1234):
@@ -150,11 +132,9 @@ def make_samples(enc, template, target_length, samples, depths="equidistant", se
     d = template["digits"]
     keys = rng.integers(10 ** (d - 1), 10 ** d, size=samples)  # uniform over the d-digit numbers
     ks = depth_indices(filler_units(enc, template, target_length), samples, depths, rng)
-    out = []
-    for i in range(samples):
-        prompt, answer, info = build_prompt(enc, template, target_length, int(keys[i]), int(ks[i]))
+    out = [build_prompt(enc, template, target_length, int(keys[i]), int(ks[i])) for i in range(samples)]
+    for i, (_, _, info) in enumerate(out):
         info["sample"] = i
-        out.append((prompt, answer, info))
     return out
 
 
@@ -345,8 +325,8 @@ def train_col(lengths, train_length):
 
 
 def make_figures(summary, by_depth, runs, out, depth_bins=10):
-    paths = []
-    series = {}
+    """passkey_accuracy.png (a curve per checkpoint) and a depth x length heatmap per checkpoint."""
+    paths, series = [], {}
     for r in runs:
         rows = [s for s in summary if s["label"] == r["label"] and s["accuracy"] is not None]
         if rows:
@@ -374,15 +354,10 @@ def make_figures(summary, by_depth, runs, out, depth_bins=10):
 
 
 def markdown_summary(summary, runs, lengths):
-    acc = {(s["label"], s["target_length"]): s for s in summary}
-    rows = []
-    for r in runs:
-        cells = []
-        for L in lengths:
-            s = acc.get((r["label"], L))
-            cells.append("skip" if s is None or s["accuracy"] is None else f"{s['accuracy']:.2f}")
-        rows.append([r["label"], r["block_size"], *cells])
-    return ec.markdown_table(["checkpoint", "train len", *lengths], rows)
+    acc = {(s["label"], s["target_length"]): s["accuracy"] for s in summary}
+    return ec.markdown_table(["checkpoint", "train len", *lengths], [
+        [r["label"], r["block_size"], *("skip" if acc.get((r["label"], L)) is None else f"{acc[(r['label'], L)]:.2f}"
+                                        for L in lengths)] for r in runs])
 
 
 def seed_table(summary, out, digits):
@@ -426,17 +401,10 @@ def seed_table(summary, out, digits):
 # Command line
 # ----------------------------------------------------------------------------------------------------------
 def _int_list(values):
-    out = []
-    for v in values:
-        for part in str(v).replace(",", " ").split():
-            try:
-                x = int(part)
-            except ValueError:
-                raise ec.EvalError(f"--lengths takes integers (token counts), got {part!r}")
-            if x < 1:
-                raise ec.EvalError(f"--lengths must be positive, got {x}")
-            out.append(x)
-    return sorted(set(out))
+    parts = " ".join(values).replace(",", " ").split()
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ec.EvalError(f"--lengths takes positive integers (token counts), got {' '.join(values)!r}")
+    return sorted({int(p) for p in parts})
 
 
 def build_parser():
