@@ -128,7 +128,7 @@ class Essay:
 
 
 # ---- keys and values -------------------------------------------------------------------------------------
-class PairList(Sequence):
+class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RULER's list) draws
     """RULER's keys, sorted(set(f"{adj}-{noun}")) over wonderwords' 910 adjectives x 6,782 nouns, indexed without
     building the 6.2M strings. Sorted by adj + "-", adjectives fall into groups (one adjective and those starting
     with it + "-": "blue", "blue-eyed"); a group's keys sort before the next group's, a one-adjective group's
@@ -155,16 +155,16 @@ class PairList(Sequence):
         return self.length
 
     def __getitem__(self, i):
-        if not -self.length <= i < self.length:
+        if not 0 <= i < self.length:
             raise IndexError(i)
-        i %= self.length
         b = bisect.bisect_right(self.starts, i) - 1
         block, j = self.blocks[b], i - self.starts[b]
         return f"{block}-{self.nouns[j]}" if isinstance(block, str) else block[j]
 
-    def __contains__(self, key):
+    def __contains__(self, key):  # a binary search: the keys are sorted
         i = bisect.bisect_left(self, key)
         return i < self.length and self[i] == key
+
 
 
 def wonderwords_lists():
@@ -299,9 +299,8 @@ class TokenCounter:
     word boundary of its own, so a later piece is counted behind a word ("a" + piece, less that word). Every
     final sample is still checked with a full tokenization (generate_sample)."""
 
-    def __init__(self, enc, max_entries=1_000_000):
-        self.enc, self.cache, self.max_entries = enc, {}, max_entries
-        self.base = len(enc.encode_ordinary("a"))
+    def __init__(self, enc):
+        self.enc, self.cache, self.base = enc, {}, len(enc.encode_ordinary("a"))
 
     def count(self, text):
         if self.enc.word_boundary and text[:1].isspace():
@@ -309,15 +308,10 @@ class TokenCounter:
         return len(self.enc.encode_ordinary(text))
 
     def count_pieces(self, pieces):
-        total = 0
         for p in pieces:
-            n = self.cache.get(p)
-            if n is None:
-                if len(self.cache) >= self.max_entries:
-                    self.cache.clear()
-                n = self.cache[p] = self.count(p)
-            total += n
-        return total
+            if p not in self.cache:
+                self.cache[p] = self.count(p)
+        return sum(self.cache[p] for p in pieces)
 
 
 def haystack_step(task, max_len):
@@ -390,33 +384,23 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, 
 
 # ---- decoding and scoring ----------------------------------------------------------------------------------
 def newline_tokens(enc):
-    """Ids of every token whose bytes contain a newline."""
-    out = set()
-    for t in range(enc.n_vocab):
+    """Ids of every token whose bytes contain a newline (a hole in the vocabulary has none)."""
+    def has_newline(t):
         try:
-            if b"\n" in enc.token_bytes(t):
-                out.add(t)
-        except KeyError:  # a hole in the vocabulary
-            pass
-    return out
+            return b"\n" in enc.token_bytes(t)
+        except KeyError:
+            return False
+    return set(filter(has_newline, range(enc.n_vocab)))
 
 
 def decode_output(tokens, enc, newline_ids=None):
     """Generated ids -> (text, stop): cut before end-of-text ("eot"), or at the first newline ("newline") when
     newline_ids is given; "budget" when neither came. Ids beyond the tokenizer (the model's padded vocabulary)
     decode to nothing."""
-    stop = "budget"
-    for j, t in enumerate(tokens):
-        if t == enc.eot_token:
-            tokens, stop = tokens[:j], "eot"
-            break
-        if newline_ids is not None and t in newline_ids:
-            tokens, stop = tokens[:j + 1], "newline"
-            break
-    text = enc.decode([t for t in tokens if t < enc.n_vocab])
-    if stop == "newline":
-        text = text.split("\n", 1)[0]
-    return text, stop
+    j, stop = next(((j, "eot" if t == enc.eot_token else "newline") for j, t in enumerate(tokens)
+                    if t == enc.eot_token or t in (newline_ids or ())), (len(tokens), "budget"))
+    text = enc.decode([t for t in tokens[:j + (stop == "newline")] if t < enc.n_vocab])
+    return (text.split("\n", 1)[0] if stop == "newline" else text), stop
 
 
 def postprocess_pred(text):
@@ -451,10 +435,8 @@ def load_haystack_file(path):
 def val_text(data_dir, n_tokens):
     """Up to n_tokens of the validation stream, decoded document by document with the tokenizer that wrote it."""
     paths = shard_paths(data_dir, "val")
-    name = shard_tokenizer(paths[0])
-    total = min(VAL_TOKENS, sum(len(open_shard(p)) for p in paths))
-    tokens = read_tokens(data_dir, "val", min(total, n_tokens))
-    enc = get_tokenizer(name)
+    tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, n_tokens, sum(len(open_shard(p)) for p in paths)))
+    enc = get_tokenizer(shard_tokenizer(paths[0]))
     docs = np.split(tokens, np.flatnonzero(tokens == enc.doc_start))
     marks = {enc.doc_start, enc.eot_token}
     return "\n\n".join(enc.decode([int(t) for t in d if t not in marks]) for d in docs)
@@ -476,7 +458,7 @@ def load_essay(haystack_file, data_dir, max_len):
 
 def haystack_label(task, essay):
     kind = TASKS[task]["type_haystack"]
-    return essay.label if kind == "essay" else kind
+    return essay.label if kind == "essay" else kind  # part of every record's key
 
 
 # ---- summary and figure ----------------------------------------------------------------------------------
@@ -514,11 +496,9 @@ def summarize(records, runs, tasks, lengths, n_samples, skipped):
 
 def plot_scores(rows, runs, tasks, path):
     """One panel per checkpoint: score vs length for each task, and the average over tasks in bold."""
-    plt = _plt()
-    n = len(runs)
-    cols = min(n, 3)
-    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(6 * cols, 4.2 * ((n + cols - 1) // cols)),
-                             squeeze=False)
+    plt, n = _plt(), len(runs)
+    cols, rows_ = min(n, 3), -(-n // 3)
+    fig, axes = plt.subplots(rows_, cols, figsize=(6 * cols, 4.2 * rows_), squeeze=False)
     for ax, run in zip(axes.ravel(), runs):
         for task in tasks + ["average"]:
             pts = sorted((r["target_length"], r["score"]) for r in rows
@@ -532,10 +512,8 @@ def plot_scores(rows, runs, tasks, path):
         ax.axvline(run["block_size"], color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {run['block_size']}", (run["block_size"], 1), xycoords=("data", "axes fraction"),
                     rotation=90, va="top", ha="right", fontsize=8, color="gray")
+        ax.set(ylim=(-3, 103), xlabel="sequence length (tokens)", ylabel="string_match_all (%)")
         ax.set_xscale("log", base=2)
-        ax.set_ylim(-3, 103)
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel("string_match_all (%)")
         ax.set_title(f"RULER NIAH: {run['label']}", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)

@@ -223,7 +223,7 @@ def test_key_list_is_rulers_sorted_set_of_pairs():
     nouns = ["cat", "eyed-cat", "b c", "arm-rest", "ATM", "zoo", "ish-dog", "b"]
     pairs = R.PairList(adjs, nouns)
     ref = sorted({f"{a}-{n}" for a in adjs for n in nouns})
-    assert len(pairs) == len(ref) and [pairs[i] for i in range(len(ref))] == ref and pairs[-1] == ref[-1]
+    assert len(pairs) == len(ref) and list(pairs) == ref
     assert all(k in pairs for k in ref) and "blue-dog" not in pairs and "zzz" not in pairs
     assert random.Random(3).choice(pairs) == random.Random(3).choice(ref)  # the same draws as RULER's list
     adjs, nouns = R.wonderwords_lists()
@@ -356,13 +356,11 @@ def test_postprocess_and_decoding():
 
 def test_haystack_files(tmp_path):
     (tmp_path / "pg.json").write_text(json.dumps({"text": "One essay.\n\nTwo  essay."}))
-    (tmp_path / "list.json").write_text(json.dumps(["First one.", {"text": "Second one."}]))
     (tmp_path / "plain.txt").write_text("Plain text here.")
     assert R.load_haystack_file(str(tmp_path / "pg.json")) == "One essay.\n\nTwo  essay."
-    assert R.load_haystack_file(str(tmp_path / "list.json")) == "First one.\nSecond one."
     assert R.load_haystack_file(str(tmp_path / "plain.txt")) == "Plain text here."
-    (tmp_path / "bad.json").write_text(json.dumps({"essays": 1}))
-    with pytest.raises(ValueError):
+    (tmp_path / "bad.json").write_text(json.dumps(["a list"]))
+    with pytest.raises(EvalError, match="plain text"):
         R.load_haystack_file(str(tmp_path / "bad.json"))
     # the default: documents decoded from the validation shard
     docs = ["First document. It has two sentences.", "Second document here!"]
