@@ -47,7 +47,7 @@ def pick_device(name="auto"):
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise EvalError(f"--device {name} was asked for, but this machine has no CUDA GPU; use --device cpu")
+        raise EvalError(f"--device {name} was asked for, but torch finds no CUDA GPU; use --device cpu")
     return name
 
 
