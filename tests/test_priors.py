@@ -43,7 +43,7 @@ def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior
 
 
 def impl_cases():
-    """(impl, trains the prior) for every impl this machine has: torch; sdpa (evaluation only); the kernel."""
+    """(impl, trains the prior) for every impl available here: torch; sdpa (evaluation only); the kernel."""
     cases = [("torch", True), ("sdpa", False)]
     if ak.impl_error("triton", TANH, "cuda" if torch.cuda.is_available() else "cpu", True) is None:
         cases.append(("triton_kernel", True))

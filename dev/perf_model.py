@@ -1,10 +1,10 @@
 """
 A performance model of the Triton attention kernel, from its compiled code: no GPU needed.
 
-    python perf_model.py                          # compile every variant for sm_90 and sm_80, print the table
-    python perf_model.py --out results/perf_model # also write perf_model.json, .csv and .md there
-    python perf_model.py --before a9f1e05         # add the kernels of another git revision (rows "... @a9f1e05")
-    python perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
+    python dev/perf_model.py                      # compile every variant for sm_90 and sm_80, print the table
+    python dev/perf_model.py --out dev/results/perf_model # also write perf_model.json, .csv and .md there
+    python dev/perf_model.py --before a9f1e05     # add the kernels of another git revision (rows "... @a9f1e05")
+    python dev/perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
                                                   # prediction next to bench_attention.py's measured ratios
 
 Every kernel (forward, dK/dV, dQ) of every variant (no prior, ALiBi, GGD, GGD + SSMax; bf16; head_dim 48/64/128)
@@ -33,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
 GPUS = {  # per SM per clock
     90: dict(name="H100 SXM", tensor=4096, mufu=16, fp32=128, issue=128, l1_bytes=128),
     80: dict(name="A100", tensor=2048, mufu=16, fp32=64, issue=128, l1_bytes=128),
@@ -48,7 +50,7 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za
 
 def load_kernel_module(rev=None):
     """attention_kernel of this checkout, or of git revision `rev` (loaded from `git show`)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
     if rev is None:
         path = os.path.join(here, "attention_kernel.py")
     else:

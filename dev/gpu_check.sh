@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, in one go (about 5 minutes on an H100/H200): `bash gpu_check.sh` (or `make gpu-check`).
+# The GPU checks, in one go (about 5 minutes on an H100/H200): `bash dev/gpu_check.sh` (or `make gpu-check`).
 # Everything lands in results/gpu/ (logs and JSON); copy the numbers into the README's GPU section.
 #   0. the startup self-check that train.py and the evaluations run (attention_check.py), for every impl at l12
 #   1. the compiled Triton kernel vs the PyTorch reference: values and every gradient, fp32 / bf16; then
@@ -14,7 +14,7 @@
 #      FlexAttention), then a passkey evaluation
 # Each step runs even if an earlier one failed; the exit status says whether all passed.
 set -u
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repo root
 PY=${PYTHON:-python}
 OUT=results/gpu
 mkdir -p "$OUT"
@@ -32,15 +32,15 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
   | tee -a "$OUT/gpu.txt"
 
 run attention_check   $PY attention_check.py --model_size l12 --out "$OUT/attention_check.json"
-run kernel_check      $PY bench_attention.py --check --out "$OUT/kernel_check.json"
-run flex_check_cauchy $PY bench_attention.py --check --check_impl flex --prior cauchy --out "$OUT/flex_check_cauchy.json"
+run kernel_check      $PY dev/bench_attention.py --check --out "$OUT/kernel_check.json"
+run flex_check_cauchy $PY dev/bench_attention.py --check --check_impl flex --prior cauchy --out "$OUT/flex_check_cauchy.json"
 run kernel_tests      env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py tests/test_priors.py \
                       tests/test_kernel_compile.py
-run attention_bench   $PY bench_attention.py --quick --out "$OUT/bench_attention.json"
-run perf_model        $PY perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
+run attention_bench   $PY dev/bench_attention.py --quick --out "$OUT/bench_attention.json"
+run perf_model        $PY dev/perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
                       --compare "$OUT/bench_attention.json" --out "$OUT/perf_model"
-run step_ratio        $PY bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
-run long_forward      $PY bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
+run step_ratio        $PY dev/bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
+run long_forward      $PY dev/bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
 rm -rf /tmp/bam_gpu_run /tmp/bam_gpu_demo_data
 run demo_data         $PY prepare_demo.py --out_dir /tmp/bam_gpu_demo_data
 run train_compiled    $PY train.py config/demo_cpu.py --data_dir=/tmp/bam_gpu_demo_data --out_dir=/tmp/bam_gpu_run \
