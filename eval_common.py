@@ -33,9 +33,9 @@ def add_common_args(parser, default_out):
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn_impl", default=None, choices=list(IMPLS),
-                        help="attention implementation (attention_kernel.py; default: the checkpoint's, normally auto). "
-                             "One that cannot compute the model's prior stops with an error")
+    parser.add_argument("--attn_impl", default="auto", choices=list(IMPLS),
+                        help="attention implementation (attention_kernel.py); one that cannot compute the model's "
+                             "prior on this device stops with an error")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,
@@ -81,8 +81,8 @@ def checkpoint_digest(ckpt):
     return h.hexdigest()[:16]
 
 
-def load_runs(paths, device, attn_impl=None):
-    """Load every checkpoint (attention computed by attn_impl if given, else the checkpoint's); all must share one
+def load_runs(paths, device, attn_impl="auto"):
+    """Load every checkpoint, its attention computed by attn_impl; all must share one
     tokenizer, so that they see identical prompts. Returns (runs, tokenizer); a run is a dict: label, model,
     ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (recorded, or None)."""
     runs = []

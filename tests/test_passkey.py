@@ -386,6 +386,13 @@ def test_samples_below_one_is_one_line_and_exit_1(tmp_path, ckpts):
     assert not os.listdir(tmp_path)
 
 
+def test_attn_impl_is_checked_by_the_kernels_decision_point(tmp_path, ckpts, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(eval_common.EvalError, match=r"--attn_impl triton: impl='triton'"):
+        run_main(tmp_path, ckpts[:1], "--attn_impl", "triton", "--device", "cpu", "--lengths", "400", "--samples", "1")
+    assert run_main(tmp_path, ckpts[:1], "--attn_impl", "sdpa", "--lengths", "400", "--samples", "1")["summary"]
+
+
 def test_same_seed_same_numbers(tmp_path, ckpts):
     args = ("--lengths", "500", "--samples", "3", "--seed", "11")
     a = run_main(tmp_path / "a", ckpts[:1], *args)
