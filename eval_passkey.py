@@ -38,6 +38,7 @@ PRESETS = {
 }
 DEFAULT_SAMPLES = 20
 DEPTH_MODES = ("equidistant", "random", "beginning", "end")
+DEPTH_BINS = 10  # of the by-depth table and heatmap
 TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
@@ -253,11 +254,11 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
 # ----------------------------------------------------------------------------------------------------------
 # Summaries and figures
 # ----------------------------------------------------------------------------------------------------------
-def depth_bin(depth, n_bins):
+def depth_bin(depth, n_bins=DEPTH_BINS):
     return min(int(depth * n_bins), n_bins - 1)
 
 
-def bin_label(b, n_bins):
+def bin_label(b, n_bins=DEPTH_BINS):
     return f"{100 * b / n_bins:.0f}-{100 * (b + 1) / n_bins:.0f}%"
 
 
@@ -276,7 +277,7 @@ def given_text(enc, rec):
     return answer[:len(answer) - len(enc.decode(rec["answer_tokens"]))]
 
 
-def summarize(records, runs, lengths, enc, skipped=(), depth_bins=10):
+def summarize(records, runs, lengths, enc, skipped=(), depth_bins=DEPTH_BINS):
     """(summary rows: checkpoint x length, by-depth rows: checkpoint x length x depth bin) from the records of
     these runs (label and checkpoint file) at these lengths. Skipped cells appear with accuracy None."""
     why = {(s["label"], s["target_length"]): s["reason"] for s in skipped}
@@ -324,7 +325,7 @@ def train_col(lengths, train_length):
     return float(np.interp(np.log(train_length), np.log(lengths), np.arange(len(lengths))))
 
 
-def make_figures(summary, by_depth, runs, out, depth_bins=10):
+def make_figures(summary, by_depth, runs, out, depth_bins=DEPTH_BINS):
     """passkey_accuracy.png (a curve per checkpoint) and a depth x length heatmap per checkpoint."""
     paths, series = [], {}
     for r in runs:
@@ -424,7 +425,6 @@ def build_parser():
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument("--batch_tokens", type=int, default=65536,
                     help="stack samples of one length into a forward while batch x length stays under this")
-    ap.add_argument("--depth_bins", type=int, default=10, help="depth bins of the by-depth table and heatmap")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
     return ap
 
@@ -433,9 +433,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     preset = PRESETS.get(args.preset, {})
     samples = preset.get("samples", DEFAULT_SAMPLES) if args.samples is None else args.samples
-    if samples < 1 or args.depth_bins < 1 or args.seed < 0:
-        raise ec.EvalError(f"--samples and --depth_bins must be at least 1 and --seed at least 0, got {samples}, "
-                           f"{args.depth_bins} and {args.seed}")
+    if samples < 1 or args.seed < 0:
+        raise ec.EvalError(f"--samples must be at least 1 and --seed at least 0, got {samples} and {args.seed}")
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, preset.get("dtype", "auto") if args.dtype == "auto" else args.dtype)
@@ -463,7 +462,7 @@ def main(argv=None):
     scored = evaluate(runs, enc, lengths, template=template, samples=samples, depths=args.depths, seed=args.seed,
                       device=device, dtype=dtype, log=log, batch_tokens=args.batch_tokens,
                       memory_fraction=args.memory_fraction, skipped=skipped, progress=not args.no_progress)
-    summary, by_depth = summarize(log.records, runs, lengths, enc, skipped, args.depth_bins)
+    summary, by_depth = summarize(log.records, runs, lengths, enc, skipped)
     meta = write_outputs(args, summary, by_depth, runs, dict(settings=settings, lengths=lengths, skipped=skipped,
                                                              scored_this_call=scored), device, t_start)
     print(markdown_summary(summary, runs, lengths))
@@ -479,7 +478,7 @@ def write_outputs(args, summary, by_depth, runs, meta, device, t_start):
     """The summary and by-depth tables, the figures and passkey_meta.json (settings, runs, time, peak memory)."""
     ec.write_table(summary, os.path.join(args.out, "passkey_summary"))
     ec.write_table(by_depth, os.path.join(args.out, "passkey_by_depth"))
-    figures = make_figures(summary, by_depth, runs, args.out, args.depth_bins)
+    figures = make_figures(summary, by_depth, runs, args.out)
     cuda = torch.device(device).type == "cuda"
     meta.update(device=str(device), torch=torch.__version__,
                 runs=[dict(label=r["label"], **ec.identity(r), train_length=r["block_size"],

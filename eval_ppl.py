@@ -102,22 +102,21 @@ def window_losses(model, seq, window):
 # ----------------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------------
-def val_sequences(data_dir, tokenizer_name, seq_len, keep_eot=False):
-    """Rows of seq_len + 1 tokens from the first VAL_TOKENS tokens of the validation split. The document tokens
-    are removed unless keep_eot, so that documents run together with no document mask, as the authors did on
-    FineWeb. Returns (rows (N, seq_len + 1) int64, description, notes)."""
+def val_sequences(data_dir, tokenizer_name, seq_len):
+    """Rows of seq_len + 1 tokens from the first VAL_TOKENS tokens of the validation split, the document tokens
+    removed so that documents run together with no document mask, as the authors did on FineWeb.
+    Returns (rows (N, seq_len + 1) int64, description, notes)."""
     available = sum(len(open_shard(p, tokenizer_name)) for p in shard_paths(data_dir, "val"))
     notes = [] if available >= VAL_TOKENS else [
         f"the validation split in {data_dir} holds {available} tokens, fewer than the {VAL_TOKENS} of the "
         "protocol; using all of them"]
     tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, available))
-    if not keep_eot:
-        tokens = tokens[~np.isin(tokens, [t for t in (DOC_START[tokenizer_name], DOC_END[tokenizer_name]) if t])]
+    tokens = tokens[~np.isin(tokens, [t for t in (DOC_START[tokenizer_name], DOC_END[tokenizer_name]) if t])]
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
         raise EvalError(f"{len(tokens)} validation tokens in {data_dir} do not make one sequence of seq_len + 1 = "
                         f"{seq_len + 1} tokens; use a smaller --seq_len or more validation data")
-    desc = f"val:{os.path.abspath(data_dir)}:{'eot' if keep_eot else 'no_eot'}"
+    desc = f"val:{os.path.abspath(data_dir)}:no_eot"
     return tokens[:rows * (seq_len + 1)].reshape(rows, seq_len + 1), desc, notes
 
 
@@ -166,8 +165,7 @@ def load_sequences(args, runs):
     """(rows (N, seq_len + 1), data description, notes) for --data, at most --num_seqs rows."""
     tokenizer_name = runs[0]["tokenizer"]
     if args.data == "val":
-        rows, desc, notes = val_sequences(training_data_dir(runs, args.data_dir), tokenizer_name, args.seq_len,
-                                          args.keep_eot)
+        rows, desc, notes = val_sequences(training_data_dir(runs, args.data_dir), tokenizer_name, args.seq_len)
         wanted = args.num_seqs
     elif args.data.startswith("hf:"):
         name, config = parse_hf(args.data)
@@ -282,7 +280,6 @@ def build_parser():
                         "the first texts with seq_len + 1 tokens, e.g. hf:wikimedia/wikipedia:20231101.en, the paper's)")
     p.add_argument("--data_dir", default=None,
                    help="prepared shards for --data val; default: the training data the checkpoint records")
-    p.add_argument("--keep_eot", action="store_true", help="--data val: keep the document tokens (default: removed)")
     p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
     return p
 
