@@ -47,9 +47,7 @@ def shard_name(prefix, split, index):
     return f"{prefix}_{split}_{index:06d}.bin"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Tokenizers
-# ----------------------------------------------------------------------------------------------------------
+# ---- Tokenizers ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tokenizer:
     """What every caller needs from a tokenizer, whichever library is behind it (tiktoken or SentencePiece)."""
@@ -130,9 +128,7 @@ def _sentencepiece(name):
                      lambda text: sp.encode(text), lambda ids: sp.decode([int(t) for t in ids]), token_bytes)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Shards
-# ----------------------------------------------------------------------------------------------------------
+# ---- Shards ----------------------------------------------------------------------------------------------------
 def write_shard(path, tokens, tokenizer_name):
     """Write tokens (any integer array) as a shard. Atomic: a crash leaves either the old file or the new one,
     never a partial shard under the final name."""
@@ -245,9 +241,7 @@ def read_tokens(data_dir, split, n_tokens, offset=0):
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Batches
-# ----------------------------------------------------------------------------------------------------------
+# ---- Batches ---------------------------------------------------------------------------------------------------
 def doc_starts(x, start_token):
     """For each position t, the last s <= t with x[s] == start_token (DOC_START of the tokenizer), else 0.
     Key j is visible to query i iff doc_start[i] <= j <= i."""
@@ -308,10 +302,8 @@ class TokenLoader:
         return x, y, doc_starts(x, self.doc_start)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Prompt strings (eval_passkey.py, prepare_demo.py, eval_ruler.py). The "paper" passkey template and the RULER
-# strings are the authors' and NVIDIA/RULER's text, verbatim: they are data, do not edit them.
-# ----------------------------------------------------------------------------------------------------------
+# ---- Prompt strings (eval_passkey.py, prepare_demo.py, eval_ruler.py) -----------------------------------------
+# The "paper" passkey template and the RULER strings are the authors' and NVIDIA/RULER's text, verbatim: data.
 # Each entry: task, filler, needle (with {pass_key}), question, digits, and optionally sep (the text put in
 # front of every piece after the task; default PIECE_SEP). "paper" is the authors' public protocol (their evaluate.py).
 PASSKEY_TEMPLATES = {

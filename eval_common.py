@@ -98,7 +98,7 @@ def load_runs(paths, device, attn_impl="auto"):
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
         raise EvalError("the checkpoints were trained with different tokenizers "
-                        f"({', '.join(r['label'] + ': ' + r['tokenizer'] for r in runs)}); compare them in separate runs")
+                        f"({', '.join(r['label'] + ': ' + r['tokenizer'] for r in runs)}); compare them separately")
     labels = [r["label"] for r in runs]
     for i, r in enumerate(runs):  # two run directories with the same name: disambiguate by index
         if labels.count(r["label"]) > 1:

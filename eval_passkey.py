@@ -43,9 +43,7 @@ TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ betw
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Prompts: [task] + filler x k + [needle with the key] + filler x (N - k) + [question], N as large as fits
-# ----------------------------------------------------------------------------------------------------------
+# ---- Prompts: [task] + filler x k + [needle with the key] + filler x (N - k) + [question] ------------
 def template_hash(template):
     return hashlib.sha1(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -79,7 +77,8 @@ def answer_tokens(enc, key, given_digits=0):
 def min_prompt_length(enc, template):
     """Tokens of the prompt without any filler (with the widest key): shorter targets cannot be built."""
     pieces, sep = _pieces(enc, template)
-    return len(pieces["task"]) + len(_needle(enc, template, sep, 10 ** template["digits"] - 1)) + len(pieces["question"])
+    widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
+    return len(pieces["task"]) + len(widest) + len(pieces["question"])
 
 
 def filler_units(enc, template, target_length):
@@ -139,9 +138,7 @@ def make_samples(enc, template, target_length, samples, depths="equidistant", se
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Scoring
-# ----------------------------------------------------------------------------------------------------------
+# ---- Scoring ---------------------------------------------------------------------------------------------------
 def score_batch(model, prompts, answers, n_given=0):
     """Teacher-forced exact match for prompts of one token length with answers of one length.
 
@@ -160,9 +157,7 @@ def score_sample(model, tokens, answer_tokens, n_given=0):
     return score_batch(model, [list(tokens)], [list(answer_tokens)], n_given)[0]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Evaluation
-# ----------------------------------------------------------------------------------------------------------
+# ---- Evaluation ------------------------------------------------------------------------------------------------
 def default_lengths(train_lengths, max_length=None):
     """Union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest): every
     checkpoint is evaluated at every length, so that the curves share their x values."""
@@ -251,9 +246,7 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
     return scored
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Summaries and figures
-# ----------------------------------------------------------------------------------------------------------
+# ---- Summaries and figures -------------------------------------------------------------------------------------
 def depth_bin(depth, n_bins=DEPTH_BINS):
     return min(int(depth * n_bins), n_bins - 1)
 
@@ -398,9 +391,7 @@ def seed_table(summary, out, digits):
     return text
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------
+# ---- Command line ----------------------------------------------------------------------------------------------
 def _int_list(values):
     parts = " ".join(values).replace(",", " ").split()
     if not all(p.isdigit() and int(p) > 0 for p in parts):

@@ -32,9 +32,7 @@ MODES = ("full", "sliding")
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Scoring: per-target cross-entropy of one sequence
-# ----------------------------------------------------------------------------------------------------------
+# ---- Scoring: per-target cross-entropy of one sequence ---------------------------------------------------------
 def _as_tensor(seq, device):
     if isinstance(seq, np.ndarray):
         seq = torch.from_numpy(seq.astype(np.int64))
@@ -90,7 +88,8 @@ def window_sums(losses, window):
     losses = torch.as_tensor(losses).double()
     starts = range(0, losses.numel(), window)
     chunks = [losses[a:a + window] for a in starts]
-    return [a + c.numel() for a, c in zip(starts, chunks)], [float(c.sum()) for c in chunks], [c.numel() for c in chunks]
+    counts = [c.numel() for c in chunks]
+    return [a + n for a, n in zip(starts, counts)], [float(c.sum()) for c in chunks], counts
 
 
 def window_losses(model, seq, window):
@@ -99,9 +98,7 @@ def window_losses(model, seq, window):
     return torch.tensor(sums, dtype=torch.float64) / torch.tensor(counts, dtype=torch.float64)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------------------
+# ---- Data ------------------------------------------------------------------------------------------------------
 def val_sequences(data_dir, tokenizer_name, seq_len):
     """Rows of seq_len + 1 tokens from the first VAL_TOKENS tokens of the validation split, the document tokens
     removed so that documents run together with no document mask, as the authors did on FineWeb.
@@ -184,9 +181,7 @@ def load_sequences(args, runs):
     return rows[:wanted], desc, notes
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Evaluation
-# ----------------------------------------------------------------------------------------------------------
+# ---- Evaluation ------------------------------------------------------------------------------------------------
 def fitting_batch(args, run, mode, device, context):
     """(batch, ok, needed bytes, free bytes): sliding mode halves --batch_size until a forward fits. The chunked
     loss head (fp32 logits, log-softmax, autocast copy over <= 8192 positions) comes on top of the forward."""
@@ -259,9 +254,7 @@ def summarize(records, base):
                         loss=loss, ppl=math.exp(loss))]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------
+# ---- Command line ----------------------------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
     add_common_args(p, default_out="results/ppl")

@@ -31,9 +31,7 @@ from priors import get_prior
 READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens
 
 
-# ----------------------------------------------------------------------------------------------------------
-# What is measured
-# ----------------------------------------------------------------------------------------------------------
+# ---- What is measured ------------------------------------------------------------------------------------------
 def key_positions(enc, tokens, info):
     """Positions of the tokens that carry the key's digits inside the needle (info from eval_passkey.build_prompt).
     A token that merges a digit with a neighbouring character (gpt2: " 123", "45.") counts."""
@@ -104,9 +102,7 @@ def head_priors(model):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Measuring every head of a checkpoint at one length
-# ----------------------------------------------------------------------------------------------------------
+# ---- Measuring every head of a checkpoint at one length --------------------------------------------------------
 def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar=None):
     """Rows (one per layer x head, means over the samples) and the first-answer-token accuracy at one length."""
     model = run["model"]
@@ -169,9 +165,7 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Figures
-# ----------------------------------------------------------------------------------------------------------
+# ---- Figures ---------------------------------------------------------------------------------------------------
 def head_label(row):
     """'θbeta=-0.42' for a head with a prior (its shape parameter), '' without one."""
     return f"{row['shape_param'].replace('theta_', 'θ')}={row['shape']:+.2g}" if "shape_param" in row else ""
@@ -228,9 +222,7 @@ def plot_needle_vs_length(summary, path):
                    ylim=(-0.03, 1.03))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------
+# ---- Command line ----------------------------------------------------------------------------------------------
 def build_parser():
     ap = argparse.ArgumentParser(description="Per-head attention on the passkey needle: mass, distance, entropy.")
     ec.add_common_args(ap, default_out="results/inspect")

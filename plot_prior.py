@@ -50,7 +50,8 @@ def prior_tables(model, dist):
 
 def head_label(h, prior):
     """h3: θbeta=+0.52, θalpha=-1.3, s=1.02 (the shape parameter first)."""
-    parts = [f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in sorted(prior.params, key=lambda n: n != prior.shape_param)]
+    names = sorted(prior.params, key=lambda n: n != prior.shape_param)
+    parts = [f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in names]
     return f"h{h['head']}: " + ", ".join(parts + ([f"s={h['ssmax_s']:.2f}"] if h.get("ssmax_s") is not None else []))
 
 
