@@ -39,7 +39,6 @@ PRESETS = {
 DEFAULT_SAMPLES = 20
 DEPTH_MODES = ("equidistant", "random", "beginning", "end")
 DEPTH_BINS = 10  # of the by-depth table and heatmap
-TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
 
@@ -150,11 +149,6 @@ def score_batch(model, prompts, answers, n_given=0):
         logits, _ = model(idx, logits_at=m)
     pred = logits[..., :model.config.vocab_size].argmax(-1).tolist()  # padded vocabulary rows are not tokens
     return [(pr == list(a[n_given:]), pr) for pr, a in zip(pred, answers)]
-
-
-def score_sample(model, tokens, answer_tokens, n_given=0):
-    """One sample: (correct, predicted tokens). See score_batch."""
-    return score_batch(model, [list(tokens)], [list(answer_tokens)], n_given)[0]
 
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------

@@ -92,12 +92,6 @@ def window_sums(losses, window):
     return [a + n for a, n in zip(starts, counts)], [float(c.sum()) for c in chunks], counts
 
 
-def window_losses(model, seq, window):
-    """Full mode's curve for one sequence: the mean CE in each window of `window` targets."""
-    _, sums, counts = window_sums(full_token_losses(model, seq), window)
-    return torch.tensor(sums, dtype=torch.float64) / torch.tensor(counts, dtype=torch.float64)
-
-
 # ---- Data ------------------------------------------------------------------------------------------------------
 def val_sequences(data_dir, tokenizer_name, seq_len):
     """Rows of seq_len + 1 tokens from the first VAL_TOKENS tokens of the validation split, the document tokens

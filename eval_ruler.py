@@ -76,9 +76,11 @@ _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
 
 
 def ends_sentence(word, next_word):
-    """Does a sentence end after `word` (followed by `next_word`)? A word ending in ! or ? (before any closing
-    quotes/brackets) ends one; so does a final period, except after a listed abbreviation or an initial; an
-    ellipsis ends one only before a capitalised word."""
+    """Does a sentence end after `word` (followed by `next_word`)? A rule-based stand-in for NLTK's punkt, RULER's
+    splitter (bam-gpt does not depend on nltk): a word ending in ! or ? (before closing quotes/brackets) ends one;
+    so does a final period, except after a listed abbreviation or an initial; an ellipsis only before a capital.
+    punkt learns its abbreviations and reads the next word's case; on prose the two agree almost everywhere, and a
+    difference only moves where a needle may go, never what is inserted."""
     core = word.rstrip(_CLOSERS)
     if not core or core[-1] not in ".!?":
         return False
@@ -91,23 +93,9 @@ def ends_sentence(word, next_word):
     return not (stem.lower() in _ABBREVIATIONS or _INITIALS.fullmatch(stem))
 
 
-def split_sentences(text):
-    """A rule-based stand-in for NLTK's punkt `sent_tokenize`, RULER's splitter (bam-gpt does not depend on nltk):
-    a sentence ends after a word that ends_sentence() accepts. punkt learns its abbreviations and reads the next
-    word's case; on plain prose the two agree almost everywhere, and a difference only moves where a needle may
-    go, never what is inserted."""
-    words = text.split()
-    out, start = [], 0
-    for i, w in enumerate(words):
-        if i + 1 == len(words) or ends_sentence(w, words[i + 1]):
-            out.append(" ".join(words[start:i + 1]))
-            start = i + 1
-    return out
-
-
 class Essay:
     """An essay haystack: its words (RULER: re.sub(r"\\s+", " ", text).split(" ")) and where sentences end, found
-    once, so that sentences(n) (of the first n words, cycling past the end) equals split_sentences of them."""
+    once, so that sentences(n) (of the first n words, cycling past the end) costs no re-splitting."""
 
     def __init__(self, text, label):
         self.words = text.split()  # == re.sub(r"\s+", " ", text).split(" ") without the empty ends
@@ -548,7 +536,7 @@ def build_parser():
     p.add_argument("--max_length", type=int, default=32768)
     p.add_argument("--samples", type=int, default=500, help="samples per task and length (RULER: 500)")
     p.add_argument("--haystack_file", default=None,
-                   help="essay haystack: RULER's PaulGrahamEssays.json, a JSON list, or plain text; "
+                   help="essay haystack: RULER's PaulGrahamEssays.json, or plain text; "
                         "default: text decoded from the validation shard in --data_dir")
     p.add_argument("--data_dir", default=None, help="prepared data for the essay haystack (when no --haystack_file); "
                                                     "default: the training data the checkpoint records")

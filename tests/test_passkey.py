@@ -39,13 +39,21 @@ def ckpts(tmp_path_factory):
     return paths
 
 
+TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
+
+
+def score_sample(model, tokens, answer_tokens, n_given=0):
+    """One sample through eval_passkey.score_batch: (correct, predicted tokens)."""
+    return ep.score_batch(model, [list(tokens)], [list(answer_tokens)], n_given)[0]
+
+
 def run_main(out, ckpts, *extra):
     argv = [a for c in ckpts for a in ("--ckpt", c)] + ["--out", str(out), "--no_progress", *extra]
     return ep.main(argv)
 
 
 def strip_timing(rows):
-    return [{k: v for k, v in r.items() if k not in ep.TIMING_FIELDS + ("batch",)} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS + ("batch",)} for r in rows]
 
 
 def read_jsonl(path):
@@ -188,20 +196,20 @@ def test_score_sample_on_stub(enc):
     assert digits == list(b"31415")
 
     right = StubModel(digits)
-    assert ep.score_sample(right, prompt, answer, info["n_given"]) == (True, digits)
+    assert score_sample(right, prompt, answer, info["n_given"]) == (True, digits)
     idx, m = right.calls[0]
     assert idx.tolist() == [prompt + answer[:-1]] and m == 5  # teacher forcing; logits only at the 5 digits
 
     wrong = [d + 1 for d in digits]
-    assert ep.score_sample(StubModel(wrong), prompt, answer, info["n_given"]) == (False, wrong)
+    assert score_sample(StubModel(wrong), prompt, answer, info["n_given"]) == (False, wrong)
 
     one_off = list(digits)
     one_off[3] = ord("0") if one_off[3] != ord("0") else ord("1")
-    correct, pred = ep.score_sample(StubModel(one_off), prompt, answer, info["n_given"])
+    correct, pred = score_sample(StubModel(one_off), prompt, answer, info["n_given"])
     assert not correct and pred == one_off
 
     # the padded vocabulary (ids >= vocab_size) is never predicted
-    assert ep.score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (True, digits)
+    assert score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (True, digits)
 
 
 def test_mistral_scores_exactly_the_five_digits():
@@ -228,10 +236,10 @@ def test_score_batch_all_answer_tokens_when_space_merges():
     enc = merging_tokenizer()
     prompt, answer, info = ep.build_prompt(enc, PAPER, 700, 12345, 1)
     stub = StubModel(answer, vocab=300)
-    assert ep.score_sample(stub, prompt, answer, info["n_given"]) == (True, answer)
+    assert score_sample(stub, prompt, answer, info["n_given"]) == (True, answer)
     assert stub.calls[0][1] == 2  # " 123" and "45": both scored
     bad = StubModel([answer[0], answer[1] + 1], vocab=300)
-    assert ep.score_sample(bad, prompt, answer, info["n_given"])[0] is False
+    assert score_sample(bad, prompt, answer, info["n_given"])[0] is False
 
 
 # ---- end to end -----------------------------------------------------------------------------------------
