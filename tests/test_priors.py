@@ -52,7 +52,7 @@ def impl_cases():
 
 @pytest.mark.parametrize("impl,trains", impl_cases())
 @pytest.mark.parametrize("scale_prior", [True, False])
-def test_every_kernel_matches_dense_formula_or_raises(impl, trains, scale_prior):
+def test_every_kernel_matches_dense_formula(impl, trains, scale_prior):
     """Documents, SSMax in both placements and q_offset (the queries are not the last positions)."""
     dev = "cuda" if torch.cuda.is_available() and impl != "sdpa" else "cpu"
     gen = torch.Generator().manual_seed(7)
