@@ -17,8 +17,7 @@ def _check(key, value, defaults, source):
     if key not in defaults:
         close = ", ".join(difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5))
         raise ConfigError(f"unknown config key {key!r} ({source})." + (f" Did you mean {close}?" if close else ""))
-    default = defaults[key]
-    if default is None or value is None:
+    if (default := defaults[key]) is None or value is None:
         return value
     if isinstance(value, bool) != isinstance(default, bool) or not isinstance(
             value, (int, float) if isinstance(default, float) else type(default)):
@@ -29,10 +28,9 @@ def _check(key, value, defaults, source):
 
 def _run_file(path):
     """The settings a config file assigns; one that cannot be read or run is a ConfigError."""
-    namespace = {}
     try:
         with open(path) as f:
-            exec(compile(f.read(), path, "exec"), namespace)
+            exec(compile(f.read(), path, "exec"), namespace := {})
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     except SyntaxError as e:
