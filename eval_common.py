@@ -22,8 +22,16 @@ class EvalError(ValueError):
     """An evaluation cannot run as asked; the message says what to do."""
 
 
-# What each evaluation's main turns into one line `<script>: error: ...` and exit 1 (anything else is a bug).
+# What an evaluation turns into one line `<script>: error: ...` and exit 1 (anything else is a bug).
 EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError)
+
+
+def run_script(main, script):
+    """An evaluation's entry point: an expected failure ends in one line and exit status 1, no traceback."""
+    try:
+        main()
+    except EXPECTED_ERRORS as e:
+        sys.exit(f"{script}: error: {e}")
 
 
 # ---- options ---------------------------------------------------------------------------------------------

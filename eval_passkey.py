@@ -478,7 +478,4 @@ def write_outputs(args, summary, by_depth, runs, meta, device, t_start):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ec.EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
-        sys.exit(f"eval_passkey.py: error: {e}")
+    ec.run_script(main, "eval_passkey.py")

@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -23,9 +22,9 @@ import torch
 from tqdm import tqdm
 
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, identity,
-                         load_runs, markdown_table, model_device, peak_memory_bytes, pick_device, plot_curves,
-                         reset_peak_memory, resolve_dtype, return_freed_memory_to_os, training_data_dir, write_table)
+from eval_common import (EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, identity, load_runs,
+                         markdown_table, model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory,
+                         resolve_dtype, return_freed_memory_to_os, run_script, training_data_dir, write_table)
 from model import autocast
 
 MODES = ("full", "sliding")
@@ -324,7 +323,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
-        sys.exit(f"eval_ppl.py: error: {e}")
+    run_script(main, "eval_ppl.py")

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import re
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -30,9 +29,9 @@ from tqdm import tqdm
 from data import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
                   RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR, RULER_TEMPLATE as TEMPLATE,
                   VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer)
-from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
+from eval_common import (EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
                          fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, training_data_dir,
-                         write_table)
+                         run_script, write_table)
 from model import autocast
 
 TOKENS_TO_GENERATE = 128
@@ -653,7 +652,4 @@ def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newli
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
-        sys.exit(f"eval_ruler.py: error: {e}")
+    run_script(main, "eval_ruler.py")

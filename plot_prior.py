@@ -17,7 +17,8 @@ import sys
 import numpy as np
 import torch
 
-from model import CheckpointError, load_model
+from eval_common import _plt, run_script
+from model import load_model
 
 
 def distances(max_distance, per_octave=8):
@@ -56,7 +57,6 @@ def head_label(h, prior):
 
 
 def plot(layers, dist, block_size, prior, title, path):
-    from eval_common import _plt
     plt = _plt()
     n = len(layers)
     fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 4.4), squeeze=False, sharey=True)
@@ -133,7 +133,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, FileNotFoundError) as e:  # expected failures: one line, no traceback
-        sys.exit(f"plot_prior.py: error: {e}")
+    run_script(main, "plot_prior.py")
