@@ -1,20 +1,14 @@
 """
-Tokenizers, the token shard format and the batch loader: the one place that knows how tokens are stored.
+Tokenizers, the token shard format, the batch loader and the evaluations' prompt strings: the one place that knows
+how tokens are stored and what the prompts say.
 
-Tokenizers: "mistral", the authors' Mistral v3 SentencePiece model (32,768 tokens, one token per digit), offline
-from the mistral-common package; tiktoken "gpt2"; and "byte", an offline tiktoken encoding of the 256 byte values
-plus <|endoftext|> = 256, for tests and the CPU demo. get_tokenizer() gives all three one interface (Tokenizer).
-A document is stored as the authors store it with their tokenizer, BOS ... EOS (mistral), and as end-of-text +
-text with gpt2 and byte. Either way one token opens every document (DOC_START), and the document mask starts
-there.
-
-A shard is a 256-byte header (magic, format version, token count as int64, tokenizer name) followed by the
-tokens as uint16, named shard_name(prefix, split, i) = {prefix}_{split}_{i:06d}.bin. prepare_fineweb.py and
-prepare_demo.py write them.
-
-Batches are consecutive, non-overlapping windows of the token stream in stream order (the authors do not
-shuffle). A batch is a pure function of (step, micro_step, rank), so a resumed run sees exactly the
-batches an uninterrupted one would, and ranks never share a window within an epoch.
+Tokenizers: "mistral" (the authors' Mistral v3 SentencePiece model, offline from mistral-common), tiktoken "gpt2",
+and "byte" (the 256 byte values plus <|endoftext|> = 256, offline). A document is BOS ... EOS with mistral (as the
+authors store it) and end-of-text + text with gpt2 and byte; its first token (DOC_START) starts the document mask.
+A shard is a 256-byte header (magic, version, token count, tokenizer name) then the tokens as uint16, named
+{prefix}_{split}_{i:06d}.bin (prepare_fineweb.py and prepare_demo.py write them). Batches are consecutive windows
+of the stream in stream order (the authors do not shuffle), a pure function of (step, micro_step, rank), so a
+resumed run sees exactly the batches an uninterrupted one would.
 """
 import functools
 import os
@@ -35,7 +29,6 @@ DOC_END = {"gpt2": None, "byte": None, "mistral": 2}    # closes every document 
 VAL_TOKENS = 3_932_160  # the validation split: the first 3,932,160 tokens of the stream (the authors' split)
 GAP_TOKENS = 1_000_000  # the authors skip this many tokens between the validation and the training data
 MISTRAL_MODEL = ("mistral_common", "data/mistral_instruct_tokenizer_240323.model.v3")
-SPLITS = ("train", "val")
 
 MAGIC = 0x42414D31  # "BAM1"
 VERSION = 1
@@ -54,9 +47,7 @@ def shard_name(prefix, split, index):
     return f"{prefix}_{split}_{index:06d}.bin"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Tokenizers
-# ----------------------------------------------------------------------------------------------------------
+# ---- Tokenizers ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tokenizer:
     """What every caller needs from a tokenizer, whichever library is behind it (tiktoken or SentencePiece)."""
@@ -137,24 +128,17 @@ def _sentencepiece(name):
                      lambda text: sp.encode(text), lambda ids: sp.decode([int(t) for t in ids]), token_bytes)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Shards
-# ----------------------------------------------------------------------------------------------------------
+# ---- Shards ----------------------------------------------------------------------------------------------------
 def write_shard(path, tokens, tokenizer_name):
     """Write tokens (any integer array) as a shard. Atomic: a crash leaves either the old file or the new one,
     never a partial shard under the final name."""
     tokens = np.asarray(tokens)
     if tokens.size == 0:
         raise ValueError(f"refusing to write an empty shard: {path}")
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
     if tokens.min() < 0 or tokens.max() >= 65536:
         raise ValueError(f"token ids must lie in [0, 65536) to be stored as uint16; got min {tokens.min()}, "
                          f"max {tokens.max()} for {path}")
-    name = tokenizer_name.encode("ascii")
-    if len(name) > 32:
-        raise ValueError(f"tokenizer name {tokenizer_name!r} is longer than the 32 bytes the header holds")
-    header = _HEADER.pack(MAGIC, VERSION, tokens.size, name).ljust(HEADER_BYTES, b"\0")
+    header = _HEADER.pack(MAGIC, VERSION, tokens.size, tokenizer_name.encode("ascii")).ljust(HEADER_BYTES, b"\0")
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(header)
@@ -198,8 +182,6 @@ def shard_tokenizer(path):
 
 def shard_paths(data_dir, split):
     """Sorted shard paths of one split. Errors, saying how to make them, if there are none."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     how = ("create them with `python prepare_fineweb.py` (FineWeb, mistral tokens, writes data/fineweb_mistral), "
            "`python prepare_demo.py` (the CPU demo data), or `python prepare_fineweb.py --local_files FILE.jsonl "
            f"--tokenizer byte --out_dir {data_dir}` for your own text")
@@ -259,9 +241,7 @@ def read_tokens(data_dir, split, n_tokens, offset=0):
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Batches
-# ----------------------------------------------------------------------------------------------------------
+# ---- Batches ---------------------------------------------------------------------------------------------------
 def doc_starts(x, start_token):
     """For each position t, the last s <= t with x[s] == start_token (DOC_START of the tokenizer), else 0.
     Key j is visible to query i iff doc_start[i] <= j <= i."""
@@ -320,3 +300,41 @@ class TokenLoader:
         buf = torch.from_numpy(np.stack([r for _, r in rows]))
         x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
         return x, y, doc_starts(x, self.doc_start)
+
+
+# ---- Prompt strings (eval_passkey.py, prepare_demo.py, eval_ruler.py) -----------------------------------------
+# The "paper" passkey template and the RULER strings are the authors' and NVIDIA/RULER's text, verbatim: data.
+# Each entry: task, filler, needle (with {pass_key}), question, digits, and optionally sep (the text put in
+# front of every piece after the task; default PIECE_SEP). "paper" is the authors' public protocol (their evaluate.py).
+PASSKEY_TEMPLATES = {
+    "paper": {
+        "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+                "I will quiz you about the important information there.",
+        "filler": "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+        "needle": "The pass key is {pass_key}. Remember it. {pass_key} is the pass key.",
+        "question": "What is the pass key? The pass key is",
+        "digits": 5,
+    },
+    # The CPU demo (prepare_demo.py trains on exactly these pieces, byte tokenizer): "@" opens the task, the
+    # filler is a closed walk of prepare_demo.CHAIN (training documents use fresh random walks of that chain),
+    # "#" announces the key and "?" asks for it. No separator: every byte is one symbol.
+    "demo": {
+        "task": "@",
+        "filler": "bgnfmheldi",
+        "needle": "#{pass_key}",
+        "question": "?",
+        "digits": 5,
+        "sep": "",
+    },
+}
+PIECE_SEP = " "
+
+# ---- RULER's needle in a haystack (NVIDIA/RULER @ c3f5e3b, scripts/data/synthetic/constants.py and niah.py) ----
+RULER_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
+                  "it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+                  "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
+RULER_ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+RULER_MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
+RULER_NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+RULER_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+RULER_SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))  # applied in this order

@@ -1,7 +1,7 @@
 """
-Plumbing shared by eval_passkey.py, eval_ruler.py and eval_ppl.py: command-line options, device and precision,
-loading checkpoints (with the tokenizer each was trained with), a memory check before long contexts,
-resumable per-sample JSONL, summary JSON/CSV, and the figures. One copy, imported by every evaluation.
+What every evaluation (eval_passkey.py, eval_ruler.py, eval_ppl.py, inspect_attention.py) shares: command-line
+options, device and precision, loading checkpoints with their tokenizer, a memory check before long contexts,
+resumable per-sample JSONL, summary JSON/CSV, and the figures.
 """
 import csv
 import hashlib
@@ -13,19 +13,25 @@ import sys
 
 import torch
 
-from attention_check import SelfCheckError, self_check_model
+from attention_kernel import IMPLS, impl_error
 from data import DataError, get_tokenizer
-from model import ATTN_IMPLS, CheckpointError, load_model
+from model import CheckpointError, load_model
 
 
 class EvalError(ValueError):
-    """An evaluation cannot run as asked (no GPU, checkpoints that cannot be compared, results made with other
-    settings, data too short, ...); the message says what to do."""
+    """An evaluation cannot run as asked; the message says what to do."""
 
 
-# What each evaluation's main turns into one line `<script>: error: ...` and exit status 1 (anything else is a bug
-# and keeps its traceback). SelfCheckError: the attention impl was refused by the startup self-check.
-EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError, SelfCheckError)
+# What an evaluation turns into one line `<script>: error: ...` and exit 1 (anything else is a bug).
+EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError)
+
+
+def run_script(main, script):
+    """An evaluation's entry point: an expected failure ends in one line and exit status 1, no traceback."""
+    try:
+        main()
+    except EXPECTED_ERRORS as e:
+        sys.exit(f"{script}: error: {e}")
 
 
 # ---- options ---------------------------------------------------------------------------------------------
@@ -35,9 +41,9 @@ def add_common_args(parser, default_out):
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn_impl", default=None, choices=list(ATTN_IMPLS),
-                        help="attention implementation (attention_kernel.py; default: the checkpoint's, normally auto). "
-                             "One that cannot compute the model's prior stops with an error")
+    parser.add_argument("--attn_impl", default="auto", choices=list(IMPLS),
+                        help="attention implementation (attention_kernel.py); one that cannot compute the model's "
+                             "prior on this device stops with an error")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,
@@ -49,7 +55,7 @@ def pick_device(name="auto"):
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise EvalError(f"--device {name} was asked for, but this machine has no CUDA GPU; use --device cpu")
+        raise EvalError(f"--device {name} was asked for, but torch finds no CUDA GPU; use --device cpu")
     return name
 
 
@@ -62,8 +68,7 @@ def resolve_dtype(device, dtype="auto"):
 
 def model_device(model):
     """The device of a model's parameters (CPU for a model without any)."""
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------
@@ -74,9 +79,8 @@ def run_label(path):
 
 
 def checkpoint_digest(ckpt):
-    """sha256 (16 hex digits) of a checkpoint's model settings and weights: what decides an evaluation's numbers.
-    The same weights saved again (a bit-identical retraining) keep their digest; another model at the same path
-    does not. Hashed from the loaded tensors, so it costs no extra read of the file."""
+    """sha256 (16 hex digits) of a checkpoint's model settings and weights, what decides an evaluation's numbers:
+    a bit-identical retraining keeps it, another model at the same path does not."""
     h = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
     for name in sorted(ckpt["model"]):
         t = ckpt["model"][name].detach().cpu().contiguous().reshape(-1)
@@ -85,31 +89,24 @@ def checkpoint_digest(ckpt):
     return h.hexdigest()[:16]
 
 
-def load_runs(paths, device, attn_impl=None, dtype="auto"):
-    """Load every checkpoint (attention computed by attn_impl, if given); all must share one tokenizer so that they
-    see identical prompts. On CUDA each model's attention impl must first pass the self-check (attention_check.py)
-    in the evaluation's precision (SelfCheckError otherwise). Returns (runs, tokenizer) where runs is a list of
-    dicts: label, model, ckpt_path (absolute), ckpt_step, ckpt_sha256 (checkpoint_digest), block_size, tokenizer,
-    data_dir (the training data the checkpoint records, or None), attention_check (None on the CPU). Every result
-    record carries identity(run)."""
+def load_runs(paths, device, attn_impl="auto"):
+    """Load every checkpoint, its attention computed by attn_impl; all must share one
+    tokenizer, so that they see identical prompts. Returns (runs, tokenizer); a run is a dict: label, model,
+    ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (recorded, or None)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device, attn_impl=attn_impl)
-        prior = model.blocks[0].attn.prior_def if model.blocks else None
-        if attn_impl in ("triton", "flex") and prior is not None and attn_impl not in prior.native:
-            raise EvalError(f"--attn_impl {attn_impl} cannot compute the prior {prior.name!r} of {p}; "
-                            f"use one of {sorted(prior.native)} or auto")
-        check = None
-        if torch.device(device).type == "cuda":
-            check = self_check_model(model, training=False, dtype=getattr(torch, resolve_dtype(device, dtype)))
+        why = impl_error(model.config.attn_impl, model.blocks[0].attn.prior_def, device, grad=False)
+        if why:
+            raise EvalError(f"{p}: --attn_impl {model.config.attn_impl}: {why}")
         runs.append(dict(label=run_label(p), model=model, ckpt_path=os.path.abspath(ckpt["path"]),
                          ckpt_step=ckpt.get("step"), ckpt_sha256=checkpoint_digest(ckpt),
                          block_size=model.config.block_size, tokenizer=model.config.tokenizer,
-                         data_dir=ckpt.get("config", {}).get("data_dir"), attention_check=check))
+                         data_dir=ckpt.get("config", {}).get("data_dir")))
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
         raise EvalError("the checkpoints were trained with different tokenizers "
-                         f"({', '.join(r['label'] + ': ' + r['tokenizer'] for r in runs)}); compare them in separate runs")
+                        f"({', '.join(r['label'] + ': ' + r['tokenizer'] for r in runs)}); compare them separately")
     labels = [r["label"] for r in runs]
     for i, r in enumerate(runs):  # two run directories with the same name: disambiguate by index
         if labels.count(r["label"]) > 1:
@@ -137,29 +134,18 @@ def identity(run):
     return dict(ckpt=run["ckpt_path"], ckpt_step=run["ckpt_step"], ckpt_sha256=run["ckpt_sha256"])
 
 
-def save_attention_checks(runs, out_dir):
-    """<out_dir>/attention_check.json: each run's self-check result (CUDA only; nothing is written on the CPU)."""
-    checks = [dict(label=r["label"], **r["attention_check"]) for r in runs if r["attention_check"] is not None]
-    if checks:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "attention_check.json"), "w") as f:
-            json.dump(checks, f, indent=1)
-
-
 # ---- memory ----------------------------------------------------------------------------------------------
 def free_memory_bytes(device):
     if torch.device(device).type == "cuda":
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return free
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
 def estimate_forward_bytes(model, length, batch=1, kv_cache=False):
-    """Peak bytes of a no-grad forward over `length` tokens, linear in the length: the residual stream and the
-    activations of one block (q, k, v, attention output, SwiGLU hidden) in fp32, the attention reference's
-    score chunk (<= 256 MiB by construction), the weights, and every layer's K/V if a KV cache is kept."""
+    """Peak bytes of a no-grad forward over `length` tokens: one block's fp32 activations, the reference's score
+    chunk (<= 256 MiB by construction), the weights, and every layer's K/V if a KV cache is kept."""
     cfg = model.config
     per_token = 4 * cfg.n_embd * (2 + 4 + 3 * 2)  # residual + norm out, q/k/v/y, SwiGLU (w1, w3, product) at 2D
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -181,8 +167,7 @@ def reset_peak_memory(device):
 
 
 def peak_memory_bytes(device):
-    """On CUDA: the allocator's peak since the last reset_peak_memory. On the CPU: the process's peak resident set
-    size so far (resource.getrusage; ru_maxrss is in KiB on Linux), which covers the whole process lifetime."""
+    """CUDA: the allocator's peak since reset_peak_memory. CPU: the process's peak resident set size so far."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(torch.device(device))
     import resource
@@ -190,45 +175,38 @@ def peak_memory_bytes(device):
 
 
 def return_freed_memory_to_os(threshold_bytes=1 << 20):
-    """CPU, Linux/glibc: serve every allocation of at least threshold_bytes with its own mmap, so that a freed
-    activation buffer goes straight back to the OS. Without this, glibc's adaptive mmap threshold moves
-    multi-MiB tensors onto the heap, where freed blocks fragment and stay resident: an l6 forward at 32K tokens
-    grew past 7 GiB RSS instead of ~2 GiB. Affects later allocations only; call it once at startup.
-    Returns True if applied (False elsewhere, e.g. macOS or musl)."""
+    """CPU, Linux/glibc: serve every allocation of >= threshold_bytes with its own mmap, so that a freed activation
+    goes straight back to the OS. Otherwise glibc's adaptive threshold moves multi-MiB tensors onto the heap, where
+    they fragment and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS instead of ~2 GiB)."""
     import ctypes
-    import ctypes.util
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, int(threshold_bytes)))  # -3 = M_MMAP_THRESHOLD (fixed: no adaptation)
-    except (OSError, AttributeError):
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(threshold_bytes)))  # -3 = M_MMAP_THRESHOLD, fixed
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
         return False
 
 
 # ---- results ---------------------------------------------------------------------------------------------
 class ResultLog:
-    """Append-only per-sample JSONL. Reopening it resumes: `done` holds the keys of the records already written,
-    so an interrupted evaluation continues where it stopped. Given the runs being evaluated (load_runs), it first
-    drops the records of any checkpoint path whose checkpoint changed (drop_stale)."""
+    """Append-only per-sample JSONL. Reopening it resumes: `done` holds the keys of the records already written.
+    Given the runs being evaluated, it drops the records of a checkpoint path whose weights changed (drop_stale)."""
 
     def __init__(self, path, key_fields, runs=()):
         self.path, self.key_fields = path, key_fields
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.records = []
+        self.records, lines, good = [], [], 0
         if os.path.exists(path):
             with open(path) as f:
                 lines = f.readlines()
-            good = 0
-            for line in lines:
-                if not line.endswith("\n"):
-                    break  # a line cut by an interruption: everything from it on is redone
-                if line.strip():
-                    try:
-                        self.records.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        break
-                good += 1
-            if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
-                self._rewrite(lines[:good])
+        for line in lines:
+            if not line.endswith("\n"):
+                break  # a line cut by an interruption: it and everything after it are redone
+            try:
+                self.records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError:
+                break
+            good += 1
+        if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
+            self._rewrite(lines[:good])
         self.done = {self.key(r) for r in self.records}
         if runs:
             self.drop_stale(runs)
@@ -240,28 +218,25 @@ class ResultLog:
         os.replace(tmp, self.path)
 
     def drop_stale(self, runs):
-        """Results are keyed by the checkpoint's identity, not its path: the records of a path that now holds
-        another checkpoint (another checkpoint_digest, or records without one) are removed from the file, with a
-        note on stderr, so that this checkpoint is evaluated again instead of being reported with old numbers."""
+        """The records of a path that now holds another checkpoint (another checkpoint_digest) are removed, with
+        a note on stderr, so that it is evaluated again instead of being reported with old numbers."""
         now = {r["ckpt_path"]: r for r in runs}
 
         def is_stale(rec):
             run = now.get(rec.get("ckpt"))
             return run is not None and rec.get("ckpt_sha256") != run["ckpt_sha256"]
 
-        stale = {}
-        for rec in filter(is_stale, self.records):
-            stale.setdefault(rec["ckpt"], []).append(rec)
+        stale = [r for r in self.records if is_stale(r)]
         if not stale:
             return
         self.records = [r for r in self.records if not is_stale(r)]
         self._rewrite([json.dumps(r) + "\n" for r in self.records])
         self.done = {self.key(r) for r in self.records}
-        for path, recs in stale.items():
-            old, new = recs[0], now[path]
+        for path in dict.fromkeys(r["ckpt"] for r in stale):
+            old, new, n = next(r for r in stale if r["ckpt"] == path), now[path], sum(r["ckpt"] == path for r in stale)
             print(f"note: {path} changed since {self.path} was written (step {old.get('ckpt_step')}, "
                   f"{old.get('ckpt_sha256') or 'no digest'} -> step {new['ckpt_step']}, {new['ckpt_sha256']}): "
-                  f"its {len(recs)} old results are dropped and it is evaluated again", file=sys.stderr)
+                  f"its {n} old results are dropped and it is evaluated again", file=sys.stderr)
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)
@@ -274,7 +249,7 @@ class ResultLog:
 
 
 def write_table(rows, path_prefix):
-    """Write a list of flat dicts as <prefix>.json and <prefix>.csv."""
+    """Write a list of flat dicts as <prefix>.json and <prefix>.csv (a list in a CSV cell is written as JSON)."""
     os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
     with open(path_prefix + ".json", "w") as f:
         json.dump(rows, f, indent=1)
@@ -283,27 +258,21 @@ def write_table(rows, path_prefix):
         with open(path_prefix + ".csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fieldnames)
             w.writeheader()
-            w.writerows(rows)
+            w.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
 
 
 def check_settings(jsonl_path, settings):
-    """Guard a resumable JSONL against mixing results made with different settings (seed, template, ...).
-    The settings live next to it in <jsonl>.settings.json. If the JSONL holds records and the stored settings
-    differ (or are missing), raise EvalError naming the differences; otherwise (re)write the settings file."""
+    """Refuse to resume a JSONL made with other settings (seed, template, ...), stored beside it in
+    <jsonl>.settings.json: EvalError names the differences. Otherwise (re)write the settings file."""
     side = jsonl_path + ".settings.json"
     settings = json.loads(json.dumps(settings))  # normalise (tuples -> lists) so that the comparison is exact
-    has_records = os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0
-    if has_records:
-        if not os.path.exists(side):
-            raise EvalError(f"{jsonl_path} holds results but no {os.path.basename(side)} says how they were made; "
-                             "use another --out or delete the file to start over")
-        with open(side) as f:
-            old = json.load(f)
+    if os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0:
+        old = json.load(open(side)) if os.path.exists(side) else {}
         diff = [f"{k}: {old.get(k, '<absent>')!r} (stored) vs {settings.get(k, '<absent>')!r} (now)"
                 for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
         if diff:
-            raise EvalError(f"{jsonl_path} was made with other settings, so resuming would mix results:\n  "
-                             + "\n  ".join(diff) + "\nuse another --out, or delete the file to start over")
+            raise EvalError(f"{jsonl_path} was made with other settings ({'; '.join(diff)}), so resuming would mix "
+                            "results; use another --out, or delete the file to start over")
         return
     os.makedirs(os.path.dirname(os.path.abspath(side)), exist_ok=True)
     with open(side, "w") as f:
@@ -326,17 +295,21 @@ def _plt():
 
 
 SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")  # run names <variant>-s<seed>[ ...]
+
+
+def seed_split(name):
+    """(variant, seed) of a run name <variant>-s<seed>[ rest] (the demo's runs: bam_ssmax-s3); (name, None) else."""
+    m = SEEDED_NAME.match(name)
+    return (m["variant"] + m["rest"], int(m["seed"])) if m else (name, None)
+
+
 LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]
 
 
 def curve_styles(names):
-    """{name: matplotlib line style}: one colour per variant and one line style and marker per seed for names
-    <variant>-s<seed> (the demo's runs), so that 12 curves of 4 variants x 3 seeds stay distinguishable;
-    any other name is a variant of its own."""
-    keys = {}
-    for name in names:
-        m = SEEDED_NAME.match(name)
-        keys[name] = (m["variant"] + m["rest"], int(m["seed"])) if m else (name, None)
+    """{name: matplotlib line style}: one colour per variant, one line style and marker per seed (seed_split), so
+    that 12 curves of 4 variants x 3 seeds stay distinguishable."""
+    keys = {name: seed_split(name) for name in names}
     variants = list(dict.fromkeys(v for v, _ in keys.values()))
     seeds = sorted({s for _, s in keys.values() if s is not None})
     cmap = _plt().get_cmap("tab10" if len(variants) <= 10 else "tab20")
@@ -359,14 +332,8 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
                     va="top", ha="right", fontsize=8, color="gray")
+    ax.set(xscale="log", yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    if ylim:
-        ax.set_ylim(*ylim)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
@@ -383,8 +350,7 @@ def plot_heatmap(matrix, row_labels, col_labels, path, title, xlabel, ylabel, tr
     ax.set_yticks(range(len(row_labels)), [str(r) for r in row_labels], fontsize=8)
     if train_col is not None:
         ax.axvline(train_col, color="black", linestyle="--", linewidth=1.5)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()

@@ -1,55 +1,22 @@
 """
-Passkey retrieval, the paper's headline experiment, with the authors' prompts and scoring.
+Passkey retrieval, the paper's headline experiment, with the authors' prompts and scoring (their evaluate.py): a
+key hidden in filler text at equidistant depths; a sample is correct iff every scored answer token is the model's
+argmax, teacher-forced on the answer (the same as greedy decoding reproducing the key).
 
     python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...] [--lengths 4096 8192 | --max_length N |
-        --preset paper|extreme] [--samples 20] [--depths equidistant|random|beginning|end]
-        [--template paper] [--seed 1234] [--dtype auto] [--out results/passkey]
+        --preset paper|extreme] [--samples 20] [--depths equidistant|random|beginning|end] [--template paper]
 
-A prompt is [task] + filler x k + [needle with a 5-digit key] + filler x (N - k) + [question], N as large as the
-target length allows; the model is then teacher-forced on the answer " <key>" and a sample is correct iff every
-scored answer token is the argmax (no partial credit), which is the same as greedy decoding reproducing the key.
-
-What is scored: the answer is the tokenization of " " + str(key). Given, not scored: the leading answer tokens
-that decode to whitespace only, then the tokens of the template's given_digits leading digits (the extreme preset:
-1) as far as they are whole tokens. With the authors' Mistral tokenizer that is exactly their scoring: the "▁"
-token (and the first digit) given, one token per digit scored. The byte tokenizer scores the same digits as
-bytes. gpt2 merges digits, and the space into them (" 12345" -> " 123" + "45"): every answer token is scored
-there, and a given digit inside a merged token is scored with it. Logits outside the tokenizer's vocabulary (the
-model pads its vocabulary to a multiple of 64) are never predicted.
-
-Pieces: each piece is tokenized on its own, without special tokens, and the token lists are concatenated, as the
-authors do. Their SentencePiece tokenizer (mistral) starts every separately tokenized piece with a word boundary;
-tiktoken does not, so with gpt2 and byte every piece after the task is tokenized as sep + piece (sep = " " unless
-the template sets "sep"). Without it a byte model would read "...there.The grass is green..." where the authors'
-model read "there. The grass".
-
-Presets: paper = the authors' public evaluate.py, lengths int(linspace(0, 32768, 10))[1:] (3,640 ... 32,768) and 20
-samples (paper32k is the same); extreme = their 500K run: 10K ... 100K step 10K, 200K ... 500K step 100K, 10
-samples, 6-digit keys with the first digit given, fp32.
-
-Lengths: by default the training length of each checkpoint x 1, 2, 4, ... up to --max_length (default 32 x the
-largest training length); with several checkpoints the union of their grids, and every checkpoint is evaluated at
-every length so that the curves share their x values. Lengths shorter than the prompt without filler are skipped,
-and so is any (checkpoint, length) whose estimated memory (eval_common.fits_in_memory) does not fit, announced
-before the evaluation starts. The realised prompt length (<= the target) and the needle depth k / N are recorded.
-
-Prompts depend only on (seed, target length, template, samples, depths): the keys and depths of one length come
-from numpy's default_rng([seed, length]), so every checkpoint of one call, and every later call with the same
-settings, sees the same prompts. Results are resumable: <out>/passkey_samples.jsonl holds one record per
-(checkpoint, length, sample) and a rerun only evaluates what is missing; its settings are stored beside it and a
-rerun with other settings is refused. A checkpoint is its path AND a digest of its weights (ckpt_sha256): when the
-file at a path changed, its old records are dropped and it is evaluated again (eval_common.ResultLog).
-
-Outputs in --out: passkey_samples.jsonl, passkey_summary.{json,csv} (checkpoint x length),
-passkey_by_depth.{json,csv} (checkpoint x length x depth bin), passkey_meta.json (settings, runs, skipped lengths,
-wall time, peak memory), passkey_accuracy.png, passkey_heatmap_<label>.png; a markdown table on stdout.
+Writes to --out (default results/passkey): passkey_samples.jsonl (one record per sample; a rerun evaluates only
+what is missing), passkey_summary.{json,csv} (checkpoint x length: accuracy, digit_accuracy, ...),
+passkey_by_depth.{json,csv}, passkey_meta.json, passkey_accuracy.png, passkey_heatmap_<label>.png, and, when run
+names carry a seed (bam_ssmax-s3), demo_table.{md,csv,json}: every run, then per variant the median and minimum.
 """
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -58,53 +25,35 @@ import torch
 from tqdm import tqdm
 
 import eval_common as ec
+from data import PASSKEY_TEMPLATES as TEMPLATES, PIECE_SEP
 from model import autocast
-from templates import PASSKEY_TEMPLATES as TEMPLATES, PIECE_SEP
 
 
 PAPER_LENGTHS = [int(x) for x in np.linspace(0, 32768, 10)][1:]  # the authors' public evaluate.py
 # lengths, samples, and what a preset changes in the template (digits, given_digits) and in the precision
 PRESETS = {
     "paper": dict(lengths=PAPER_LENGTHS, samples=20),
-    "paper32k": dict(lengths=PAPER_LENGTHS, samples=20),  # the earlier name of "paper"
     "extreme": dict(lengths=list(range(10_000, 100_001, 10_000)) + list(range(200_000, 500_001, 100_000)),
                     samples=10, template=dict(digits=6, given_digits=1), dtype="float32"),  # their 500K run
 }
 DEFAULT_SAMPLES = 20
 DEPTH_MODES = ("equidistant", "random", "beginning", "end")
-TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
+DEPTH_BINS = 10  # of the by-depth table and heatmap
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Prompts
-# ----------------------------------------------------------------------------------------------------------
-def check_template(template):
-    missing = [k for k in ("task", "filler", "needle", "question", "digits") if k not in template]
-    if missing:
-        raise ValueError(f"passkey template lacks {missing}; it needs task, filler, needle, question, digits")
-    if "{pass_key}" not in template["needle"]:
-        raise ValueError("the passkey template's needle must contain {pass_key}")
-    if not isinstance(template["digits"], int) or template["digits"] < 1:
-        raise ValueError(f"template digits must be a positive int, got {template['digits']!r}")
-    if not 0 <= template.get("given_digits", 0) < template["digits"]:
-        raise ValueError(f"template given_digits must lie in [0, digits), got {template.get('given_digits')!r}")
-
-
+# ---- Prompts: [task] + filler x k + [needle with the key] + filler x (N - k) + [question] ------------
 def template_hash(template):
     return hashlib.sha1(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _pieces(enc, template):
-    """Token lists of the key-independent pieces (each tokenized on its own, no special tokens)."""
-    check_template(template)
+    """Token lists of the key-independent pieces, each tokenized on its own without special tokens, as the authors
+    do. Their SentencePiece tokenizer starts every piece with a word boundary; tiktoken does not, so with gpt2 and
+    byte a piece after the task is tokenized as sep + piece (without it a byte model would read "there.The grass")."""
     sep = template.get("sep", "" if enc.word_boundary else PIECE_SEP)
-    pieces = dict(task=enc.encode_ordinary(template["task"]),
-                  filler=enc.encode_ordinary(sep + template["filler"]),
-                  question=enc.encode_ordinary(sep + template["question"]))
-    if not pieces["filler"]:
-        raise ValueError("the passkey template's filler is empty")
-    return pieces, sep
+    return dict(task=enc.encode_ordinary(template["task"]), filler=enc.encode_ordinary(sep + template["filler"]),
+                question=enc.encode_ordinary(sep + template["question"])), sep
 
 
 def _needle(enc, template, sep, key):
@@ -112,22 +61,16 @@ def _needle(enc, template, sep, key):
 
 
 def answer_tokens(enc, key, given_digits=0):
-    """(tokens of " " + str(key), n_given): the leading tokens that decode to whitespace and at most the first
-    given_digits digits are given, not scored (see the module docstring)."""
+    """(tokens of " " + str(key), n_given): the leading tokens that decode to whitespace, and those of the first
+    given_digits digits as far as they are whole tokens, are given, not scored. With the authors' Mistral tokenizer
+    that is their scoring (the "▁" token given, one token per digit scored), and byte scores the same digits; gpt2
+    merges digits and the space (" 123" + "45"), so every answer token is scored there."""
     answer = enc.encode_ordinary(" " + str(key))
     given = str(key)[:given_digits]
     n_given = 0
     while n_given < len(answer) - 1 and given.startswith(enc.decode(answer[:n_given + 1]).strip()):
         n_given += 1
     return answer, n_given
-
-
-def filler_units(enc, template, target_length):
-    """N of the authors' layout: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
-    pieces, sep = _pieces(enc, template)
-    widest = _needle(enc, template, sep, 10 ** template["digits"] - 1)
-    room = target_length - len(pieces["task"]) - len(widest) - len(pieces["question"])
-    return max(0, room // len(pieces["filler"]))
 
 
 def min_prompt_length(enc, template):
@@ -137,23 +80,23 @@ def min_prompt_length(enc, template):
     return len(pieces["task"]) + len(widest) + len(pieces["question"])
 
 
-def build_prompt(enc, template, target_length, key, k):
-    """The prompt for one sample: k filler units before the needle, N - k after it (N = filler_units).
+def filler_units(enc, template, target_length):
+    """N: the filler units that fit beside task, needle (with the widest key 10^digits - 1) and question."""
+    room = target_length - min_prompt_length(enc, template)
+    return max(0, room // len(_pieces(enc, template)[0]["filler"]))
 
-    Returns (prompt tokens, answer tokens, info). The prompt never exceeds target_length: with a tokenizer where some
-    key tokenizes longer than the widest one used for N, filler units are dropped after the needle (then before it).
-    info: target_length, length (realised), n_filler, k, depth (= k / n_filler, 0 without filler), key,
-    needle_start, needle_end (the needle is tokens[needle_start:needle_end]), n_given (answer tokens given, not
-    scored), answer_text.
-    """
+
+def build_prompt(enc, template, target_length, key, k):
+    """The prompt for one sample, k filler units before the needle and N - k after it: (prompt tokens, answer
+    tokens, info). It never exceeds target_length: where some key tokenizes longer than the widest, filler units
+    are dropped after the needle (then before it). info: target_length, length (realised), n_filler, k, depth
+    (k / n_filler), key, needle_start, needle_end (tokens[needle_start:needle_end]), n_given, answer_text."""
     pieces, sep = _pieces(enc, template)
     key = int(key)
     if len(str(key)) != template["digits"]:
         raise ValueError(f"key {key} does not have {template['digits']} digits")
     needle = _needle(enc, template, sep, key)
     n = filler_units(enc, template, target_length)
-    if not 0 <= k <= n:
-        raise ValueError(f"depth index k={k} outside [0, {n}] filler units for length {target_length}")
     fixed = len(pieces["task"]) + len(needle) + len(pieces["question"])
     if fixed > target_length:
         raise ValueError(f"target length {target_length} is shorter than the prompt without filler ({fixed} tokens)")
@@ -175,15 +118,10 @@ def build_prompt(enc, template, target_length, key, k):
 
 def depth_indices(n, samples, mode, rng):
     """k (filler units before the needle) per sample. equidistant = linspace(0, N, samples).long() as the authors."""
-    if mode == "equidistant":
-        return torch.linspace(0, n, samples).long().tolist()
     if mode == "random":
         return [int(x) for x in rng.integers(0, n + 1, size=samples)]
-    if mode == "beginning":
-        return [0] * samples
-    if mode == "end":
-        return [n] * samples
-    raise ValueError(f"depths must be one of {DEPTH_MODES}, got {mode!r}")
+    return dict(equidistant=torch.linspace(0, n, samples).long().tolist(), beginning=[0] * samples,
+                end=[n] * samples)[mode]
 
 
 def make_samples(enc, template, target_length, samples, depths="equidistant", seed=1234):
@@ -193,47 +131,30 @@ def make_samples(enc, template, target_length, samples, depths="equidistant", se
     d = template["digits"]
     keys = rng.integers(10 ** (d - 1), 10 ** d, size=samples)  # uniform over the d-digit numbers
     ks = depth_indices(filler_units(enc, template, target_length), samples, depths, rng)
-    out = []
-    for i in range(samples):
-        prompt, answer, info = build_prompt(enc, template, target_length, int(keys[i]), int(ks[i]))
+    out = [build_prompt(enc, template, target_length, int(keys[i]), int(ks[i])) for i in range(samples)]
+    for i, (_, _, info) in enumerate(out):
         info["sample"] = i
-        out.append((prompt, answer, info))
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Scoring
-# ----------------------------------------------------------------------------------------------------------
+# ---- Scoring ---------------------------------------------------------------------------------------------------
 def score_batch(model, prompts, answers, n_given=0):
     """Teacher-forced exact match for prompts of one token length with answers of one length.
 
     The model reads prompt + answer[:-1] and returns logits only at the positions that predict the scored answer
     tokens (answer[n_given:]). Returns [(correct, predicted tokens)] per sample."""
-    if len({len(p) for p in prompts}) != 1 or len({len(a) for a in answers}) != 1:
-        raise ValueError("score_batch needs prompts of one length and answers of one length")
     m = len(answers[0]) - n_given
-    if m < 1:
-        raise ValueError("nothing to score: every answer token is given")
     idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=ec.model_device(model))
     with torch.inference_mode():
         logits, _ = model(idx, logits_at=m)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None:
-        logits = logits[..., :vocab]  # the padded vocabulary rows are not tokens
-    pred = logits.argmax(-1).tolist()
+    pred = logits[..., :model.config.vocab_size].argmax(-1).tolist()  # padded vocabulary rows are not tokens
     return [(pr == list(a[n_given:]), pr) for pr, a in zip(pred, answers)]
 
 
-def score_sample(model, tokens, answer_tokens, n_given=0):
-    """One sample: (correct, predicted tokens). See score_batch."""
-    return score_batch(model, [list(tokens)], [list(answer_tokens)], n_given)[0]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Evaluation
-# ----------------------------------------------------------------------------------------------------------
+# ---- Evaluation ------------------------------------------------------------------------------------------------
 def default_lengths(train_lengths, max_length=None):
-    """Union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest)."""
+    """Union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest): every
+    checkpoint is evaluated at every length, so that the curves share their x values."""
     max_length = max_length or 32 * max(train_lengths)
     return sorted({L for t in train_lengths for L in ec.geometric_lengths(t, max_length) if L <= max_length})
 
@@ -246,7 +167,8 @@ def _batch_size(model, n_tokens, group, device, batch_tokens, fraction):
 
 
 def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
-    """Which (run, length) pairs to skip, and why, decided before anything runs."""
+    """Which (run, length) pairs to skip (shorter than the prompt without filler, or estimated not to fit in
+    memory), and why, decided and announced before anything runs."""
     skipped = []
     shortest = min_prompt_length(enc, template)
     answer_len = len(answer_tokens(enc, 10 ** template["digits"] - 1)[0])  # the widest key
@@ -318,18 +240,31 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
     return scored
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Summaries and figures
-# ----------------------------------------------------------------------------------------------------------
-def depth_bin(depth, n_bins):
+# ---- Summaries and figures -------------------------------------------------------------------------------------
+def depth_bin(depth, n_bins=DEPTH_BINS):
     return min(int(depth * n_bins), n_bins - 1)
 
 
-def bin_label(b, n_bins):
+def bin_label(b, n_bins=DEPTH_BINS):
     return f"{100 * b / n_bins:.0f}-{100 * (b + 1) / n_bins:.0f}%"
 
 
-def summarize(records, runs, lengths, skipped=(), depth_bins=10):
+def digits_right(rec, given_text):
+    """[is the k-th digit right, k = 1..digits] for one record; None for a digit that was given, not scored. The
+    answer the model produced is given_text (the answer's given tokens, e.g. the leading space) + predicted_text
+    (its argmax at every scored answer position, teacher-forced, so digit k is read knowing the key's digits
+    before it); digit k is right iff that text's k-th character after the leading space is the key's k-th digit."""
+    key, text = str(rec["key"]), (given_text + rec["predicted_text"])[1:]
+    return [None if k < len(given_text) - 1 else k < len(text) and text[k] == d for k, d in enumerate(key)]
+
+
+def given_text(enc, rec):
+    """The text of the answer's given (unscored) tokens: " " + key less what the scored tokens decode to."""
+    answer = " " + str(rec["key"])
+    return answer[:len(answer) - len(enc.decode(rec["answer_tokens"]))]
+
+
+def summarize(records, runs, lengths, enc, skipped=(), depth_bins=DEPTH_BINS):
     """(summary rows: checkpoint x length, by-depth rows: checkpoint x length x depth bin) from the records of
     these runs (label and checkpoint file) at these lengths. Skipped cells appear with accuracy None."""
     why = {(s["label"], s["target_length"]): s["reason"] for s in skipped}
@@ -341,49 +276,45 @@ def summarize(records, runs, lengths, skipped=(), depth_bins=10):
         for L in lengths:
             recs = [v for _, v in sorted(cells.get((r["label"], r["ckpt_path"], L), {}).items())]
             row = dict(label=r["label"], ckpt=r["ckpt_path"], train_length=r["block_size"], target_length=L)
+            summary.append(row)
             if not recs:
-                row.update(n=0, correct=0, accuracy=None, mean_length=None, seconds=None, seconds_per_sample=None,
-                           peak_mem_mib=None, status=f"skipped: {why[(r['label'], L)]}"
+                row.update(n=0, correct=0, accuracy=None, digit_accuracy=None, mean_length=None, seconds=None,
+                           seconds_per_sample=None, peak_mem_mib=None, status=f"skipped: {why[(r['label'], L)]}"
                            if (r["label"], L) in why else "not evaluated")
-                summary.append(row)
                 continue
             n, c = len(recs), sum(x["correct"] for x in recs)
             secs = sum(x["seconds"] for x in recs)
-            row.update(n=n, correct=c, accuracy=c / n, mean_length=sum(x["length"] for x in recs) / n,
-                       seconds=round(secs, 3), seconds_per_sample=round(secs / n, 4),
-                       peak_mem_mib=max(x["peak_mem_mib"] for x in recs), status="ok")
-            summary.append(row)
-            bins = {}
-            for x in recs:
-                bins.setdefault(depth_bin(x["depth"], depth_bins), []).append(x["correct"])
-            for b, vals in sorted(bins.items()):
-                by_depth.append(dict(label=r["label"], ckpt=r["ckpt_path"], train_length=r["block_size"],
-                                     target_length=L, depth_bin=bin_label(b, depth_bins),
-                                     depth_lo=b / depth_bins, depth_hi=(b + 1) / depth_bins,
-                                     n=len(vals), correct=sum(vals), accuracy=sum(vals) / len(vals)))
+            right = [digits_right(x, given_text(enc, x)) for x in recs]
+            row.update(n=n, correct=c, accuracy=c / n,
+                       digit_accuracy=[None if d[0] is None else sum(d) / n for d in zip(*right)],
+                       mean_length=sum(x["length"] for x in recs) / n, seconds=round(secs, 3),
+                       seconds_per_sample=round(secs / n, 4), peak_mem_mib=max(x["peak_mem_mib"] for x in recs),
+                       status="ok")
+            by_depth += depth_rows(r, L, recs, depth_bins)
     return summary, by_depth
+
+
+def depth_rows(run, length, recs, depth_bins):
+    bins = {}
+    for x in recs:
+        bins.setdefault(depth_bin(x["depth"], depth_bins), []).append(x["correct"])
+    return [dict(label=run["label"], ckpt=run["ckpt_path"], train_length=run["block_size"], target_length=length,
+                 depth_bin=bin_label(b, depth_bins), depth_lo=b / depth_bins, depth_hi=(b + 1) / depth_bins,
+                 n=len(vals), correct=sum(vals), accuracy=sum(vals) / len(vals)) for b, vals in sorted(bins.items())]
 
 
 def _safe(label):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
 
 
-def _train_col(lengths, train_length):
+def train_col(lengths, train_length):
     """Column coordinate of the training length on a heatmap whose columns are `lengths` (log interpolation)."""
-    if train_length in lengths:
-        return lengths.index(train_length)
-    if train_length < lengths[0]:
-        return -0.5
-    if train_length > lengths[-1]:
-        return len(lengths) - 0.5
-    j = next(i for i, L in enumerate(lengths) if L > train_length)
-    lo, hi = math.log(lengths[j - 1]), math.log(lengths[j])
-    return j - 1 + (math.log(train_length) - lo) / (hi - lo)
+    return float(np.interp(np.log(train_length), np.log(lengths), np.arange(len(lengths))))
 
 
-def make_figures(summary, by_depth, runs, out, depth_bins=10):
-    paths = []
-    series = {}
+def make_figures(summary, by_depth, runs, out, depth_bins=DEPTH_BINS):
+    """passkey_accuracy.png (a curve per checkpoint) and a depth x length heatmap per checkpoint."""
+    paths, series = [], {}
     for r in runs:
         rows = [s for s in summary if s["label"] == r["label"] and s["accuracy"] is not None]
         if rows:
@@ -405,38 +336,61 @@ def make_figures(summary, by_depth, runs, out, depth_bins=10):
         p = os.path.join(out, f"passkey_heatmap_{_safe(r['label'])}.png")
         ec.plot_heatmap(m, [bin_label(b, depth_bins) for b in range(depth_bins)], cols, p,
                         f"passkey: {r['label']}\ntrain length {r['block_size']} (dashed)",
-                        "context length (tokens)", "needle depth", train_col=_train_col(cols, r["block_size"]))
+                        "context length (tokens)", "needle depth", train_col=train_col(cols, r["block_size"]))
         paths.append(p)
     return paths
 
 
 def markdown_summary(summary, runs, lengths):
-    acc = {(s["label"], s["target_length"]): s for s in summary}
-    rows = []
-    for r in runs:
-        cells = []
-        for L in lengths:
-            s = acc.get((r["label"], L))
-            cells.append("skip" if s is None or s["accuracy"] is None else f"{s['accuracy']:.2f}")
-        rows.append([r["label"], r["block_size"], *cells])
-    return ec.markdown_table(["checkpoint", "train len", *lengths], rows)
+    acc = {(s["label"], s["target_length"]): s["accuracy"] for s in summary}
+    return ec.markdown_table(["checkpoint", "train len", *lengths], [
+        [r["label"], r["block_size"], *("skip" if acc.get((r["label"], L)) is None else f"{acc[(r['label'], L)]:.2f}"
+                                        for L in lengths)] for r in runs])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------
+def seed_table(summary, out, digits):
+    """The per-seed table of runs named <variant>-s<seed> (make demo SEEDS=N): accuracy at every multiple of the
+    training length, one row per run, then per variant with several seeds the median and the minimum over them.
+    Writes <out>/demo_table.{md,csv,json} and returns the markdown; None (nothing written) without seeded names."""
+    cells, mults = {}, set()
+    for s in summary:
+        if s["accuracy"] is not None:
+            ratio = s["target_length"] / s["train_length"]
+            mult = int(ratio) if ratio == int(ratio) else round(ratio, 2)
+            cells.setdefault(ec.seed_split(s["label"]), {})[mult] = s["accuracy"]
+            mults.add(mult)
+    if all(seed is None for _, seed in cells):
+        return None
+    mults, rows, body = sorted(mults), [], []
+
+    def add(variant, statistic, seed, n_seeds, acc, first_cells, bold=""):
+        rows.append(dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds,
+                         **{f"{m}x": acc.get(m) for m in mults}))
+        body.append([*first_cells, *(f"{bold}{acc[m]:.2f}{bold}" if m in acc else "–" for m in mults)])
+
+    for variant in dict.fromkeys(v for v, _ in cells):
+        seeds = sorted((seed for v, seed in cells if v == variant), key=lambda x: (x is None, x))
+        for seed in seeds:
+            add(variant, "seed", seed, 1, cells[(variant, seed)], [variant, "–" if seed is None else seed])
+        for stat, f in (("median", statistics.median), ("min", min)) if len(seeds) > 1 else ():
+            per = {m: [cells[(variant, x)][m] for x in seeds if m in cells[(variant, x)]] for m in mults}
+            add(variant, stat, None, len(seeds), {m: f(v) for m, v in per.items() if v},
+                [f"**{variant}**", f"**{stat} of {len(seeds)}**"], bold="**")
+    ec.write_table(rows, os.path.join(out, "demo_table"))
+    lengths = ", ".join(str(t) for t in sorted({s["train_length"] for s in summary}))
+    text = (ec.markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\nPasskey exact match "
+            f"({digits} digits, teacher-forced) at multiples of the training length ({lengths} tokens).\n")
+    with open(os.path.join(out, "demo_table.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+# ---- Command line ----------------------------------------------------------------------------------------------
 def _int_list(values):
-    out = []
-    for v in values:
-        for part in str(v).replace(",", " ").split():
-            try:
-                x = int(part)
-            except ValueError:
-                raise ec.EvalError(f"--lengths takes integers (token counts), got {part!r}")
-            if x < 1:
-                raise ec.EvalError(f"--lengths must be positive, got {x}")
-            out.append(x)
-    return sorted(set(out))
+    parts = " ".join(values).replace(",", " ").split()
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ec.EvalError(f"--lengths takes positive integers (token counts), got {' '.join(values)!r}")
+    return sorted({int(p) for p in parts})
 
 
 def build_parser():
@@ -448,7 +402,7 @@ def build_parser():
     g.add_argument("--max_length", type=int, help="default grid: training length x 1, 2, 4, ... up to this "
                                                   "(default 32 x the largest training length)")
     g.add_argument("--preset", choices=sorted(PRESETS),
-                   help="paper (= paper32k): int(linspace(0, 32768, 10))[1:], 20 samples; extreme: 10K..100K step "
+                   help="paper: int(linspace(0, 32768, 10))[1:], 20 samples; extreme: 10K..100K step "
                         "10K, 200K..500K step 100K, 10 samples, 6 digits with the first given, float32")
     ap.add_argument("--samples", type=int, default=None,
                     help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)")
@@ -456,7 +410,6 @@ def build_parser():
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument("--batch_tokens", type=int, default=65536,
                     help="stack samples of one length into a forward while batch x length stays under this")
-    ap.add_argument("--depth_bins", type=int, default=10, help="depth bins of the by-depth table and heatmap")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
     return ap
 
@@ -464,68 +417,65 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     preset = PRESETS.get(args.preset, {})
-    samples = args.samples or preset.get("samples", DEFAULT_SAMPLES)
-    if samples < 1 or args.depth_bins < 1:
-        raise ec.EvalError("--samples and --depth_bins must be positive")
-    if args.seed < 0:
-        raise ec.EvalError("--seed must be >= 0")
+    samples = preset.get("samples", DEFAULT_SAMPLES) if args.samples is None else args.samples
+    if samples < 1 or args.seed < 0:
+        raise ec.EvalError(f"--samples must be at least 1 and --seed at least 0, got {samples} and {args.seed}")
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, preset.get("dtype", "auto") if args.dtype == "auto" else args.dtype)
     if torch.device(device).type == "cpu":
         ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
     torch.manual_seed(args.seed)
-    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl, args.dtype)
-    ec.save_attention_checks(runs, args.out)
+    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
-    check_template(template)
     if args.lengths:
         lengths = _int_list(args.lengths)
-    elif args.preset:
-        lengths = preset["lengths"]
     else:
-        lengths = default_lengths([r["block_size"] for r in runs], args.max_length)
+        lengths = preset.get("lengths") or default_lengths([r["block_size"] for r in runs], args.max_length)
 
+    # Prompts depend only on (seed, length, template, samples, depths), so a rerun with the same settings resumes
+    # the JSONL; one with other settings is refused, and a checkpoint whose weights changed is evaluated again.
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "passkey_samples.jsonl")
     settings = dict(seed=args.seed, template=args.template, template_hash=template_hash(template), samples=samples,
                     depths=args.depths, tokenizer=runs[0]["tokenizer"], dtype=dtype)
     ec.check_settings(jsonl, settings)
     log = ec.ResultLog(jsonl, KEY_FIELDS, runs)
-
     skipped = plan(runs, enc, template, lengths, device, args.memory_fraction)
     for s in skipped:
         print(f"skipping length {s['target_length']} for {s['label']}: {s['reason']}", file=sys.stderr)
     scored = evaluate(runs, enc, lengths, template=template, samples=samples, depths=args.depths, seed=args.seed,
                       device=device, dtype=dtype, log=log, batch_tokens=args.batch_tokens,
                       memory_fraction=args.memory_fraction, skipped=skipped, progress=not args.no_progress)
+    summary, by_depth = summarize(log.records, runs, lengths, enc, skipped)
+    meta = write_outputs(args, summary, by_depth, runs, dict(settings=settings, lengths=lengths, skipped=skipped,
+                                                             scored_this_call=scored), device, t_start)
+    print(markdown_summary(summary, runs, lengths))
+    table = seed_table(summary, args.out, template["digits"])
+    if table:
+        print("\n" + table)
+    print(f"{scored} samples scored in {meta['wall_seconds']:.1f}s (peak RSS {meta['peak_rss_mib']:.0f} MiB); "
+          f"results in {args.out}/")
+    return dict(summary=summary, by_depth=by_depth, meta=meta, records=log.records, table=table)
 
-    summary, by_depth = summarize(log.records, runs, lengths, skipped, args.depth_bins)
+
+def write_outputs(args, summary, by_depth, runs, meta, device, t_start):
+    """The summary and by-depth tables, the figures and passkey_meta.json (settings, runs, time, peak memory)."""
     ec.write_table(summary, os.path.join(args.out, "passkey_summary"))
     ec.write_table(by_depth, os.path.join(args.out, "passkey_by_depth"))
-    figures = make_figures(summary, by_depth, runs, args.out, args.depth_bins)
-    wall = time.perf_counter() - t_start
-    meta = dict(settings=settings, lengths=lengths, device=str(device), torch=torch.__version__,
+    figures = make_figures(summary, by_depth, runs, args.out)
+    cuda = torch.device(device).type == "cuda"
+    meta.update(device=str(device), torch=torch.__version__,
                 runs=[dict(label=r["label"], **ec.identity(r), train_length=r["block_size"],
-                           pos_encoding=r["model"].config.pos_encoding, ssmax=r["model"].config.ssmax,
-                           attention_check=r["attention_check"])
-                      for r in runs],
-                skipped=skipped, scored_this_call=scored, wall_seconds=round(wall, 2),
+                           pos_encoding=r["model"].config.pos_encoding, ssmax=r["model"].config.ssmax) for r in runs],
+                wall_seconds=round(time.perf_counter() - t_start, 2),
                 peak_rss_mib=round(ec.peak_memory_bytes("cpu") / 2**20, 1),
-                peak_gpu_mib=round(ec.peak_memory_bytes(device) / 2**20, 1)
-                if torch.device(device).type == "cuda" else None,
+                peak_gpu_mib=round(ec.peak_memory_bytes(device) / 2**20, 1) if cuda else None,
                 figures=[os.path.basename(p) for p in figures])
     with open(os.path.join(args.out, "passkey_meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-
-    print(markdown_summary(summary, runs, lengths))
-    print(f"\n{scored} samples scored in {wall:.1f}s (peak RSS {meta['peak_rss_mib']:.0f} MiB); "
-          f"results in {args.out}/")
-    return dict(summary=summary, by_depth=by_depth, meta=meta, records=log.records)
+    return meta
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ec.EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
-        sys.exit(f"eval_passkey.py: error: {e}")
+    ec.run_script(main, "eval_passkey.py")

@@ -1,49 +1,15 @@
 """
-RULER's needle-in-a-haystack family: the 8 NIAH subtasks of NVIDIA/RULER @ c3f5e3b
-(scripts/data/synthetic/niah.py, constants.py, synthetic.yaml), generated here, answered by greedy decoding
-with the model's KV cache, and scored with RULER's string_match_all.
+RULER's needle-in-a-haystack family: the 8 NIAH subtasks of NVIDIA/RULER @ c3f5e3b (scripts/data/synthetic/niah.py,
+constants.py, synthetic.yaml), generated here with RULER's strings, keys, random draws and haystack search,
+answered by greedy decoding with the model's KV cache, scored with RULER's string_match_all.
 
-    python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...]
-        [--lengths 1024,2048] [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir DIR]
+    python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...] [--lengths 1024,2048]
+        [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir DIR]
     python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json   # RULER's protocol
 
-Writes <out>/ruler_samples.jsonl (one record per checkpoint x task x length x sample; reopening resumes, and a
-checkpoint whose weights changed at the same path is evaluated again),
-<out>/ruler_summary.{json,csv} (score per checkpoint x task x length, plus the average over tasks) and
-<out>/ruler_scores.png (one panel per checkpoint: a line per task, the average in bold).
-
-What is RULER's, verbatim: the template, the answer prefix, the base-model template, the needle, the noise
-sentence, the singular rewrite, the task table, the keys ("adjective-noun" over wonderwords' adjective and noun
-lists, 910 distinct adjectives x 6,782 nouns = 6,171,620 keys, read as RULER reads them), the order of the random draws
-within a sample, the needle shuffle with Random(seed), the depths round(linspace(0, 100, 40)) and where needles
-go, the binary search on the haystack size with RULER's steps and the per-sample back-off, tokens_to_generate =
-128, and the metric.
-
---preset paper is RULER's protocol: the Paul Graham essays (--haystack_file, required), no stop but end-of-text,
-500 samples, lengths 4K-128K. The defaults differ from RULER, for a quick look at small models:
-  - Essay haystack: without --haystack_file, text decoded from the validation split in --data_dir.
-  - Stopping: RULER's base-model runs have no stop words (config_tasks.sh STOP_WORDS=""): they generate all
-    128 tokens or stop at end-of-text. By default generation here also stops at the first token containing a
-    newline (the answer is one line, and it saves most of the 128 steps), and the output is cut there. A model
-    that starts its answer with a line break therefore scores 0 where RULER would read on. --no_newline_stop
-    (or --preset paper) restores RULER's behaviour.
-  - Lengths: the training length x 1, 2, 4, ... up to --max_length 32768 (RULER: 4K-128K).
-
-Where this always differs from RULER, and why:
-  - Sentences: RULER splits the essay with NLTK's punkt; bam-gpt may not depend on nltk, so split_sentences()
-    is a small rule-based stand-in (see its docstring for how it differs).
-  - Keys: a key that equals one of the sample's real keys is redrawn (a distractor must not repeat the queried
-    key); with 6.2M keys this practically never happens, so the draws are RULER's.
-  - Start of document: the prompt is prefixed with the tokenizer's document-start token (BOS for mistral, as
-    RULER's HF models add it; end-of-text for gpt2 and byte), which starts every training document, and that
-    token counts toward the input: 1 + tokens(input) + 128 <= length. (RULER counts tokens without the BOS.)
-  - Randomness: one random.Random per (seed, task, length, sample, attempt) instead of one global stream, so a
-    sample does not depend on how many were drawn before it: any --samples N gives the same first N samples,
-    and a resumed run draws exactly what an uninterrupted one would. The binary search has its own stream.
-  - Small lengths: RULER's search starts at one step (500 essay words) and loops forever when that does not
-    fit; here the haystack may shrink to nothing (to the needle count for line haystacks), and a task whose
-    prompt does not fit even then is skipped at that length and reported as such. Below 4096 tokens the essay
-    back-off step is 100 words instead of 500 (see haystack_step).
+Writes to --out: ruler_samples.jsonl (per checkpoint x task x length x sample; a rerun resumes it),
+ruler_summary.{json,csv} (score per checkpoint x task x length, and the average over tasks), ruler_scores.png.
+Where it departs from RULER, and why, is said beside the code that does it.
 """
 import argparse
 import bisect
@@ -52,7 +18,6 @@ import json
 import os
 import random
 import re
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -61,14 +26,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
-from eval_common import (EXPECTED_ERRORS, EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
-                         fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, save_attention_checks,
-                         training_data_dir, write_table)
+from data import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
+                  RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR, RULER_TEMPLATE as TEMPLATE,
+                  VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer)
+from eval_common import (EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
+                         fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, training_data_dir,
+                         run_script, write_table)
 from model import autocast
-from templates import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
-                       RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR,
-                       RULER_TEMPLATE as TEMPLATE)
 
 TOKENS_TO_GENERATE = 128
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
@@ -111,9 +75,11 @@ _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
 
 
 def ends_sentence(word, next_word):
-    """Does a sentence end after `word` (followed by `next_word`)? A word ending in ! or ? (before any closing
-    quotes/brackets) ends one; so does a final period, except after a listed abbreviation or an initial; an
-    ellipsis ends one only before a capitalised word."""
+    """Does a sentence end after `word` (followed by `next_word`)? A rule-based stand-in for NLTK's punkt, RULER's
+    splitter (bam-gpt does not depend on nltk): a word ending in ! or ? (before closing quotes/brackets) ends one;
+    so does a final period, except after a listed abbreviation or an initial; an ellipsis only before a capital.
+    punkt learns its abbreviations and reads the next word's case; on prose the two agree almost everywhere, and a
+    difference only moves where a needle may go, never what is inserted."""
     core = word.rstrip(_CLOSERS)
     if not core or core[-1] not in ".!?":
         return False
@@ -126,30 +92,9 @@ def ends_sentence(word, next_word):
     return not (stem.lower() in _ABBREVIATIONS or _INITIALS.fullmatch(stem))
 
 
-def split_sentences(text):
-    """Stand-in for NLTK's punkt `sent_tokenize` (RULER's splitter), with no dependency.
-
-    Works on whitespace-separated words (RULER normalises the essay's whitespace first, and joins sentences
-    back with single spaces, so nothing is lost): a sentence ends after a word that ends_sentence() accepts.
-    Differences from punkt: punkt's abbreviation list is learned from a corpus (ours is a fixed short list);
-    punkt decides abbreviations, initials and ellipses with orthographic statistics of the next word (ours:
-    never a break after an abbreviation or initial, after an ellipsis only before a capital); punkt also knows
-    ordinals and collocations. On plain prose the two agree almost everywhere; the difference only moves
-    where a needle may be inserted, never what is inserted."""
-    words = text.split()
-    out, start = [], 0
-    for i, w in enumerate(words):
-        if i + 1 == len(words) or ends_sentence(w, words[i + 1]):
-            out.append(" ".join(words[start:i + 1]))
-            start = i + 1
-    return out
-
-
 class Essay:
-    """An essay haystack: the text's words (RULER: re.sub(r"\\s+", " ", text).split(" ")) and, precomputed once,
-    where sentences end, so the sentences of the first n words (repeated cyclically when n exceeds the essay)
-    come without re-splitting. The split only looks at adjacent words, so sentences(n) equals
-    split_sentences(" ".join(first n words))."""
+    """An essay haystack: its words (RULER: re.sub(r"\\s+", " ", text).split(" ")) and where sentences end, found
+    once, so that sentences(n) (of the first n words, cycling past the end) costs no re-splitting."""
 
     def __init__(self, text, label):
         self.words = text.split()  # == re.sub(r"\s+", " ", text).split(" ") without the empty ends
@@ -170,12 +115,11 @@ class Essay:
 
 
 # ---- keys and values -------------------------------------------------------------------------------------
-class PairList(Sequence):
-    """RULER's key list, sorted(set(f"{adj}-{noun}" for adj in adjs for noun in nouns)), indexed without building
-    its ~6 million strings. Sorted by adj + "-", the adjectives fall into groups: a group holds one adjective and
-    every other one that starts with it + "-" (e.g. "blue" and "blue-eyed"). Every key of a group sorts before
-    every key of the next, a one-adjective group's keys are the adjective + "-" + the sorted nouns, and only the
-    rare many-adjective groups (whose keys interleave or coincide) are built and sorted as strings."""
+class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RULER's list) draws
+    """RULER's keys, sorted(set(f"{adj}-{noun}")) over wonderwords' 910 adjectives x 6,782 nouns, indexed without
+    building the 6.2M strings. Sorted by adj + "-", adjectives fall into groups (one adjective and those starting
+    with it + "-": "blue", "blue-eyed"); a group's keys sort before the next group's, a one-adjective group's
+    keys are adj + "-" + the sorted nouns, and only the rare larger groups are built and sorted as strings."""
 
     def __init__(self, adjs, nouns):
         self.nouns = sorted(set(nouns))
@@ -198,16 +142,16 @@ class PairList(Sequence):
         return self.length
 
     def __getitem__(self, i):
-        if not -self.length <= i < self.length:
+        if not 0 <= i < self.length:
             raise IndexError(i)
-        i %= self.length
         b = bisect.bisect_right(self.starts, i) - 1
         block, j = self.blocks[b], i - self.starts[b]
         return f"{block}-{self.nouns[j]}" if isinstance(block, str) else block[j]
 
-    def __contains__(self, key):
+    def __contains__(self, key):  # a binary search: the keys are sorted
         i = bisect.bisect_left(self, key)
         return i < self.length and self[i] == key
+
 
 
 def wonderwords_lists():
@@ -245,7 +189,8 @@ def random_value(kind, rng):
 
 
 def random_key(kind, rng, taken):
-    """A key that is not one of `taken` (the sample's real keys): see the module docstring."""
+    """A key that is not one of `taken` (the sample's real keys): unlike RULER, a distractor never repeats a real
+    key. With 6.2M keys a redraw practically never happens, so the draws stay RULER's."""
     while True:
         key = random_value(kind, rng)
         if key not in taken:
@@ -267,12 +212,7 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
     cfg = TASKS[task]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
     num_v, num_q = cfg["num_needle_v"], cfg["num_needle_q"]
-    type_k, type_v, kind = cfg["type_needle_k"], cfg["type_needle_v"], cfg["type_haystack"]
-    if kind == "essay" and essay is None:
-        raise ValueError(f"{task} needs an essay haystack")
-    if num_haystack < min_haystack(task):
-        raise ValueError(f"{task} needs num_haystack >= {min_haystack(task)}, got {num_haystack}")
-
+    type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
     keys, values, needles = [], [], []
     for _ in range(num_k):
         keys.append(random_key(type_k, rng, keys))
@@ -282,70 +222,72 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
             needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value[-1]))
         values.append(value)
     random.Random(seed).shuffle(needles)  # RULER: a fresh Random(seed), the same permutation for every sample
-
-    if kind == "essay":
-        sents = essay.sentences(num_haystack)
-        depths = sorted(rng.sample(DEPTHS, len(needles)))
-        positions = [0] + [int(len(sents) * (d / 100)) for d in depths] + [len(sents)]
-        parts = []  # RULER's document_sents_list: sentence runs and needles
-        for i in range(1, len(positions)):
-            parts.append(sents[positions[i - 1]:positions[i]])
-            if i - 1 < len(needles):
-                parts.append(needles[i - 1])
-        context = " ".join(p if isinstance(p, str) else " ".join(p) for p in parts)
-        ctx_pieces = []  # the same text, cut before every sentence and needle
-        for j, part in enumerate(parts):
-            sep = " " if j else ""
-            if isinstance(part, str):
-                ctx_pieces.append(sep + part)
-            elif not part:
-                ctx_pieces.append(sep)  # an empty run still adds its separator, as RULER's " ".join does
-            else:
-                ctx_pieces.extend([sep + part[0]] + [" " + s for s in part[1:]])
+    if cfg["type_haystack"] == "essay":
+        ctx_pieces, depths = essay_context(essay, num_haystack, needles, rng)
     else:
-        if kind == "noise":
-            lines = [NOISE] * num_haystack
-        else:  # "needle": distractor needles with random keys and values
-            lines = []
-            for _ in range(num_haystack):
-                key = random_key(type_k, rng, keys)
-                lines.append(NEEDLE.format(type_needle_v=type_v, key=key, value=random_value(type_v, rng)))
-        indexes = sorted(rng.sample(range(num_haystack), len(needles)), reverse=True)
-        for index, element in zip(indexes, needles):
-            lines.insert(index, element)
-        depths = [round(100 * i / num_haystack) for i in indexes]  # needle i went in at line indexes[i]
-        context = "\n".join(lines)
-        ctx_pieces = lines[:1] + ["\n" + s for s in lines[1:]]
+        ctx_pieces, depths = line_context(cfg, num_haystack, needles, keys, rng)
 
     indices = rng.sample(range(num_k), num_q)
     queries = [keys[i] for i in indices]
     answers = [a for i in indices for a in values[i]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
-
     template, type_needle_v = task_template(cfg)
-    input_text = template.format(type_needle_v=type_needle_v, context=context, query=query)
     head, tail = template.split("{context}")
     pieces = [head.format(type_needle_v=type_needle_v)] + ctx_pieces + \
              [tail.format(type_needle_v=type_needle_v, query=query)]
-    if "".join(pieces) != input_text:
-        raise AssertionError("the pieces of a prompt do not add up to the prompt")
-    return dict(input_text=input_text, pieces=pieces, needles=needles, keys=keys, values=values,
+    return dict(input_text="".join(pieces), pieces=pieces, needles=needles, keys=keys, values=values,
                 queries=queries, answers=answers, depths=depths, num_haystack=num_haystack)
+
+
+def essay_context(essay, num_haystack, needles, rng):
+    """RULER's essay context: the sentences of num_haystack words with the needles at sorted random DEPTHS.
+    Returns (the context cut before every sentence and needle, depths)."""
+    sents = essay.sentences(num_haystack)
+    depths = sorted(rng.sample(DEPTHS, len(needles)))
+    positions = [0] + [int(len(sents) * (d / 100)) for d in depths] + [len(sents)]
+    parts = []  # RULER's document_sents_list: sentence runs and needles, joined with " "
+    for i in range(1, len(positions)):
+        parts.append(sents[positions[i - 1]:positions[i]])
+        if i - 1 < len(needles):
+            parts.append(needles[i - 1])
+    pieces = []
+    for j, part in enumerate(parts):
+        sep = " " if j else ""
+        if isinstance(part, str):
+            pieces.append(sep + part)
+        elif not part:
+            pieces.append(sep)  # an empty run still adds its separator, as RULER's " ".join does
+        else:
+            pieces.extend([sep + part[0]] + [" " + s for s in part[1:]])
+    return pieces, depths
+
+
+def line_context(cfg, num_haystack, needles, keys, rng):
+    """RULER's line haystacks: num_haystack noise lines, or distractor needles with random keys and values, with
+    the needles inserted at random lines. Returns (the context cut before every line, depths)."""
+    type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
+    if cfg["type_haystack"] == "noise":
+        lines = [NOISE] * num_haystack
+    else:
+        lines = [NEEDLE.format(type_needle_v=type_v, key=random_key(type_k, rng, keys), value=random_value(type_v, rng))
+                 for _ in range(num_haystack)]
+    indexes = sorted(rng.sample(range(num_haystack), len(needles)), reverse=True)
+    for index, element in zip(indexes, needles):
+        lines.insert(index, element)
+    depths = [round(100 * i / num_haystack) for i in indexes]  # needle i went in at line indexes[i]
+    return lines[:1] + ["\n" + s for s in lines[1:]], depths
 
 
 # ---- token counts and the haystack size --------------------------------------------------------------------
 class TokenCounter:
-    """Token counts of prompts, piece by piece with a cache (the essay's sentences and the noise line recur in
-    every probe of the binary search, so a 100K-token prompt costs dictionary look-ups, not a tokenization).
-    Pieces are cut before a space or newline, where the pre-tokenizer of the byte and gpt2 encodings always
-    splits, so the sum is the exact count for them. SentencePiece (mistral) splits before a space too, but
-    would give a piece encoded on its own a word boundary of its own: a piece after the first is counted
-    behind a word, "a" + piece, less that word's tokens. Every final sample is still checked with a full
-    tokenization (generate_sample)."""
+    """Token counts of prompts, piece by piece with a cache: sentences recur in every probe of the binary search,
+    so a 100K-token prompt costs look-ups, not a tokenization. Pieces are cut before a space or newline, where
+    byte's and gpt2's pre-tokenizer always splits, so the sum is exact there; SentencePiece would give a piece a
+    word boundary of its own, so a later piece is counted behind a word ("a" + piece, less that word). Every
+    final sample is still checked with a full tokenization (generate_sample)."""
 
-    def __init__(self, enc, max_entries=1_000_000):
-        self.enc, self.cache, self.max_entries = enc, {}, max_entries
-        self.base = len(enc.encode_ordinary("a"))
+    def __init__(self, enc):
+        self.enc, self.cache, self.base = enc, {}, len(enc.encode_ordinary("a"))
 
     def count(self, text):
         if self.enc.word_boundary and text[:1].isspace():
@@ -353,36 +295,31 @@ class TokenCounter:
         return len(self.enc.encode_ordinary(text))
 
     def count_pieces(self, pieces):
-        total = 0
         for p in pieces:
-            n = self.cache.get(p)
-            if n is None:
-                if len(self.cache) >= self.max_entries:
-                    self.cache.clear()
-                n = self.cache[p] = self.count(p)
-            total += n
-        return total
+            if p not in self.cache:
+                self.cache[p] = self.count(p)
+        return sum(self.cache[p] for p in pieces)
 
 
 def haystack_step(task, max_len):
     """RULER's `incremental`, the per-sample back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens.
-    Below 4096 the essay step is 100 words here (RULER keeps 500, and never runs the essay below 4K: its search
-    starts at one step). A sample that misses the budget by one token loses a whole step, about half of them
-    do, and 500 words (~650 gpt2 tokens) would empty a 1K prompt; 100 words is about what RULER's 5 noise lines
-    are (~110 gpt2 tokens)."""
+    Below 4096 the essay step here is 100 words (RULER never runs essays below 4K): a sample that misses the
+    budget loses a whole step, and 500 words (~650 gpt2 tokens) would empty a 1K prompt."""
     if TASKS[task]["type_haystack"] == "essay":
         return 500 if max_len >= 4096 else 100
     return 5 if max_len < 4096 else 25
 
 
 def input_budget(max_len):
-    """Tokens the prompt may use: the length, less the answer budget and the document-start token."""
+    """Tokens the prompt may use: the length, less the answer budget and the document-start token that starts
+    every training document (RULER does not count its BOS)."""
     return max_len - TOKENS_TO_GENERATE - 1
 
 
 def fit_haystack(task, max_len, counter, essay=None, seed=42):
-    """RULER's binary search for the largest num_haystack whose (random) probe prompt fits the budget.
-    Returns dict(num_haystack (None if not even the smallest haystack fits), step, min_haystack, probes,
+    """RULER's binary search for the largest num_haystack whose (random) probe prompt fits the budget. Unlike
+    RULER (which loops forever when one step does not fit), the haystack may shrink to min_haystack; num_haystack
+    is None when even that does not fit. Returns dict(num_haystack, step, min_haystack, probes,
     prompt_tokens_at_min)."""
     step, lo = haystack_step(task, max_len), min_haystack(task)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
@@ -409,7 +346,8 @@ def fit_haystack(task, max_len, counter, essay=None, seed=42):
 
 def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, counter=None):
     """Sample `index` of a task at a length: the fitted haystack size, backed off by one step (RULER) while
-    the real tokenization does not fit. Each attempt draws afresh from Random(seed/task/length/index/attempt).
+    the real tokenization does not fit. Each attempt draws afresh from Random(seed/task/length/index/attempt),
+    not from one global stream as RULER, so that any --samples N gives the same first N samples.
     Returns build_input's dict plus input_ids ([doc_start] + tokens), input_tokens, attempts and
     answer_token_pos (RULER's token_position_answer: where the first answer starts, in input_ids)."""
     counter = counter or TokenCounter(enc)
@@ -433,33 +371,23 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, 
 
 # ---- decoding and scoring ----------------------------------------------------------------------------------
 def newline_tokens(enc):
-    """Ids of every token whose bytes contain a newline."""
-    out = set()
-    for t in range(enc.n_vocab):
+    """Ids of every token whose bytes contain a newline (a hole in the vocabulary has none)."""
+    def has_newline(t):
         try:
-            if b"\n" in enc.token_bytes(t):
-                out.add(t)
-        except KeyError:  # a hole in the vocabulary
-            pass
-    return out
+            return b"\n" in enc.token_bytes(t)
+        except KeyError:
+            return False
+    return set(filter(has_newline, range(enc.n_vocab)))
 
 
 def decode_output(tokens, enc, newline_ids=None):
     """Generated ids -> (text, stop): cut before end-of-text ("eot"), or at the first newline ("newline") when
     newline_ids is given; "budget" when neither came. Ids beyond the tokenizer (the model's padded vocabulary)
     decode to nothing."""
-    stop = "budget"
-    for j, t in enumerate(tokens):
-        if t == enc.eot_token:
-            tokens, stop = tokens[:j], "eot"
-            break
-        if newline_ids is not None and t in newline_ids:
-            tokens, stop = tokens[:j + 1], "newline"
-            break
-    text = enc.decode([t for t in tokens if t < enc.n_vocab])
-    if stop == "newline":
-        text = text.split("\n", 1)[0]
-    return text, stop
+    j, stop = next(((j, "eot" if t == enc.eot_token else "newline") for j, t in enumerate(tokens)
+                    if t == enc.eot_token or t in (newline_ids or ())), (len(tokens), "budget"))
+    text = enc.decode([t for t in tokens[:j + (stop == "newline")] if t < enc.n_vocab])
+    return (text.split("\n", 1)[0] if stop == "newline" else text), stop
 
 
 def postprocess_pred(text):
@@ -480,16 +408,13 @@ def string_match_all(preds, refs):
 
 # ---- the haystack ----------------------------------------------------------------------------------------
 def load_haystack_file(path):
-    """Text of a haystack file: RULER's PaulGrahamEssays.json ({"text": ...}), a JSON list of strings or of
-    {"text": ...} objects, or plain text."""
+    """Text of a haystack file: RULER's PaulGrahamEssays.json ({"text": ...}), or plain text."""
     if path.endswith(".json"):
         with open(path) as f:
             obj = json.load(f)
-        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-            return obj["text"]
-        if isinstance(obj, list) and all(isinstance(x, str) or (isinstance(x, dict) and "text" in x) for x in obj):
-            return "\n".join(x if isinstance(x, str) else x["text"] for x in obj)
-        raise ValueError(f"{path}: expected {{\"text\": ...}} or a list of strings or {{\"text\": ...}} objects")
+        if not (isinstance(obj, dict) and isinstance(obj.get("text"), str)):
+            raise EvalError(f"{path}: expected RULER's {{\"text\": ...}}; pass any other haystack as plain text")
+        return obj["text"]
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()
 
@@ -497,10 +422,8 @@ def load_haystack_file(path):
 def val_text(data_dir, n_tokens):
     """Up to n_tokens of the validation stream, decoded document by document with the tokenizer that wrote it."""
     paths = shard_paths(data_dir, "val")
-    name = shard_tokenizer(paths[0])
-    total = min(VAL_TOKENS, sum(len(open_shard(p)) for p in paths))
-    tokens = read_tokens(data_dir, "val", min(total, n_tokens))
-    enc = get_tokenizer(name)
+    tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, n_tokens, sum(len(open_shard(p)) for p in paths)))
+    enc = get_tokenizer(shard_tokenizer(paths[0]))
     docs = np.split(tokens, np.flatnonzero(tokens == enc.doc_start))
     marks = {enc.doc_start, enc.eot_token}
     return "\n\n".join(enc.decode([int(t) for t in d if t not in marks]) for d in docs)
@@ -522,7 +445,7 @@ def load_essay(haystack_file, data_dir, max_len):
 
 def haystack_label(task, essay):
     kind = TASKS[task]["type_haystack"]
-    return essay.label if kind == "essay" else kind
+    return essay.label if kind == "essay" else kind  # part of every record's key
 
 
 # ---- summary and figure ----------------------------------------------------------------------------------
@@ -560,11 +483,9 @@ def summarize(records, runs, tasks, lengths, n_samples, skipped):
 
 def plot_scores(rows, runs, tasks, path):
     """One panel per checkpoint: score vs length for each task, and the average over tasks in bold."""
-    plt = _plt()
-    n = len(runs)
-    cols = min(n, 3)
-    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(6 * cols, 4.2 * ((n + cols - 1) // cols)),
-                             squeeze=False)
+    plt, n = _plt(), len(runs)
+    cols, rows_ = min(n, 3), -(-n // 3)
+    fig, axes = plt.subplots(rows_, cols, figsize=(6 * cols, 4.2 * rows_), squeeze=False)
     for ax, run in zip(axes.ravel(), runs):
         for task in tasks + ["average"]:
             pts = sorted((r["target_length"], r["score"]) for r in rows
@@ -578,10 +499,8 @@ def plot_scores(rows, runs, tasks, path):
         ax.axvline(run["block_size"], color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {run['block_size']}", (run["block_size"], 1), xycoords=("data", "axes fraction"),
                     rotation=90, va="top", ha="right", fontsize=8, color="gray")
+        ax.set(ylim=(-3, 103), xlabel="sequence length (tokens)", ylabel="string_match_all (%)")
         ax.set_xscale("log", base=2)
-        ax.set_ylim(-3, 103)
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel("string_match_all (%)")
         ax.set_title(f"RULER NIAH: {run['label']}", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -616,7 +535,7 @@ def build_parser():
     p.add_argument("--max_length", type=int, default=32768)
     p.add_argument("--samples", type=int, default=500, help="samples per task and length (RULER: 500)")
     p.add_argument("--haystack_file", default=None,
-                   help="essay haystack: RULER's PaulGrahamEssays.json, a JSON list, or plain text; "
+                   help="essay haystack: RULER's PaulGrahamEssays.json, or plain text; "
                         "default: text decoded from the validation shard in --data_dir")
     p.add_argument("--data_dir", default=None, help="prepared data for the essay haystack (when no --haystack_file); "
                                                     "default: the training data the checkpoint records")
@@ -651,86 +570,86 @@ def main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
     device = pick_device(args.device)
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl, args.dtype)
-    save_attention_checks(runs, args.out)
+    runs, enc = load_runs(args.ckpt, device, args.attn_impl)
     lengths = args.lengths or geometric_lengths(min(r["block_size"] for r in runs), args.max_length)
-    tasks = args.tasks
     essay = None
-    if any(TASKS[t]["type_haystack"] == "essay" for t in tasks):
+    if any(TASKS[t]["type_haystack"] == "essay" for t in args.tasks):
         data_dir = None if args.haystack_file else training_data_dir(runs, args.data_dir)
         essay = load_essay(args.haystack_file, data_dir, max(lengths))
         print(f"essay haystack: {essay.label} ({len(essay.words)} words, {len(essay.ends)} sentences)")
+    # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""); by default generation
+    # also stops at a newline (the answer is one line: it saves most of the 128 steps), where RULER reads on.
     stop_rule = "eot" if args.no_newline_stop else "eot_or_newline"
     newline_ids = None if args.no_newline_stop else newline_tokens(enc)
-    stop_ids = {enc.eot_token} | (newline_ids or set())
     jsonl = os.path.join(args.out, "ruler_samples.jsonl")
-    # what makes records comparable; the haystack, checkpoint, task and length are in every record's key
     dtype = resolve_dtype(device, args.dtype)
-    check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=dtype,
-                               tokenizer=runs[0]["tokenizer"], tokens_to_generate=TOKENS_TO_GENERATE,
-                               words=words_digest()))
+    check_settings(jsonl, dict(seed=args.seed, stop_rule=stop_rule, dtype=dtype, tokenizer=runs[0]["tokenizer"],
+                               tokens_to_generate=TOKENS_TO_GENERATE, words=words_digest()))
     log = ResultLog(jsonl, KEY_FIELDS, runs)
-
     skipped = {}
     for run in runs:
         for L in lengths:
             ok, need, free = fits_in_memory(run["model"], L, device, args.memory_fraction, kv_cache=True)
             if not ok:
                 skipped[(run["label"], None, L)] = f"skipped: needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free"
-                print(f"[{run['label']}] skipping length {L}: needs ~{fmt_bytes(need)} of memory, "
-                      f"{fmt_bytes(free)} free (x{args.memory_fraction})")
-
+                print(f"[{run['label']}] skipping length {L}: {skipped[(run['label'], None, L)]}")
     counter = TokenCounter(enc)
-    for task in tasks:
-        hay = haystack_label(task, essay)
+    for task in args.tasks:
         for L in lengths:
-            def key(run, i):
-                return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, L, i, hay)
             active = [r for r in runs if (r["label"], None, L) not in skipped]
-            todo = {i: [r for r in active if key(r, i) not in log.done] for i in range(args.samples)}
-            todo = {i: rs for i, rs in todo.items() if rs}
-            if not todo:
-                continue
-            fit = fit_haystack(task, L, counter, essay, args.seed)
-            if fit["num_haystack"] is None:
-                why = (f"skipped: the prompt without haystack needs {fit['prompt_tokens_at_min'] + 1} tokens, "
-                       f"> {L} - {TOKENS_TO_GENERATE}")
+            why = evaluate(task, L, active, enc, essay, args, log, counter, device, dtype, newline_ids, stop_rule)
+            if why:
                 skipped[(None, task, L)] = why
                 print(f"{task} @ {L}: {why}")
-                continue
-            bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {L}", dynamic_ncols=True)
-            for i, pending in todo.items():
-                s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit, counter=counter)
-                idx = torch.tensor([s["input_ids"]], dtype=torch.long, device=device)
-                for run in pending:
-                    t0 = time.time()
-                    with autocast(device, dtype):
-                        out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
-                    text, stop = decode_output(out, enc, newline_ids)
-                    pred = postprocess_pred(text)
-                    log.add(dict(zip(KEY_FIELDS, key(run, i)), ckpt_step=run["ckpt_step"], seed=args.seed,
-                                 input_tokens=s["input_tokens"], num_haystack=s["num_haystack"],
-                                 attempts=s["attempts"], needles=s["needles"], queries=s["queries"], answers=s["answers"], depths=s["depths"],
-                                 answer_token_pos=s["answer_token_pos"], output=text, pred=pred, stop=stop,
-                                 stop_rule=stop_rule, gen_tokens=len(out), score=sample_score(pred, s["answers"]),
-                                 seconds=round(time.time() - t0, 3)))
-                    bar.update(1)
-            bar.close()
-
-    mine = [r for r in log.records if r["task"] in tasks and r["target_length"] in lengths
+    mine = [r for r in log.records if r["task"] in args.tasks and r["target_length"] in lengths
             and r["haystack"] == haystack_label(r["task"], essay)
             and any(r["label"] == x["label"] and r["ckpt"] == x["ckpt_path"] for x in runs)]
-    rows = summarize(mine, runs, tasks, lengths, args.samples, skipped)
+    rows = summarize(mine, runs, args.tasks, lengths, args.samples, skipped)
     write_table(rows, os.path.join(args.out, "ruler_summary"))
-    plot_scores(rows, runs, tasks, os.path.join(args.out, "ruler_scores.png"))
-    print_table(rows, runs, tasks, lengths)
+    plot_scores(rows, runs, args.tasks, os.path.join(args.out, "ruler_scores.png"))
+    print_table(rows, runs, args.tasks, lengths)
     print(f"\nwrote {log.path}, {os.path.join(args.out, 'ruler_summary')}.{{json,csv}} and "
           f"{os.path.join(args.out, 'ruler_scores.png')} in {time.time() - t_start:.1f}s")
     return rows
 
 
+def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newline_ids, stop_rule):
+    """Generate and score every missing sample of one task at one length for these runs, into `log`.
+    Returns why the task was skipped at this length, or None."""
+    hay = haystack_label(task, essay)
+
+    def key(run, i):
+        return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, L, i, hay)
+
+    todo = {i: [r for r in runs if key(r, i) not in log.done] for i in range(args.samples)}
+    todo = {i: rs for i, rs in todo.items() if rs}
+    if not todo:
+        return None
+    fit = fit_haystack(task, L, counter, essay, args.seed)
+    if fit["num_haystack"] is None:
+        return (f"skipped: the prompt without haystack needs {fit['prompt_tokens_at_min'] + 1} tokens, "
+                f"> {L} - {TOKENS_TO_GENERATE}")
+    stop_ids = {enc.eot_token} | (newline_ids or set())
+    bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {L}", dynamic_ncols=True)
+    for i, pending in todo.items():
+        s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit, counter=counter)
+        idx = torch.tensor([s["input_ids"]], dtype=torch.long, device=device)
+        for run in pending:
+            t0 = time.time()
+            with autocast(device, dtype):
+                out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
+            text, stop = decode_output(out, enc, newline_ids)
+            pred = postprocess_pred(text)
+            log.add(dict(zip(KEY_FIELDS, key(run, i)), ckpt_step=run["ckpt_step"], seed=args.seed,
+                         input_tokens=s["input_tokens"], num_haystack=s["num_haystack"], attempts=s["attempts"],
+                         needles=s["needles"], queries=s["queries"], answers=s["answers"], depths=s["depths"],
+                         answer_token_pos=s["answer_token_pos"], output=text, pred=pred, stop=stop,
+                         stop_rule=stop_rule, gen_tokens=len(out), score=sample_score(pred, s["answers"]),
+                         seconds=round(time.time() - t0, 3)))
+            bar.update(1)
+    bar.close()
+    return None
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
-        sys.exit(f"eval_ruler.py: error: {e}")
+    run_script(main, "eval_ruler.py")

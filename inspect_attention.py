@@ -1,34 +1,15 @@
 """
-Which heads read the needle, and how far each head looks: the mechanism behind length extrapolation, measured on
-actual passkey prompts.
+Which heads read the passkey needle, and how far each head looks: the mechanism behind length extrapolation,
+measured on eval_passkey.py's own prompts (same template, seed and equidistant depths).
 
     python inspect_attention.py --ckpt out/demo/bam_ssmax-s1 [--ckpt out/demo/alibi-s1 ...] --template demo
         --length 4096 [--lengths 64 256 1024 4096] [--samples 20] [--out results/inspect]
 
-The paper explains BAM's extrapolation by its prior: some heads learn theta_beta < 0, an anti-local prior that puts
-mass far from the query, and those heads read the needle far beyond the training length, where ALiBi's local heads
-cannot reach it. The prompts are eval_passkey.py's own (same template, seed and depths: the prompts that the passkey
-evaluation scores). For every checkpoint, length, layer and head, at the query that predicts the first answer digit
-(the last prompt token, or the given whitespace answer token where the tokenizer has one):
-  needle_mass    attention weight on the tokens of the key inside the needle (every occurrence: the paper's needle
-                 states the key twice, the demo's once); uniform attention would give uniform_mass
-  mean_distance  sum_j p_j (i - j): how far back the head looks, in tokens (needle_distance: where the key is)
-  entropy        -sum_j p_j ln p_j in nats (ln of the number of keys for uniform attention)
-and the head's prior parameters from the prior registry, each head labelled by its prior's shape parameter (GGD:
-theta_beta; ALiBi is the GGD prior with theta_beta = 1). Numbers are means over the samples.
-
-Memory stays linear in the length: a forward pre-hook on every attention layer recomputes q and k from the layer's
-input and asks attention_kernel.attention_probs for the answer row alone (q_offset = its position); no T x T
-tensor is formed.
-
-Lengths: the heatmap is drawn at --length; the needle-vs-length curve uses --lengths, by default training length
-x 1, 2, 4, ... up to --length. The best head of a checkpoint is the one with the most needle mass at --length.
-
-Outputs in --out: attention_heads.{json,csv} (checkpoint x length x layer x head), attention_summary.json
-(settings; per checkpoint its top heads at --length and the heads that read the needle there, with needle mass
->= 0.5; the best head's needle mass, the largest needle mass of any head and the first-answer-token accuracy at
-every length), attention_heads.png (figure 1) and
-attention_needle_vs_length.png (figure 2).
+For every checkpoint, length, layer and head, at the query that predicts the first answer digit: needle_mass (the
+attention weight on the key's tokens in the needle), mean_distance (sum_j p_j (i - j)) and entropy (nats), means
+over the prompts, beside the head's prior parameters. Writes to --out: attention_heads.{json,csv} (checkpoint x
+length x layer x head), attention_summary.json (per checkpoint its top heads and the heads with needle mass >= 0.5
+at --length, and its best head at every length), attention_heads.png, attention_needle_vs_length.png.
 """
 import argparse
 import json
@@ -47,13 +28,10 @@ from attention_kernel import attention_probs
 from model import autocast
 from priors import get_prior
 
-SYMBOLS = {"theta_beta": "θβ", "theta_alpha": "θα", "theta_mu": "θμ"}  # figure labels of the GGD parameters
 READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens
 
 
-# ----------------------------------------------------------------------------------------------------------
-# What is measured
-# ----------------------------------------------------------------------------------------------------------
+# ---- What is measured ------------------------------------------------------------------------------------------
 def key_positions(enc, tokens, info):
     """Positions of the tokens that carry the key's digits inside the needle (info from eval_passkey.build_prompt).
     A token that merges a digit with a neighbouring character (gpt2: " 123", "45.") counts."""
@@ -79,7 +57,8 @@ def row_metrics(p, query_pos, key_pos):
 @torch.no_grad()
 def answer_row_probs(model, idx):
     """One forward over idx (B, T). Returns ((n_layer, B, H, T) attention weights of the last query in every layer,
-    logits of the last position). A pre-hook on each layer's attention recomputes that row from the layer's input."""
+    logits of the last position). A pre-hook on each layer's attention recomputes q and k from the layer's input
+    and asks attention_probs for that row alone, so memory stays linear in the length (no T x T tensor)."""
     rows = []
 
     def hook(attn, args):
@@ -101,9 +80,9 @@ def answer_row_probs(model, idx):
 
 
 def head_priors(model):
-    """{layer: [one dict per head]}: the prior's name, its parameters, the shape parameter's name and value, whether
-    the prior singles the head out (highlight: GGD's theta_beta < 0), and the SSMax scale s. Layers without a prior
-    (nope, rope, sinusoidal) give only s, or nothing."""
+    """{layer: [one dict per head]}: the prior's name, its parameters, its shape parameter's name and value, whether
+    the prior's highlight rule picks the head (GGD: theta_beta < 0), and the SSMax scale s. Layers without a prior
+    (nope, rope) give only s, or nothing."""
     out = {}
     for row in model.prior_summary():
         heads = [{} for _ in range(model.config.n_head)]
@@ -123,9 +102,7 @@ def head_priors(model):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Measuring every head of a checkpoint at one length
-# ----------------------------------------------------------------------------------------------------------
+# ---- Measuring every head of a checkpoint at one length --------------------------------------------------------
 def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar=None):
     """Rows (one per layer x head, means over the samples) and the first-answer-token accuracy at one length."""
     model = run["model"]
@@ -188,27 +165,16 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Figures
-# ----------------------------------------------------------------------------------------------------------
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
+# ---- Figures ---------------------------------------------------------------------------------------------------
 def head_label(row):
-    """'θβ=-0.42' for a head with a prior (its shape parameter), '' without one."""
-    if "shape_param" not in row:
-        return ""
-    return f"{SYMBOLS.get(row['shape_param'], row['shape_param'])}={row['shape']:+.2g}"
+    """'θbeta=-0.42' for a head with a prior (its shape parameter), '' without one."""
+    return f"{row['shape_param'].replace('theta_', 'θ')}={row['shape']:+.2g}" if "shape_param" in row else ""
 
 
 def plot_heads(rows, runs, length, path):
     """Figure 1: one panel per checkpoint, layers x heads, colour = needle mass at `length`; each cell shows the
     head's shape parameter (top) and its needle mass (bottom); heads that the prior highlights are framed red."""
-    plt = _plt()
+    plt = ec._plt()
     panels = [(r, [x for x in rows if x["label"] == r["label"] and x["target_length"] == length]) for r in runs]
     panels = [(r, cell) for r, cell in panels if cell]
     n_layer = max(x["layer"] for _, cell in panels for x in cell) + 1
@@ -256,9 +222,7 @@ def plot_needle_vs_length(summary, path):
                    ylim=(-0.03, 1.03))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------
+# ---- Command line ----------------------------------------------------------------------------------------------
 def build_parser():
     ap = argparse.ArgumentParser(description="Per-head attention on the passkey needle: mass, distance, entropy.")
     ec.add_common_args(ap, default_out="results/inspect")

@@ -1,21 +1,13 @@
 """
-The learned positional prior of a checkpoint, the paper's interpretability view: for every layer (one panel) and
-head (one line), the log-prior B_h(d) added to the attention logits, against the distance |d| = i - j from the
-query to the key on a log axis.
+The learned positional prior of a checkpoint, the paper's interpretability view: for every layer (a panel) and head
+(a line), the log-prior B_h(d) added to the attention logits against the distance |d| on a log axis, computed by
+the registered prior (priors.py) with each layer's own parameters, so the figure is exactly what the model adds.
 
     python plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png] [--max_distance 4096]
 
-The numbers come from the model's registered prior (priors.py, the one home of every formula) with each layer's
-own parameters, so the figure is exactly what the model adds; title and formula come from the registry too. The
-heads the prior's highlight rule picks are drawn thick and warm-coloured, the others thin and cool. For GGD that
-is theta_beta < 0 ("anti-local": the prior is lowest at the query and rises towards 0 far away, the heads that
-let BAM retrieve beyond its training context); a prior without a rule draws every head alike. The dashed line
-marks the training length. With SSMax and ssmax_prior=True the model multiplies content + prior by s_h * log(n);
-the figure shows B itself, and s_h is listed in the legend and the JSON.
-
-Writes the PNG and, beside it, a JSON with the same numbers (<out>.json): per layer and head the prior's
-parameters (and GGD's mu), SSMax s, whether it is highlighted, B at d = 0, and B at every plotted distance.
-Works for bam (any registered prior) and alibi checkpoints; other encodings have no prior to show.
+The heads the prior's highlight rule picks (GGD: theta_beta < 0, the anti-local heads that retrieve beyond the
+training context) are drawn thick and warm. With SSMax the model scales content + prior by s_h log(n); the figure
+shows B, and s_h is in the legend. Writes the PNG and <out>.json with the same numbers. bam and alibi only.
 """
 import argparse
 import json
@@ -25,6 +17,7 @@ import sys
 import numpy as np
 import torch
 
+from eval_common import _plt, run_script
 from model import load_model
 
 
@@ -60,16 +53,11 @@ def head_label(h, prior):
     """h3: θbeta=+0.52, θalpha=-1.3, s=1.02 (the shape parameter first)."""
     names = sorted(prior.params, key=lambda n: n != prior.shape_param)
     parts = [f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in names]
-    if h.get("ssmax_s") is not None:
-        parts.append(f"s={h['ssmax_s']:.2f}")
-    return f"h{h['head']}: " + ", ".join(parts)
+    return f"h{h['head']}: " + ", ".join(parts + ([f"s={h['ssmax_s']:.2f}"] if h.get("ssmax_s") is not None else []))
 
 
 def plot(layers, dist, block_size, prior, title, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     n = len(layers)
     fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 4.4), squeeze=False, sharey=True)
     warm, cool = plt.get_cmap("autumn"), plt.get_cmap("winter")
@@ -145,4 +133,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "plot_prior.py")

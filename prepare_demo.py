@@ -4,7 +4,7 @@ The CPU demo's data: a synthetic passkey-retrieval corpus in the repo's shard fo
     python prepare_demo.py [--out_dir data/demo] [--seed 0] [--block_size 64] [--train_windows 65536]
                            [--val_windows 512] [--min_doc_len 24] [--docs_per_window 0.5,0.3,0.2]
 
-Every document is one passkey prompt written with the byte tokenizer and the "demo" template of templates.py
+Every document is one passkey prompt written with the byte tokenizer and the "demo" template of data.py
 (the one home of the passkey templates, which eval_passkey.py reads too), so that the model is evaluated on
 exactly the format it was trained on:
 
@@ -35,8 +35,7 @@ import sys
 
 import numpy as np
 
-from data import EOT, get_tokenizer, shard_name, write_shard
-from templates import PASSKEY_TEMPLATES, PIECE_SEP
+from data import EOT, PASSKEY_TEMPLATES, PIECE_SEP, get_tokenizer, shard_name, write_shard
 
 TOKENIZER = "byte"
 TEMPLATE = "demo"
@@ -182,7 +181,7 @@ def main(argv=None):
         ap.error("--docs_per_window needs non-negative probabilities with a positive sum")
     t, _ = template()
     if not is_walk(t["filler"], closed=True):
-        sys.exit(f"prepare_demo.py: error: templates.PASSKEY_TEMPLATES[{TEMPLATE!r}]['filler'] = {t['filler']!r} "
+        sys.exit(f"prepare_demo.py: error: data.PASSKEY_TEMPLATES[{TEMPLATE!r}]['filler'] = {t['filler']!r} "
                  "is not a closed walk of prepare_demo.CHAIN; the evaluation filler would be out of the training "
                  "distribution")
     shortest = min_document_length()

@@ -1,29 +1,14 @@
 """
-Tokenize a text corpus into bam-gpt shards (format: data.py).
+Tokenize a text corpus into bam-gpt shards (format: data.py), resumably.
 
     python prepare_fineweb.py                  # 11.9B mistral tokens of FineWeb sample-100BT -> data/fineweb_mistral
     python prepare_fineweb.py --tokenizer gpt2 # the same with gpt2 tokens -> data/fineweb_gpt2 (network)
     python prepare_fineweb.py --local_files my.jsonl --tokenizer mistral --out_dir data/mytext   # fully offline
 
-The default is what config/bam_120m.py consumes: 20,000 steps x 589,824 tokens = 11.8B training tokens, more than
-FineWeb sample-10BT holds (~10B gpt2 tokens, which is why the authors' "roughly one epoch" repeats data), so it
-streams sample-100BT and stops at --max_tokens 11.9B (validation + training; ~100M tokens to spare).
-
-Every document is tokenized as the authors do, with the tokenizer's document tokens (data.py): BOS ... EOS with
-mistral, end-of-text + text with gpt2 and byte; the documents are concatenated in stream order. The first
---val_tokens tokens (default 3,932,160) form the validation shard {prefix}_val_000000.bin; the next --gap_tokens
-(default 1,000,000, the authors' gap) are skipped, so that only a document longer than the gap can reach into
-both splits; the rest is cut into training shards of --shard_size tokens, {prefix}_train_000001.bin, ...
-
---local_files takes .jsonl/.json (one document per record, in --text_column), .parquet (same) or .txt files,
-paths or globs, read in the order given (globs sorted). A .txt file is ONE document (its whole text): that keeps
-long texts (books, essays) in one piece for long-context training. To get several documents, use several
-files or jsonl. Text files are read with universal newlines, so "\\r\\n" becomes "\\n".
-
-Resumable: meta.json in out_dir is a ledger of the finished shards and where in the source stream each one
-ends. A rerun with the same settings keeps the shards that are listed and still valid, skips the source
-documents they cover (without tokenizing them) and continues; the result is byte-identical to an uninterrupted
-run as long as the source stream is deterministic. A larger --max_tokens extends a finished preparation.
+Documents are tokenized with the tokenizer's document tokens and concatenated in stream order. The first
+--val_tokens (3,932,160) form {prefix}_val_000000.bin, the next --gap_tokens (1,000,000, the authors' gap) are
+skipped, the rest is cut into training shards of --shard_size. --local_files takes .jsonl/.json/.parquet (one
+document per record) or .txt (one document per file, so long texts stay whole) paths or globs, in order.
 """
 import argparse
 import functools
@@ -43,8 +28,9 @@ from data import (DOC_START, EOT, GAP_TOKENS, SHARD_RE, TOKENIZERS, VAL_TOKENS, 
                   open_shard, shard_name, write_shard)
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-FINEWEB_MAX_TOKENS = 11_900_000_000  # config/bam_120m.py's 11,796,480,000 training tokens + validation + spare
-LEGACY_SETTINGS = {"gap_tokens": 0}  # what a ledger written before a setting existed did
+# config/bam_120m.py reads 20,000 steps x 589,824 = 11.8B tokens, more than sample-10BT holds (the authors'
+# "roughly one epoch" repeats data): stream sample-100BT and stop at 11.9B (validation + training + spare).
+FINEWEB_MAX_TOKENS = 11_900_000_000
 
 
 def build_parser():
@@ -62,7 +48,7 @@ def build_parser():
                    help=f"stop after this many tokens in total (val + train; default {FINEWEB_MAX_TOKENS:,} for "
                         "a Hugging Face dataset, everything for --local_files)")
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
-    p.add_argument("--out_dir", default=None, help="default: data/fineweb10B for FineWeb, else data/<prefix>")
+    p.add_argument("--out_dir", default=None, help="default: data/fineweb_<tokenizer> for FineWeb, else data/<prefix>")
     p.add_argument("--prefix", default=None, help="shard name prefix; default: derived from the dataset or first file")
     return p
 
@@ -70,12 +56,9 @@ def build_parser():
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    for k in ("shard_size", "val_tokens", "max_tokens", "num_proc"):
-        v = getattr(args, k)
-        if v is not None and v < 1:
-            p.error(f"--{k} must be at least 1, got {v}")
-    if args.gap_tokens < 0:
-        p.error(f"--gap_tokens must be >= 0, got {args.gap_tokens}")
+    for k, least in (("shard_size", 1), ("val_tokens", 1), ("max_tokens", 1), ("num_proc", 1), ("gap_tokens", 0)):
+        if getattr(args, k) is not None and getattr(args, k) < least:
+            p.error(f"--{k} must be at least {least}, got {getattr(args, k)}")
     if args.max_tokens is None and not args.local_files:
         args.max_tokens = FINEWEB_MAX_TOKENS
     if args.local_files:
@@ -151,8 +134,10 @@ def write_json(path, obj):
 
 
 def reusable_shards(args, settings, meta_path):
-    """The ledger entries of a previous run that can be kept: a prefix of full, valid shards, ending no later
-    than --max_tokens (a finished run's shorter last shard is kept only by a rerun with the same --max_tokens)."""
+    """meta.json is a ledger of the finished shards and where in the source each one ends. The entries of a
+    previous run that can be kept: a prefix of full, valid shards, ending no later than --max_tokens (a finished
+    run's shorter last shard only with the same --max_tokens). A rerun skips the source documents they cover and
+    continues, byte-identical to an uninterrupted run; a larger --max_tokens extends a finished preparation."""
     if not os.path.exists(meta_path):
         stray = [f for f in os.listdir(args.out_dir) if SHARD_RE.match(f)]
         if stray:
@@ -162,8 +147,7 @@ def reusable_shards(args, settings, meta_path):
     with open(meta_path) as f:
         meta = json.load(f)
     old = meta["settings"]
-    differ = {k: (old.get(k, LEGACY_SETTINGS.get(k)), v) for k, v in settings.items()
-              if k != "max_tokens" and old.get(k, LEGACY_SETTINGS.get(k)) != v}
+    differ = {k: (old.get(k), v) for k, v in settings.items() if k != "max_tokens" and old.get(k) != v}
     if differ:
         raise DataError(f"{args.out_dir} holds a preparation with other settings ("
                          + ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
@@ -185,8 +169,8 @@ def reusable_shards(args, settings, meta_path):
 
 
 class ShardWriter:
-    """Fills the shards in order (val first, then train, each of its planned size) and records every finished one
-    in the ledger, meta.json, with where in the source stream the next one starts."""
+    """Fills the shards in order (val, then train, each of its planned size) and records every finished one in
+    the ledger with where in the source stream the next one starts."""
 
     def __init__(self, args, meta, meta_path):
         self.args, self.meta, self.meta_path = args, meta, meta_path
@@ -226,10 +210,9 @@ class ShardWriter:
 
 
 def tokenize_into(args, writer, start_doc, start_offset, done):
-    """Tokenize the source from row start_doc (skipping the first start_offset tokens of that row, which the kept
-    shards hold) into the writer, up to --max_tokens. Returns (tokens in total, documents read, time of the first
-    document)."""
-    total, docs, t_first, nxt = done, 0, None, (start_doc, start_offset)
+    """Tokenize the source from row start_doc (less the first start_offset tokens of that row, which the kept
+    shards hold) into the writer, up to --max_tokens. Returns (tokens in total, documents read)."""
+    total, docs, nxt = done, 0, (start_doc, start_offset)
     rows = itertools.islice(source_rows(args), start_doc, None)
     first = next(rows, StopIteration)  # opens the source: a missing column fails here, before the progress bar
     rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
@@ -240,7 +223,6 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
         for row, toks in enumerate(pool.imap(work, rows, chunksize=16) if pool else map(work, rows), start=start_doc):
             if total == args.max_tokens:
                 break
-            t_first = t_first or time.time()
             if row == start_doc:
                 toks = toks[start_offset:]  # the part of this document already in the kept shards
             if len(toks) == 0:
@@ -265,7 +247,7 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
             pool.terminate()
     if writer.fill:
         writer.flush(*nxt)  # the source ended (or --max_tokens was reached) inside this shard
-    return total, docs, t_first
+    return total, docs
 
 
 def main(argv=None):
@@ -295,7 +277,7 @@ def main(argv=None):
     if shards:
         print(f"resuming after {len(shards)} complete shards ({done:,} tokens): skipping {start_doc:,} source rows")
     t0 = time.time()
-    total, docs, t_first = tokenize_into(args, ShardWriter(args, meta, meta_path), start_doc, start_offset, done)
+    total, docs = tokenize_into(args, ShardWriter(args, meta, meta_path), start_doc, start_offset, done)
     if not shards:
         raise DataError(f"the source has no text: no tokens were written ({source}); check the input and "
                         "--text_column")
@@ -308,8 +290,7 @@ def main(argv=None):
     meta.update(complete=True, tokens=total, val_tokens=shards[0]["tokens"], train_tokens=total - shards[0]["tokens"],
                 documents=sum(e["documents"] for e in shards), source_rows=shards[-1]["next_doc"])
     write_json(meta_path, meta)
-    setup = f", {t_first - t0:.1f} s of it opening the source" if t_first else ""
-    print(f"wrote {new:,} tokens from {docs:,} documents in {dt:.1f} s ({new / max(dt, 1e-9):,.0f} tokens/s{setup}); "
+    print(f"wrote {new:,} tokens from {docs:,} documents in {dt:.1f} s ({new / max(dt, 1e-9):,.0f} tokens/s); "
           f"{args.out_dir} now holds {len(shards)} shards, {total:,} tokens ({meta['val_tokens']:,} val)")
     if len(shards) == 1:
         print("note: the data ended inside the validation split, so there are no training shards; "

@@ -9,8 +9,9 @@ import torch
 
 import eval_passkey as ep
 import inspect_attention as ia
+import plot_prior
 from data import get_tokenizer
-from priors import alibi_slopes
+from priors import Prior, alibi_slopes, register
 from model import GPT, GPTConfig, save_checkpoint
 from test_passkey import merging_tokenizer
 
@@ -187,3 +188,29 @@ def test_errors_are_one_line(tmp_path, ckpts):
         ia.main(["--ckpt", str(tmp_path / "missing"), "--length", "64", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"^inspect_attention.py: error: give --length"):
         ia.main(["--ckpt", ckpts[0], "--out", str(tmp_path)])
+
+
+def test_a_prior_with_only_the_required_fields_works_in_plot_prior_and_inspect(tmp_path, capsys):
+    """A forker's prior, registered with name, fn, params, init and trainable alone: a checkpoint of it goes through
+    plot_prior.py and inspect_attention.py end to end, labelled by its (defaulted) shape parameter."""
+    def power(d, theta_w):
+        return -torch.exp(theta_w.float())[:, None] * d.float().abs().sqrt()[None, :]
+
+    register(Prior(name="test_power", fn=power, params=("theta_w",), init=lambda spec, n: (torch.linspace(-1, 1, n),),
+                   trainable=("theta_w",)))
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32,
+                    pos_encoding="bam", prior="test_power")
+    save_checkpoint(str(tmp_path / "power" / "ckpt_1.pt"), GPT(cfg), step=1)
+    plot_prior.main(["--ckpt", str(tmp_path / "power"), "--out", str(tmp_path / "prior.png"), "--max_distance", "64"])
+    info = json.loads((tmp_path / "prior.json").read_text())
+    assert info["prior"] == "test_power" and info["formula"] == "B(d) = power(d, theta_w)"
+    assert info["heads"] == 2 and info["heads_highlighted"] == 0
+    head = info["layers"][0]["heads"][1]
+    np.testing.assert_allclose(head["bias"], -math.e * np.sqrt(info["distances"]), rtol=1e-5)
+    assert (tmp_path / "prior.png").stat().st_size > 10_000
+    rows, summary = ia.main(["--ckpt", str(tmp_path / "power"), "--template", "demo", "--length", "64",
+                             "--samples", "2", "--out", str(tmp_path / "inspect"), "--no_progress"])
+    assert {(r["shape_param"], r["prior"]) for r in rows} == {("theta_w", "test_power")}
+    assert [r["shape"] for r in rows if r["target_length"] == 64] == pytest.approx([-1.0, 1.0])
+    assert "θw=" in capsys.readouterr().out and (tmp_path / "inspect" / "attention_heads.png").exists()

@@ -1,6 +1,9 @@
 """eval_passkey.py: prompt construction, scoring, the command line end to end, resume and determinism (CPU, fast)."""
 import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from data import get_tokenizer, tiktoken_tokenizer
 from model import GPT, GPTConfig, save_checkpoint
 
 PAPER = ep.TEMPLATES["paper"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +39,21 @@ def ckpts(tmp_path_factory):
     return paths
 
 
+TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
+
+
+def score_sample(model, tokens, answer_tokens, n_given=0):
+    """One sample through eval_passkey.score_batch: (correct, predicted tokens)."""
+    return ep.score_batch(model, [list(tokens)], [list(answer_tokens)], n_given)[0]
+
+
 def run_main(out, ckpts, *extra):
     argv = [a for c in ckpts for a in ("--ckpt", c)] + ["--out", str(out), "--no_progress", *extra]
     return ep.main(argv)
 
 
 def strip_timing(rows):
-    return [{k: v for k, v in r.items() if k not in ep.TIMING_FIELDS + ("batch",)} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS + ("batch",)} for r in rows]
 
 
 def read_jsonl(path):
@@ -61,7 +73,7 @@ def test_paper_template_is_the_authors_verbatim():
 
 def test_length_grids():
     paper = [3640, 7281, 10922, 14563, 18204, 21845, 25486, 29127, 32768]
-    assert ep.PRESETS["paper"] == ep.PRESETS["paper32k"] == dict(lengths=paper, samples=20)
+    assert ep.PRESETS["paper"] == dict(lengths=paper, samples=20)
     extreme = ep.PRESETS["extreme"]
     assert extreme["lengths"] == [10_000 * i for i in range(1, 11)] + [100_000 * i for i in range(2, 6)]
     assert (extreme["samples"], extreme["template"], extreme["dtype"]) == (10, dict(digits=6, given_digits=1),
@@ -184,20 +196,20 @@ def test_score_sample_on_stub(enc):
     assert digits == list(b"31415")
 
     right = StubModel(digits)
-    assert ep.score_sample(right, prompt, answer, info["n_given"]) == (True, digits)
+    assert score_sample(right, prompt, answer, info["n_given"]) == (True, digits)
     idx, m = right.calls[0]
     assert idx.tolist() == [prompt + answer[:-1]] and m == 5  # teacher forcing; logits only at the 5 digits
 
     wrong = [d + 1 for d in digits]
-    assert ep.score_sample(StubModel(wrong), prompt, answer, info["n_given"]) == (False, wrong)
+    assert score_sample(StubModel(wrong), prompt, answer, info["n_given"]) == (False, wrong)
 
     one_off = list(digits)
     one_off[3] = ord("0") if one_off[3] != ord("0") else ord("1")
-    correct, pred = ep.score_sample(StubModel(one_off), prompt, answer, info["n_given"])
+    correct, pred = score_sample(StubModel(one_off), prompt, answer, info["n_given"])
     assert not correct and pred == one_off
 
     # the padded vocabulary (ids >= vocab_size) is never predicted
-    assert ep.score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (True, digits)
+    assert score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (True, digits)
 
 
 def test_mistral_scores_exactly_the_five_digits():
@@ -224,10 +236,10 @@ def test_score_batch_all_answer_tokens_when_space_merges():
     enc = merging_tokenizer()
     prompt, answer, info = ep.build_prompt(enc, PAPER, 700, 12345, 1)
     stub = StubModel(answer, vocab=300)
-    assert ep.score_sample(stub, prompt, answer, info["n_given"]) == (True, answer)
+    assert score_sample(stub, prompt, answer, info["n_given"]) == (True, answer)
     assert stub.calls[0][1] == 2  # " 123" and "45": both scored
     bad = StubModel([answer[0], answer[1] + 1], vocab=300)
-    assert ep.score_sample(bad, prompt, answer, info["n_given"])[0] is False
+    assert score_sample(bad, prompt, answer, info["n_given"])[0] is False
 
 
 # ---- end to end -----------------------------------------------------------------------------------------
@@ -303,6 +315,22 @@ def test_end_to_end_accuracy_with_an_oracle(tmp_path, ckpts, monkeypatch):
                 and ep.depth_bin(r["depth"], 10) == round(d["depth_lo"] * 10)]
         assert all(d["depth_lo"] <= r["depth"] <= d["depth_hi"] for r in cell)
         assert d["n"] == len(cell) and d["accuracy"] == np.mean([r["correct"] for r in cell])
+    # per-digit accuracy: the oracle gets only the last digit of an odd key wrong
+    for s in res["summary"]:
+        even = np.mean([r["key"] % 2 == 0 for r in recs if r["target_length"] == s["target_length"]])
+        assert s["digit_accuracy"] == [1.0, 1.0, 1.0, 1.0, even]
+    assert '"[1.0, 1.0, 1.0, 1.0, ' in (out / "passkey_summary.csv").read_text()  # the CSV holds the list
+
+
+def test_digit_accuracy_reads_the_answer_character_by_character(enc):
+    rec = dict(key=48924, predicted_text="4894!")  # a digit dropped: every digit after it is misread
+    assert ep.digits_right(rec, " ") == [True, True, True, False, False]
+    assert ep.digits_right(dict(key=66462, predicted_text="6?462"), " ") == [True, False, True, True, True]
+    # the extreme preset's byte answer gives the space and the first digit: that digit is not scored
+    assert ep.digits_right(dict(key=123456, predicted_text="23956"), " 1") == [None, True, True, False, True, True]
+    # gpt2 scores every answer token: nothing is given, the predicted text starts with the space
+    assert ep.digits_right(dict(key=12345, predicted_text=" 12345"), "") == [True] * 5
+    assert ep.given_text(enc, dict(key=12345, answer_tokens=list(b"12345"))) == " "
 
 
 def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
@@ -330,6 +358,47 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
 
     with pytest.raises(eval_common.EvalError, match="seed"):  # other prompts: refuse to mix them into these results
         run_main(out, ckpts, *args, "--seed", "7")
+
+
+def test_seed_table_per_run_then_median_and_minimum(tmp_path):
+    acc = {"bam_ssmax": [[1, 0.9, 0.6, 0.55], [1, 0.7, 0.5, 0.1], [1, 1.0, 0.9, 0.8]],
+           "rope": [[1, 0.3, 0.1, 0.0], [1, 0.6, 0.2, 0.0], [1, 0.2, 0.0, 0.3]]}
+    rows = [dict(label=f"{variant}-s{s}", train_length=64, target_length=L, accuracy=a)
+            for variant, per_seed in acc.items() for s, accs in enumerate(per_seed, start=1)
+            for L, a in zip((64, 256, 512, 1024), accs)]
+    rows.append(dict(label="rope-s2", train_length=64, target_length=128, accuracy=None))  # skipped: no column
+    text = ep.seed_table(rows, str(tmp_path), 5)
+    assert text == (tmp_path / "demo_table.md").read_text()
+    lines = text.splitlines()
+    assert lines[0] == "| run | seed | 1× | 4× | 8× | 16× |"
+    assert "| bam_ssmax | 2 | 1.00 | 0.70 | 0.50 | 0.10 |" in lines
+    assert "| **bam_ssmax** | **median of 3** | **1.00** | **0.90** | **0.60** | **0.55** |" in lines
+    assert "| **bam_ssmax** | **min of 3** | **1.00** | **0.70** | **0.50** | **0.10** |" in lines
+    assert "| **rope** | **min of 3** | **1.00** | **0.20** | **0.00** | **0.00** |" in lines
+    assert len(lines) == 2 + 2 * (3 + 2) + 2
+    table = json.loads((tmp_path / "demo_table.json").read_text())
+    assert table[3] == {"variant": "bam_ssmax", "statistic": "median", "seed": None, "n_seeds": 3,
+                        "1x": 1, "4x": 0.9, "8x": 0.6, "16x": 0.55}
+    assert (tmp_path / "demo_table.csv").read_text().splitlines()[0] == "variant,statistic,seed,n_seeds,1x,4x,8x,16x"
+    # one seed: its row alone; names without a seed: no table
+    assert len(ep.seed_table(rows[:4], str(tmp_path / "one"), 5).split("\n\n")[0].splitlines()) == 3
+    assert ep.seed_table([dict(r, label="runA") for r in rows[:4]], str(tmp_path / "none"), 5) is None
+    assert not (tmp_path / "none").exists()
+
+
+def test_samples_below_one_is_one_line_and_exit_1(tmp_path, ckpts):
+    proc = subprocess.run([sys.executable, "eval_passkey.py", "--ckpt", ckpts[0], "--samples", "0", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert re.fullmatch(r"eval_passkey\.py: error: --samples .* at least 1.*\n", proc.stderr), proc.stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_attn_impl_is_checked_by_the_kernels_decision_point(tmp_path, ckpts, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(eval_common.EvalError, match=r"--attn_impl triton: impl='triton'"):
+        run_main(tmp_path, ckpts[:1], "--attn_impl", "triton", "--device", "cpu", "--lengths", "400", "--samples", "1")
+    assert run_main(tmp_path, ckpts[:1], "--attn_impl", "sdpa", "--lengths", "400", "--samples", "1")["summary"]
 
 
 def test_same_seed_same_numbers(tmp_path, ckpts):

@@ -223,7 +223,7 @@ def test_key_list_is_rulers_sorted_set_of_pairs():
     nouns = ["cat", "eyed-cat", "b c", "arm-rest", "ATM", "zoo", "ish-dog", "b"]
     pairs = R.PairList(adjs, nouns)
     ref = sorted({f"{a}-{n}" for a in adjs for n in nouns})
-    assert len(pairs) == len(ref) and [pairs[i] for i in range(len(ref))] == ref and pairs[-1] == ref[-1]
+    assert len(pairs) == len(ref) and list(pairs) == ref
     assert all(k in pairs for k in ref) and "blue-dog" not in pairs and "zzz" not in pairs
     assert random.Random(3).choice(pairs) == random.Random(3).choice(ref)  # the same draws as RULER's list
     adjs, nouns = R.wonderwords_lists()
@@ -316,20 +316,31 @@ def test_piece_counts_equal_full_tokenization(enc_name):
 
 
 # ---- sentences ------------------------------------------------------------------------------------------
+def split_sentences(text):
+    """The essay's sentences as RULER splits them (sent_tokenize, here ends_sentence): what Essay.sentences gives."""
+    words = text.split()
+    out, start = [], 0
+    for i, w in enumerate(words):
+        if i + 1 == len(words) or R.ends_sentence(w, words[i + 1]):
+            out.append(" ".join(words[start:i + 1]))
+            start = i + 1
+    return out
+
+
 def test_sentence_splitter():
     text = ("Mr. Brown met Dr. Grey in the U.S. yesterday. It rained!  Did it?\n\"Yes.\" Wait... and then "
             "nothing... Then it stopped. prices rose 3.5 percent. (See Fig. 2.) The end")
-    assert R.split_sentences(text) == [
+    assert split_sentences(text) == [
         "Mr. Brown met Dr. Grey in the U.S. yesterday.", "It rained!", "Did it?", "\"Yes.\"",
         "Wait... and then nothing...", "Then it stopped.", "prices rose 3.5 percent.", "(See Fig. 2.)", "The end"]
-    assert R.split_sentences("") == [] and R.split_sentences("   no period here ") == ["no period here"]
+    assert split_sentences("") == [] and split_sentences("   no period here ") == ["no period here"]
 
 
 def test_essay_sentences_match_splitting_the_prefix():
     words = ESSAY_TEXT.split()
     for n in (0, 1, 5, 37, len(words) - 1, len(words), len(words) + 13, 3 * len(words) + 2):
         prefix = " ".join((words * (n // len(words) + 1))[:n])
-        assert ESSAY.sentences(n) == R.split_sentences(prefix), n
+        assert ESSAY.sentences(n) == split_sentences(prefix), n
 
 
 # ---- scoring ----------------------------------------------------------------------------------------------
@@ -356,13 +367,11 @@ def test_postprocess_and_decoding():
 
 def test_haystack_files(tmp_path):
     (tmp_path / "pg.json").write_text(json.dumps({"text": "One essay.\n\nTwo  essay."}))
-    (tmp_path / "list.json").write_text(json.dumps(["First one.", {"text": "Second one."}]))
     (tmp_path / "plain.txt").write_text("Plain text here.")
     assert R.load_haystack_file(str(tmp_path / "pg.json")) == "One essay.\n\nTwo  essay."
-    assert R.load_haystack_file(str(tmp_path / "list.json")) == "First one.\nSecond one."
     assert R.load_haystack_file(str(tmp_path / "plain.txt")) == "Plain text here."
-    (tmp_path / "bad.json").write_text(json.dumps({"essays": 1}))
-    with pytest.raises(ValueError):
+    (tmp_path / "bad.json").write_text(json.dumps(["a list"]))
+    with pytest.raises(EvalError, match="plain text"):
         R.load_haystack_file(str(tmp_path / "bad.json"))
     # the default: documents decoded from the validation shard
     docs = ["First document. It has two sentences.", "Second document here!"]
