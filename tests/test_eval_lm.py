@@ -20,6 +20,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from data import get_tokenizer  # noqa: E402
 from eval_common import EvalError  # noqa: E402
+import eval_lm  # noqa: E402
 from eval_lm import BamGPT, main  # noqa: E402
 from model import GPT, POS_ENCODINGS, GPTConfig, save_checkpoint  # noqa: E402
 
@@ -165,6 +166,14 @@ def test_simple_evaluate_runs_the_three_request_types(ckpt):
                                                        / len(docs))
 
 
+def test_registered_as_bam_gpt(ckpt):
+    """lm-eval builds the adapter from its name and a model_args string, as `simple_evaluate(model="bam-gpt")`."""
+    tm = TaskManager(include_path=TASKS, include_defaults=False)
+    res = lm_eval.simple_evaluate(model="bam-gpt", model_args=f"ckpt={ckpt},max_length=48", tasks=["tiny_mc"],
+                                  batch_size=2, task_manager=tm, log_samples=False)
+    assert res["config"]["max_length"] == 48 and 0 <= res["results"]["tiny_mc"]["acc,none"] <= 1
+
+
 def test_demo_passkey_task_is_the_demo_format():
     """The demo task's prompts are prepare_demo.py's documents: end-of-text (put by the adapter) + prompt + key."""
     tm = TaskManager(include_path=TASKS, include_defaults=False)
@@ -202,13 +211,26 @@ def test_no_room_for_the_continuation_or_the_context():
         lm.generate_until(requests("generate_until", [("The sky is", dict(max_gen_toks=4))]))
 
 
+def test_unknown_task_names_close_matches(ckpt, tmp_path, monkeypatch):
+    """In-process, with lm-eval's own tasks left out of the index (indexing them takes seconds; the slow test
+    below runs the command with them)."""
+    local = lambda include_path=None, include_defaults=True: TaskManager(include_path=include_path,  # noqa: E731
+                                                                          include_defaults=False)
+    monkeypatch.setattr(eval_lm, "TaskManager", local)
+    with pytest.raises(EvalError, match="unknown task 'tiny_mcq'; did you mean tiny_mc"):
+        main(["--ckpt", str(ckpt), "--tasks", "tiny_mc,tiny_mcq", "--include_path", TASKS, "--out", str(tmp_path)])
+    with pytest.raises(EvalError, match="is not a directory"):
+        main(["--ckpt", str(ckpt), "--tasks", "tiny_mc", "--include_path", str(tmp_path / "no"), "--out", str(tmp_path)])
+
+
 def run_script(*args):
     return subprocess.run([sys.executable, os.path.join(ROOT, "eval_lm.py"), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
 
 
-@pytest.mark.parametrize("case", ["unknown task", "missing checkpoint", "no room for the continuation"])
+@pytest.mark.parametrize("case", [pytest.param("unknown task", marks=pytest.mark.slow), "missing checkpoint",
+                                  "no room for the continuation"])
 def test_bad_inputs_are_one_line_errors(case, ckpt, tmp_path):
     """One line `eval_lm.py: error: ...`, exit 1, no traceback (after the harness's own progress lines when the
     failure comes from a request)."""
@@ -218,7 +240,7 @@ def test_bad_inputs_are_one_line_errors(case, ckpt, tmp_path):
     elif case == "missing checkpoint":
         args["ckpt"] = tmp_path / "nothing"
     needle = {"unknown task": "unknown task 'tiny_mcq'; did you mean tiny_mc", "missing checkpoint": "no checkpoint at",
-              "no room for the continuation": "a continuation of 6 tokens leaves no room"}[case]
+              "no room for the continuation": "leaves no room for its context within --max_length 4"}[case]
     r = run_script(*[x for k, v in args.items() for x in (f"--{k}", v)], "--include_path", TASKS,
                    "--out", tmp_path / "out")
     lines = r.stderr.strip().splitlines()
