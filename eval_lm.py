@@ -41,16 +41,16 @@ STOP_TAIL = 8       # context tokens decoded with the generated ones, so the fir
 @register_model("bam-gpt")
 class BamGPT(LM):
     """A bam-gpt model for lm-eval. ckpt: a checkpoint file or run directory (what `--model_args ckpt=...` passes),
-    or a loaded GPT with its tokenizer (a data.Tokenizer or its name)."""
+    or a loaded GPT; the tokenizer is the one the model was trained with."""
 
-    def __init__(self, ckpt, tokenizer=None, batch_size=1, max_length=None, device=None, dtype="auto",
+    def __init__(self, ckpt, batch_size=1, max_length=None, device=None, dtype="auto",
                  max_batch_size=None):  # max_batch_size: lm-eval passes it; batches here are fixed-size
         super().__init__()
         if isinstance(ckpt, str):
-            (run,), tokenizer = load_runs([ckpt], pick_device(device or "auto"))
+            (run,), _ = load_runs([ckpt], pick_device(device or "auto"))
             ckpt = run["model"]
         self.model = ckpt.eval()
-        self.tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tok = get_tokenizer(self.model.config.tokenizer)
         self._device = model_device(self.model)
         self.dtype = resolve_dtype(self._device, dtype)
         self.batch_size = int(batch_size)
@@ -262,11 +262,11 @@ def main(argv=None):
     args = parse_args(argv)
     tm = task_manager(args.include_path, args.tasks)
     device = pick_device("auto")
-    runs, tok = load_runs(args.ckpt, device)
+    runs, _ = load_runs(args.ckpt, device)
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for run in runs:
-        lm = BamGPT(run["model"], tok, batch_size=args.batch_size, max_length=args.max_length)
+        lm = BamGPT(run["model"], batch_size=args.batch_size, max_length=args.max_length)
         print(f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), max_length {lm.max_length} "
               f"(trained at {run['block_size']})", file=sys.stderr)
         results = lm_eval.simple_evaluate(model=lm, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit,
