@@ -61,9 +61,9 @@ class BamGPT(LM):
     # ---- loglikelihood -------------------------------------------------------------------------------------
     def _encode_pair(self, context, continuation):
         """(document start + context tokens, continuation tokens). The pair is encoded whole and split, and a
-        context's trailing spaces go to the continuation, as the harness does: a BPE token carries the space
-        in front of its word."""
-        n = len(context) - len(context.rstrip(" "))
+        context's trailing whitespace goes to the continuation, as the harness does: a BPE token carries the
+        space in front of its word."""
+        n = len(context) - len(context.rstrip())
         if n:
             context, continuation = context[:-n], context[-n:] + continuation
         ctx = self.tok.encode_ordinary(context)

@@ -75,8 +75,8 @@ def test_loglikelihood_is_the_models_cross_entropy(pe):
 
 def test_trailing_spaces_of_the_context_are_scored_with_the_continuation():
     lm = BamGPT(tiny_model())
-    assert lm._encode_pair("make  ", "four") == ([TOK.doc_start] + TOK.encode_ordinary("make"),
-                                                TOK.encode_ordinary("  four"))
+    assert lm._encode_pair("make \n ", "four") == ([TOK.doc_start] + TOK.encode_ordinary("make"),
+                                                   TOK.encode_ordinary(" \n four"))
 
 
 def test_greedy_flag_is_true_for_the_greedy_continuation():
