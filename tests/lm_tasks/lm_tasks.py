@@ -12,6 +12,7 @@ import datasets
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repo, for prepare_demo.py and data.py
 
 
 def jsonl(file, **_):
@@ -24,7 +25,8 @@ def demo_passkey(length, n, seed=0, choices=4, **_):
     """n documents of `length` tokens as the demo model was trained on them (a random walk of filler with the
     needle "#<key>" at a random place, then "?"), split into the prompt and the key, with choices - 1 other
     random keys as distractors. The leading end-of-text is left out: the adapter puts it in front."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repo root, for prepare_demo
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
     from data import get_tokenizer
     from prepare_demo import make_documents
 
