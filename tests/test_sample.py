@@ -1,6 +1,7 @@
 """sample.py end to end: greedy (--top_k=1) is deterministic and equals decoding without the cache, a seed fixes
 a sampled text, FILE: prompts, top-k sampling stays in the top k, and a missing checkpoint is a one-line error."""
 import os
+import runpy
 import subprocess
 import sys
 
@@ -76,8 +77,10 @@ def test_top_k_sampling_stays_in_the_top_k():
         assert tok in logits[0, -1, :model.config.vocab_size].topk(3).indices.tolist()
 
 
-def test_missing_checkpoint_is_a_one_line_error(tmp_path):
-    r = run_sample("--ckpt", tmp_path / "nothing", "--start", "x")
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        f"sample.py: error: no checkpoint at {str(tmp_path / 'nothing')!r}: pass a .pt file or a run directory "
-        "written by train.py"], r.stderr[-2000:]
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, monkeypatch):
+    """The script's own entry point, in-process (a string given to sys.exit is printed and exits with status 1)."""
+    monkeypatch.setattr(sys, "argv", ["sample.py", "--ckpt", str(tmp_path / "nothing"), "--start", "x"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, "sample.py"), run_name="__main__")
+    assert e.value.code == (f"sample.py: error: no checkpoint at {str(tmp_path / 'nothing')!r}: pass a .pt file or "
+                            "a run directory written by train.py")
