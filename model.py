@@ -275,17 +275,24 @@ class GPT(nn.Module):
         return torch.cat(losses, dim=1)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, stop_tokens=(), temperature=0.0):
-        """Greedy (temperature 0) or sampled continuation with a KV cache. idx (1, T). Returns new tokens (list)."""
+    def generate(self, idx, max_new_tokens, stop_tokens=(), temperature=0.0, top_k=None, stop=None):
+        """Greedy (temperature 0) or sampled continuation (from the top_k most likely tokens, if given) with a KV
+        cache. idx (1, T). stop(tokens so far) -> True ends it early (stop strings). Returns new tokens (list)."""
         cache = KVCache(self.config.n_layer)
         logits, _ = self(idx, kv_cache=cache, logits_at=1)
         out = []
         for _ in range(max_new_tokens):
-            logits = logits[:, -1].float()
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1) if temperature > 0 else \
-                logits.argmax(-1, keepdim=True)
-            out.append(int(nxt))
-            if out[-1] in stop_tokens:
+            logits = logits[:, -1, :self.config.vocab_size].float()  # the padded ids are no tokens
+            if temperature > 0:
+                if top_k is not None:  # keep the top_k logits (ties with the k-th included)
+                    logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.shape[-1])).values[:, -1:],
+                                                float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+            else:
+                nxt = logits.argmax(-1, keepdim=True)
+            tok = int(nxt)
+            out.append(tok)
+            if tok in stop_tokens or (stop is not None and stop(out)):
                 break
             logits, _ = self(nxt, kv_cache=cache)
         return out

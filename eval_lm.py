@@ -1,0 +1,292 @@
+"""
+Downstream tasks: every checkpoint as a model of EleutherAI's lm-evaluation-harness (lm-eval 0.4.x), registered
+as "bam-gpt", on the paper's MMLU, ARC and HellaSwag (arXiv 2505.22842) or on any local task YAML.
+
+    python eval_lm.py --ckpt RUN [--ckpt RUN2 ...] --tasks arc_easy,arc_challenge,mmlu,hellaswag [--num_fewshot N]
+                      [--limit N] [--batch_size N] [--max_length N] [--include_path DIR] --out DIR
+
+Every request is one document, as in training: the tokenizer's document-start token, then the text.
+--max_length (default: each checkpoint's training length) caps the tokens of one forward; a longer context loses
+its oldest tokens (left truncation, as the harness's own models do). The default keeps every model at the length
+it was trained on, so that positional encodings are compared on equal terms; a larger value measures
+extrapolation, the point of BAM. The harness downloads its tasks' datasets from the Hugging Face hub; a local task
+(--include_path, e.g. tests/lm_tasks) needs no network.
+Outputs in --out: <label>.json per checkpoint (lm-eval's results plus the checkpoint's identity) and
+lm_eval_summary.json/.csv (one row per checkpoint x task x metric) and .md (task x checkpoint).
+"""
+import argparse
+import difflib
+import json
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+import lm_eval
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
+
+from data import get_tokenizer
+from eval_common import (EXPECTED_ERRORS, EvalError, identity, load_runs, markdown_table, model_device, pick_device,
+                         resolve_dtype, write_table)
+from model import autocast
+
+MAX_GEN_TOKS = 256  # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
+STOP_TAIL = 8       # context tokens decoded with the generated ones, so the first word keeps its leading space
+
+
+@register_model("bam-gpt")
+class BamGPT(LM):
+    """A bam-gpt model for lm-eval. ckpt: a checkpoint file or run directory (what `--model_args ckpt=...` passes),
+    or a loaded GPT; the tokenizer is the one the model was trained with."""
+
+    def __init__(self, ckpt, batch_size=1, max_length=None, device=None, dtype="auto",
+                 max_batch_size=None):  # max_batch_size: lm-eval passes it; batches here are fixed-size
+        super().__init__()
+        if isinstance(ckpt, str):
+            (run,), _ = load_runs([ckpt], pick_device(device or "auto"))
+            ckpt = run["model"]
+        self.model = ckpt.eval()
+        self.tok = get_tokenizer(self.model.config.tokenizer)
+        self._device = model_device(self.model)
+        self.dtype = resolve_dtype(self._device, dtype)
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length or self.model.config.block_size)
+        if self.batch_size < 1 or self.max_length < 2:
+            raise EvalError(f"batch_size must be >= 1 and max_length >= 2, got {self.batch_size} and {self.max_length}")
+
+    # ---- loglikelihood -------------------------------------------------------------------------------------
+    def _encode_pair(self, context, continuation):
+        """(document start + context tokens, continuation tokens). The pair is encoded whole and split, and a
+        context's trailing whitespace goes to the continuation, as the harness does: a BPE token carries the
+        space in front of its word."""
+        n = len(context) - len(context.rstrip())
+        if n:
+            context, continuation = context[:-n], context[-n:] + continuation
+        ctx = self.tok.encode_ordinary(context)
+        whole = self.tok.encode_ordinary(context + continuation)
+        return [self.tok.doc_start] + ctx, whole[len(ctx):]
+
+    def loglikelihood(self, requests):
+        return self._score([self._encode_pair(*r.args) for r in requests], "loglikelihood")
+
+    def loglikelihood_rolling(self, requests):
+        """Each text scored whole, in disjoint windows of max_length tokens after the document start (the
+        harness's rolling windows): every token is predicted once, with the context of its window."""
+        pairs, owner = [], []
+        for i, r in enumerate(requests):
+            tokens = self.tok.encode_ordinary(r.args[0])
+            for pair in get_rolling_token_windows(tokens, self.tok.doc_start, self.max_length, 1):
+                pairs.append(make_disjoint_window(pair))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logp, _) in zip(owner, self._score(pairs, "loglikelihood_rolling")):
+            totals[i] += logp
+        return totals
+
+    def _score(self, pairs, desc):
+        """[(log p(continuation | context), greedy)] for (context, continuation) token lists. One window is the last
+        max_length + 1 tokens of context + continuation: all but the last go in, the continuation is scored."""
+        for ctx, cont in pairs:
+            if len(cont) > self.max_length:
+                raise EvalError(f"a continuation of {len(cont)} tokens leaves no room for its context within "
+                                f"--max_length {self.max_length}; raise --max_length")
+        # longest first, so that similar lengths share a batch and a batch that does not fit fails at once
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+        out = [None] * len(pairs)
+        with tqdm(total=len(pairs), desc=desc, unit="req", file=sys.stderr) as bar:
+            for b in range(0, len(order), self.batch_size):
+                batch = order[b:b + self.batch_size]
+                seqs = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1):] for i in batch]
+                for i, res in zip(batch, self._score_batch(seqs, [len(pairs[i][1]) for i in batch])):
+                    out[i] = res
+                bar.update(len(batch))
+        return out
+
+    @torch.inference_mode()
+    def _score_batch(self, seqs, n_scored):
+        """Score the last n tokens of each token sequence in one forward. Right padding: a causal model's outputs
+        at the real positions do not depend on what follows them. Only the positions that predict a scored
+        token get logits, so no (batch x length x vocab) tensor is built."""
+        T = max(len(s) for s in seqs) - 1
+        x = torch.zeros(len(seqs), T, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            x[r, :len(s) - 1] = torch.tensor(s[:-1])
+        first = [len(s) - 1 - n for s, n in zip(seqs, n_scored)]  # the position predicting the first scored token
+        lo = min(first)
+        with autocast(self._device, self.dtype):
+            logits, _ = self.model(x.to(self._device), logits_at=torch.arange(lo, T, device=self._device))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        vocab = self.model.config.vocab_size  # greedy decoding never picks a padded id (GPT.generate)
+        res = []
+        for r, (s, n, a) in enumerate(zip(seqs, n_scored, first)):
+            target = torch.tensor(s[len(s) - n:], device=logp.device)
+            lp = logp[r, a - lo:a - lo + n]
+            greedy = bool((lp[:, :vocab].argmax(-1) == target).all())
+            res.append((float(lp.gather(-1, target[:, None]).sum()), greedy))
+        return res
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    def generate_until(self, requests):
+        return [self._generate(*r.args) for r in tqdm(requests, desc="generate_until", file=sys.stderr)]
+
+    def _generate(self, context, gen_kwargs):
+        """Greedy (or, with do_sample, sampled) decoding with the KV cache until a stop string, end of text or
+        max_gen_toks; the context is left-truncated so that it and the generated tokens fit in max_length."""
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_gen = int(gen_kwargs.get("max_gen_toks", MAX_GEN_TOKS))
+        temperature = float(gen_kwargs.get("temperature", 1.0)) if gen_kwargs.get("do_sample") else 0.0
+        top_k = gen_kwargs.get("top_k")
+        room = self.max_length - max_gen
+        if room < 1:
+            raise EvalError(f"max_gen_toks {max_gen} leaves no room for the context within --max_length "
+                            f"{self.max_length}; raise --max_length")
+        ctx = ([self.tok.doc_start] + self.tok.encode_ordinary(context))[-room:]
+        tail = ctx[-STOP_TAIL:]
+        head = self.tok.decode(tail)
+
+        def text(new):
+            return self.tok.decode(tail + new)[len(head):]
+
+        x = torch.tensor([ctx], device=self._device)
+        with autocast(self._device, self.dtype):
+            new = self.model.generate(x, max_gen, stop_tokens=(self.tok.eot_token,), temperature=temperature,
+                                      top_k=None if top_k is None else int(top_k),
+                                      stop=lambda new: any(u in text(new) for u in until))
+        if new and new[-1] == self.tok.eot_token:
+            new = new[:-1]
+        out = text(new)
+        for u in until:
+            out = out.split(u)[0]
+        return out
+
+    def get_model_info(self):
+        """Recorded by lm-eval in its results' "config"."""
+        cfg = self.model.config
+        return dict(pos_encoding=cfg.pos_encoding, ssmax=cfg.ssmax, prior=cfg.prior, tokenizer=self.tok.name,
+                    max_length=self.max_length, train_length=cfg.block_size, dtype=self.dtype)
+
+
+# ---- the command line --------------------------------------------------------------------------------------
+def build_parser():
+    p = argparse.ArgumentParser(description="Score checkpoints on lm-evaluation-harness tasks (lm-eval 0.4.x).")
+    p.add_argument("--ckpt", action="append", required=True,
+                   help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several")
+    p.add_argument("--tasks", required=True, help="comma-separated task, group or tag names, e.g. "
+                   "arc_easy,arc_challenge,mmlu,hellaswag (lm-eval's), or a local task of --include_path")
+    p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own, or 0)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="at most this many documents per task (below 1: this fraction of them); for quick looks")
+    p.add_argument("--batch_size", type=int, default=8, help="loglikelihood requests per forward")
+    p.add_argument("--max_length", type=int, default=None,
+                   help="tokens per forward (default: each checkpoint's training length); longer contexts are "
+                        "left-truncated. BAM extrapolates: try several times the training length")
+    p.add_argument("--include_path", default=None, help="a directory of extra task YAMLs (e.g. tests/lm_tasks)")
+    p.add_argument("--out", required=True, help="output directory for the results JSON, CSV and Markdown")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not args.tasks:
+        p.error("--tasks names no task")
+    if args.limit is not None:
+        if args.limit <= 0:
+            p.error(f"--limit must be positive, got {args.limit:g}")
+        args.limit = int(args.limit) if args.limit >= 1 else args.limit
+    if args.batch_size < 1 or (args.max_length is not None and args.max_length < 2):
+        p.error("--batch_size must be >= 1 and --max_length >= 2")
+    return args
+
+
+def task_manager(include_path, tasks):
+    """lm-eval's tasks plus those of include_path; an unknown name is an EvalError (before any work is done)."""
+    if include_path and not os.path.isdir(include_path):
+        raise EvalError(f"--include_path {include_path!r} is not a directory")
+    tm = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if tm is None or not set(tasks) <= set(tm.all_tasks):  # indexing lm-eval's own tasks takes seconds
+        tm = TaskManager(include_path=include_path)
+    known = set(tm.all_tasks)
+    for name in tasks:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise EvalError(f"unknown task {name!r}; {hint}lm-eval's tasks are listed by `lm_eval ls tasks`, "
+                            "local ones are added with --include_path DIR")
+    return tm
+
+
+def summary_rows(run, results, max_length):
+    """One row per task x metric of lm-eval's results, keyed by the checkpoint's identity."""
+    rows = []
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, comma, filt = key.partition(",")
+            if not comma or metric.endswith("_stderr"):  # "metric,filter" keys hold the scores
+                continue
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            rows.append(dict(label=run["label"], **identity(run), task=task, metric=metric, filter=filt,
+                             value=value, stderr=stderr if isinstance(stderr, (int, float)) else None,
+                             num_fewshot=results.get("n-shot", {}).get(task), limit=results["config"]["limit"],
+                             max_length=max_length, train_length=run["block_size"]))
+    return rows
+
+
+def markdown_summary(rows):
+    """Task x checkpoint: one line per task and metric, "value ± stderr" in each checkpoint's column."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    cells = {}
+    for r in rows:
+        name = r["metric"] if r["filter"] in ("none", "") else f"{r['metric']} ({r['filter']})"
+        cell = f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if r["stderr"] is not None else "")
+        cells.setdefault((r["task"], name), {})[r["label"]] = cell
+    return markdown_table(["task", "metric", *labels],
+                          [[t, m, *(by.get(label, "") for label in labels)] for (t, m), by in cells.items()])
+
+
+def write_json(obj, path):
+    """Atomic, so that an interrupted run never leaves half a results file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=handle_non_serializable)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    tm = task_manager(args.include_path, args.tasks)
+    device = pick_device("auto")
+    runs, _ = load_runs(args.ckpt, device)
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for run in runs:
+        lm = BamGPT(run["model"], batch_size=args.batch_size, max_length=args.max_length)
+        print(f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), max_length {lm.max_length} "
+              f"(trained at {run['block_size']})", file=sys.stderr)
+        results = lm_eval.simple_evaluate(model=lm, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                                          batch_size=args.batch_size, device=device, task_manager=tm,
+                                          log_samples=False)
+        results["bam_gpt"] = dict(label=run["label"], **identity(run))
+        write_json(results, os.path.join(args.out, f"{run['label']}.json"))
+        rows += summary_rows(run, results, lm.max_length)
+    prefix = os.path.join(args.out, "lm_eval_summary")
+    write_table(rows, prefix)
+    table = markdown_summary(rows)
+    with open(prefix + ".md", "w") as f:
+        f.write(table + "\n")
+    print(table)
+    print(f"wrote {', '.join(os.path.join(args.out, r['label'] + '.json') for r in runs)}, {prefix}.csv, {prefix}.md")
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
+        sys.exit(f"eval_lm.py: error: {e}")
