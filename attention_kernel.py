@@ -476,10 +476,11 @@ def _triton_available():
 # tables J_k(d) = dB(d)/dtheta_k (forward-mode autograd, outside the custom ops), K a compile-time constant.
 # Why derivative tables and not the gradient w.r.t. the table (dB per head and distance, handed to autograd):
 # dB(d) is a sum along the diagonals of every dS tile, which a query-block program can neither hold (its
-# distances span the whole row) nor store without O(T^2 / BLOCK_M) scratch; a third kernel per block diagonal
-# would recompute S and dP (two more matrix products, an exp2), and the Delta' correction below needs Delta'
-# before that pass. perf_model.py puts that third kernel at >= the forward's cost (0.3 clocks per score at D=64,
-# sm_90), against K loads + 4K FP32 ops per score for the tables (README, "Performance model").
+# distances span the whole row) nor store in linear memory, so it would need a third kernel per block diagonal
+# recomputing S, P and dP, after a pass that knows Delta' (below). perf_model.py (sm_90, D = 64, bf16) puts a
+# forward-class kernel with a prior at 0.137 clocks per score before any diagonal reduction, against 0.148 for
+# the dQ kernel's two derivative tables of GGD or Cauchy (+0.073 per further parameter): the tables cost no
+# more for the shipped priors, need no new pass, and keep the exact zero below.
 #
 # Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i = row_scale (1 without SSMax):
 #   l = softmax_scale * q_i.k_j ;  s = (l + B) r  if scale_prior  else  l r + B ;  masked s = -inf
