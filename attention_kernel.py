@@ -1,43 +1,19 @@
 """
-The single attention entry point of bam-gpt.
+The attention of bam-gpt: one function, one formula, several implementations of it.
 
     out = attention(q, k, v, *, doc_start=None, prior=None, row_scale=None,
                     scale_prior=False, q_offset=None, softmax_scale=None, impl="auto")
 
-For query position i and key position j (0-based, d = j - i <= 0 under the causal mask):
-
-    l_ij = softmax_scale * q_i . k_j                        content score, softmax_scale = 1/sqrt(head_dim)
-    B(d)                                                    the positional log-prior of each head (priors.py)
-    s_ij = (l_ij + B(d)) * r_i     if scale_prior             BAM + SSMax: the prior is scaled too
-         =  l_ij * r_i + B(d)      otherwise                  ALiBi + SSMax, and every variant without SSMax (r = 1)
-    key j is visible to query i iff doc_start[i] <= j <= i    causal AND same-document
-    out_i = sum_j softmax_j(s_ij) v_j
-
-The logit is "log likelihood of the content match + log prior of the distance", so the softmax is the
-posterior over which key to read (the paper's reading). prior is None (NoPE, a uniform prior), a
-priors.BoundPrior (a registered prior with one layer's (H,) parameters), or a bare GGD triple
-(theta_alpha, theta_beta, theta_mu) of (H,) tensors: B(d) = -exp(theta_alpha) (|d - mu| + 1e-5)^theta_beta.
-
-Shapes: q (B, H, Tq, D); k, v (B, H, Tk, D) with Tq <= Tk; query t sits at absolute position q_offset + t
-(default Tk - Tq, i.e. the queries are the last Tq positions). doc_start is (B, Tk) int: the first position
-of the document that each position belongs to. row_scale is (B or 1, H, Tq). Everything is differentiable:
-q, k, v, the prior's parameters, row_scale.
-
-Implementations (impl), none of which ever substitutes one prior for another: an impl that cannot compute the
-given prior raises.
-  "torch"   the plain-PyTorch reference below, for every prior: it loops over query chunks and only ever
-            materialises a (chunk x Tk) score block, so memory is linear in the length.
-  "cpu"     CPU training, every prior: the reference's math with a hand-written backward (query blocks that skip
-            the keys causality hides, the prior read as a view of its table and its gradient summed per distance).
-  "triton"  the Triton flash-attention kernel below: no T x T tensor at all, but only for the priors whose form
-            it hard-codes (none, ggd, alibi: a prior whose `native` set names "triton").
-  "flex"    FlexAttention (compiled), for every prior: score_mod reads the prior's table over the distances, a
-            block mask skips hidden tiles. The fused GPU path for priors the kernel does not hard-code; on the CPU
-            forward only (FlexAttention has no CPU backward in torch 2.13).
-  "sdpa"    CPU, every prior: PyTorch's fused SDPA kernel with the prior as a float attn_mask (below), chunked
-            over queries like the reference; gradients only where that mask needs none (not for a trained prior).
-  "auto"    the fastest impl that computes the prior: on CUDA Triton if the prior is native to it, else Flex; on
-            the CPU "sdpa" without gradients (evaluation), "cpu" with them (auto_impl says why).
+q is (B, H, Tq, D), k and v (B, H, Tk, D) with Tq <= Tk; query t sits at position i = q_offset + t (default
+Tk - Tq: the queries are the last positions). For query position i and key position j:
+    l_ij = softmax_scale * q_i . k_j                           the content score (softmax_scale: 1/sqrt(D))
+    s_ij = (l_ij + B(j - i)) r_i   if scale_prior (BAM + SSMax),   else  l_ij r_i + B(j - i)
+    out_i = sum_j softmax_j(s_ij) v_j   over the visible keys doc_start[i] <= j <= i (causal, same document)
+B is the prior's log-prior of the distance (priors.py): prior is None (NoPE), a BoundPrior, or a bare GGD triple
+(theta_alpha, theta_beta, theta_mu) of (H,) tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1.
+doc_start (B, Tk) holds the first position of each position's document. Everything is differentiable.
+Impls: "torch" the chunked reference (any prior, any device), "sdpa" the CPU evaluation path, "triton" the fused
+kernel (CUDA); "auto" the fastest that can. impl_error is the one place that says which impl can do what.
 """
 import contextlib
 import math
@@ -46,20 +22,182 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-# alibi_slopes and ggd_prior are re-exported: `from attention_kernel import alibi_slopes` keeps working
-from priors import GGD_EPS, BoundPrior, alibi_slopes, bind, ggd_mu, ggd_prior  # noqa: F401
+from priors import GGD_EPS, BoundPrior, Prior, bind, ggd_mu, ggd_prior
 
-IMPLS = ("auto", "torch", "cpu", "flex", "triton", "sdpa")
+IMPLS = ("auto", "torch", "sdpa", "triton")
+
+
+def dense_attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
+                    softmax_scale=None):
+    """The formula above, written out densely (Tq x Tk) in float64: the specification the tests hold every impl
+    to. Returns float64."""
+    prior = bind(prior)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    i = torch.arange(q.shape[2], device=q.device)[:, None] + q_offset  # query positions
+    j = torch.arange(k.shape[2], device=q.device)[None, :]  # key positions
+    l = softmax_scale * q.double() @ k.double().transpose(-1, -2)
+    B = 0.0 if prior is None else prior.table((j - i).flatten()).double().view(-1, *(j - i).shape)
+    r = 1.0 if row_scale is None else row_scale.double()[..., None]
+    s = (l + B) * r if scale_prior else l * r + B
+    visible = j <= i
+    if doc_start is not None:
+        visible = visible & (j >= doc_start[:, i])[:, None]  # (B, 1, Tq, Tk)
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v.double()
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Reference implementation (CPU, tests, and any prior)
+# The reference (impl "torch"): dense_attention's math in fp32, a chunk of queries at a time, so that only a
+# (chunk x Tk) block of scores ever exists: memory is linear in the length. Any prior, any device.
 # ----------------------------------------------------------------------------------------------------------
+def _offset_and_scale(q, k, q_offset, softmax_scale):
+    """attention()'s defaults: q_offset = Tk - Tq (the queries are the last positions), softmax_scale = 1/sqrt(D)."""
+    return (k.shape[2] - q.shape[2] if q_offset is None else int(q_offset),
+            1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale))
+
+
 def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
-    # ~4 fp32 temporaries of shape (B, H, rows, n_keys) are alive at once (scores, bias, mask fill, probs)
+    # ~4 fp32 temporaries of shape (B, H, rows, n_keys) are alive at once (scores, prior, mask, probabilities)
     return max(1, budget_bytes // (16 * batch * heads * max(n_keys, 1)))
+
+
+def _query_chunks(Tq, doc_start, q_offset, chunk):
+    """[(a, b, lo)]: query rows a..b-1, and lo, the first key any of them can see (their earliest document start)."""
+    chunks = []
+    for a in range(0, Tq, chunk):
+        b = min(a + chunk, Tq)
+        lo = int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
+        chunks.append((a, b, lo))
+    return chunks
+
+
+def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scale_prior, softmax_scale):
+    """The masked scores s of query rows a..b-1 against keys lo..q_offset + b - 1: (B, H, b - a, keys) fp32."""
+    i = torch.arange(q_offset + a, q_offset + b, device=q.device)[:, None]  # query positions
+    j = torch.arange(lo, q_offset + b, device=q.device)[None, :]  # key positions
+    l = (softmax_scale * q[:, :, a:b].float()) @ k[:, :, lo:q_offset + b].float().transpose(-1, -2)
+    B = 0.0
+    if prior is not None:  # B depends on d = j - i alone: evaluated once per distance, then gathered
+        dmin = lo - (q_offset + b - 1)
+        B = prior.table(torch.arange(dmin, b - a, device=q.device))[:, j - i - dmin]
+    r = 1.0 if row_scale is None else row_scale[:, :, a:b, None].float()
+    s = (l + B) * r if scale_prior else l * r + B
+    visible = j <= i
+    if doc_start is not None:
+        visible = visible & (j >= doc_start[:, i])[:, None]
+    return s + _neg_inf_where(~visible)  # as masked_fill, but its backward is the identity: faster to train
+
+
+def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                    q_offset=None, softmax_scale=None, chunk_size=None):
+    """The reference implementation of attention() (impl "torch")."""
+    prior = bind(prior)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    chunk = chunk_size or _chunk_rows(q.shape[0], q.shape[1], k.shape[2])
+    outs = []
+    for a, b, lo in _query_chunks(q.shape[2], doc_start, q_offset, chunk):
+        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                          scale_prior=scale_prior, softmax_scale=softmax_scale)
+        outs.append(torch.softmax(s, dim=-1) @ v[:, :, lo:q_offset + b].float())
+    return torch.cat(outs, dim=2).to(q.dtype)
+
+
+def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
+                    softmax_scale=None):
+    """The attention weights softmax_j(s_ij): (B, H, Tq, Tk) float32, 0 on hidden keys. For inspecting a few
+    query rows (the result is Tq x Tk); the same arguments as attention()."""
+    prior = bind(prior)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
+    for a, b, lo in _query_chunks(q.shape[2], doc_start, q_offset, _chunk_rows(q.shape[0], q.shape[1], k.shape[2])):
+        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                          scale_prior=scale_prior, softmax_scale=softmax_scale)
+        probs[:, :, a:b, lo:q_offset + b] = torch.softmax(s, dim=-1)
+    return probs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# attention() and the one decision point: which impl can compute which prior, where
+# ----------------------------------------------------------------------------------------------------------
+def needs_grad(*tensors):
+    """Whether autograd will want a gradient of any of these (tensors, BoundPriors, None)."""
+    flat = [t for x in tensors for t in ((x.params if isinstance(x, BoundPrior) else (x,)))]
+    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
+
+
+def _trained(prior):
+    """A registered Prior with trainable parameters, or a BoundPrior whose parameters require grad."""
+    if isinstance(prior, Prior):
+        return bool(prior.trainable)
+    return prior is not None and any(t.requires_grad for t in bind(prior).params)
+
+
+def impl_error(impl, prior, device, grad):
+    """Why `impl` cannot compute `prior` (a Prior, a BoundPrior or None) on `device` ("cpu", "cuda" or a
+    torch.device) with gradients (grad=True) or without; None if it can."""
+    if impl not in IMPLS:
+        return f"unknown attention impl {impl!r}; choose one of {', '.join(IMPLS)}"
+    device = torch.device(device)
+    if impl == "sdpa" and device.type != "cpu":
+        return "impl='sdpa' is the CPU evaluation path; on a GPU use impl='triton' (or 'auto')"
+    if impl == "sdpa" and grad and _trained(prior):
+        return ("impl='sdpa' cannot train a prior (it enters PyTorch's fused kernel as a constant mask); "
+                "train with impl='torch' (or 'auto')")
+    if impl == "triton" and not _triton_available():
+        return "impl='triton' needs the triton package (pip install triton)"
+    if impl == "triton" and device.type != "cuda" and not _interpreting():
+        return "impl='triton' needs a CUDA device (or TRITON_INTERPRET=1 set before triton is first imported)"
+    return None
+
+
+def pick_impl(impl, prior, device, grad):
+    """`impl` resolved: "auto" becomes the fastest impl that can (CUDA: triton; CPU: sdpa without gradients, else
+    torch); an impl that cannot raises ValueError with impl_error's message."""
+    if impl == "auto":
+        cuda = torch.device(device).type == "cuda"
+        order = ("triton", "torch") if cuda else ("torch",) if grad else ("sdpa", "torch")
+        return next(i for i in order if impl_error(i, prior, device, grad) is None)
+    error = impl_error(impl, prior, device, grad)
+    if error:
+        raise ValueError(error)
+    return impl
+
+
+def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+              q_offset=None, softmax_scale=None, impl="auto"):
+    """The attention of the module docstring, computed by `impl` (resolved by pick_impl)."""
+    prior = bind(prior)
+    Tq, Tk = q.shape[2], k.shape[2]
+    if Tq > Tk:
+        raise ValueError(f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions")
+    if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
+        raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
+    impl = pick_impl(impl, prior, q.device, needs_grad(q, k, v, prior, row_scale))
+    fn = {"torch": attention_torch, "sdpa": attention_sdpa, "triton": attention_triton}[impl]
+    return fn(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior,
+              q_offset=q_offset, softmax_scale=softmax_scale)
+
+
+def _triton_available():
+    return triton is not None  # the import is tried once, below (no import inside code that torch.compile traces)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU evaluation (impl "sdpa"): PyTorch's fused CPU attention kernel with the prior as a float attn_mask.
+#
+# Per query chunk, SSMax's row scale r_i moves into the queries, l_ij r_i = ((q_i r_i) . k_j) * softmax_scale, so
+#     s_ij = l_ij r_i + M_ij,   M_ij = B(j - i) r_i  if scale_prior  else  B(j - i),   M_ij = -inf where invisible,
+# which is scaled_dot_product_attention(q r, k, v, attn_mask=M). The keys are read in reverse order (softmax does
+# not care): then B(j - i) = rtable[i' + j'] for the chunk's row i' and reversed key j', a Hankel matrix, i.e. a
+# strided *view* of the reversed (H, rows + keys - 1) prior table that the kernel reads without a copy; causality
+# is -inf table entries. Only a mask that depends on more than the distance (SSMax scaling the prior, documents)
+# is written, into one buffer that every chunk reuses (a fresh allocation per chunk costs more in page faults
+# than the kernel itself). The buffer bounds the chunk, so memory stays linear in the length.
+# ----------------------------------------------------------------------------------------------------------
+def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
+    # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
+    return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
 
 
 def _neg_inf_where(hidden):
@@ -67,235 +205,11 @@ def _neg_inf_where(hidden):
     return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
-def _hidden(qpos, kpos, ds):
-    """Whether key j is hidden from query i: j > i, or j before the query's document start ds (B, rows). (rows, keys),
-    or (B, 1, rows, keys) with documents."""
-    hidden = kpos[None, :] > qpos[:, None]
-    if ds is not None:
-        hidden = (hidden | (kpos[None, None, :] < ds[:, :, None]))[:, None]
-    return hidden
-
-
-def _mask_invisible(s, qpos, kpos, ds):
-    """Set s[..., i, j] = -inf where key j is not visible to query i: j > i, or j before doc start ds (B, rows).
-    Without autograd, in place and only on the columns that can be hidden (the causal diagonal block, and keys
-    before the chunk's latest document start): at long lengths that is a sliver of the block. Under autograd one
-    addition of a 0 / -inf tensor over the block is cheaper than in-place writes into slices (which add a
-    CopySlices pass)."""
-    if s.requires_grad:
-        return s + _neg_inf_where(_hidden(qpos, kpos, ds))  # the same values and gradients as masked_fill, faster
-    c = int(qpos[0] - kpos[0])
-    s[..., c:].masked_fill_(kpos[None, c:] > qpos[:, None], float("-inf"))
-    if ds is not None and (c := int(ds.max() - kpos[0])) > 0:
-        s[..., :c].masked_fill_((kpos[None, None, :c] < ds[:, :, None])[:, None], float("-inf"))
-    return s
-
-
-def _bias_table(prior, dmin, dmax, device):
-    """The log-prior at every distance dmin..dmax (inclusive): (H, dmax - dmin + 1) float32. The prior depends
-    only on d = j - i, so evaluating it once per distinct distance and gathering is much cheaper than per pair."""
-    return prior.table(torch.arange(dmin, dmax + 1, device=device))
-
-
-def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scale_prior, softmax_scale):
-    """The final masked scores s of queries a..b-1 against keys lo..(q_offset + b - 1): (B, H, b - a, keys) fp32."""
-    i0, i1 = q_offset + a, q_offset + b  # absolute positions of the chunk's queries: [i0, i1)
-    qpos = torch.arange(i0, i1, device=q.device)
-    kpos = torch.arange(lo, i1, device=q.device)
-    s = torch.matmul(q[:, :, a:b].float(), k[:, :, lo:i1].float().transpose(-1, -2)).mul_(softmax_scale)
-    # In-place updates of the fresh score block save one (B, H, rows, keys) allocation each: add_ is always
-    # safe under autograd (its backward needs no values); mul_ only when row_scale needs no gradient.
-    if prior is not None:
-        dmin = lo - (i1 - 1)
-        bias = _bias_table(prior, dmin, i1 - 1 - i0, q.device)[:, kpos[None, :] - qpos[:, None] - dmin]
-        if row_scale is None or scale_prior:
-            s.add_(bias)
-    if row_scale is not None:
-        r = row_scale[:, :, a:b, None].float()
-        s = s * r if r.requires_grad and torch.is_grad_enabled() else s.mul_(r)
-        if prior is not None and not scale_prior:
-            s.add_(bias)
-    return _mask_invisible(s, qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])
-
-
-def _offset_and_scale(q, k, q_offset, softmax_scale):
-    """attention()'s defaults resolved: q_offset = Tk - Tq (the queries are the last positions), softmax_scale =
-    1 / sqrt(head_dim)."""
-    return (k.shape[2] - q.shape[2] if q_offset is None else int(q_offset),
-            1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale))
-
-
-def _query_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size):
-    """(q_offset, softmax_scale, [(a, b, lo)]): query chunks a..b-1 and the first key lo any of them can see; the
-    defaults of q_offset and softmax_scale resolved. Shared by the reference, "cpu" and "sdpa"."""
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    chunk = chunk_size or _chunk_rows(B, H, Tk)
-    chunks = []
-    for a in range(0, Tq, chunk):
-        b = min(a + chunk, Tq)
-        # lo skips keys before the chunk's earliest document start
-        lo = int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
-        chunks.append((a, b, lo))
-    return q_offset, softmax_scale, chunks
-
-
-def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                    q_offset=None, softmax_scale=None, chunk_size=None):
-    """Plain-PyTorch attention with the contract above, chunked over queries (peak memory O(chunk x Tk))."""
-    prior = bind(prior)
-    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, chunk_size)
-    outs = []
-    for a, b, lo in chunks:
-        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                    scale_prior=scale_prior, softmax_scale=softmax_scale)
-        p = torch.softmax(s, dim=-1)
-        outs.append(torch.matmul(p, v[:, :, lo:q_offset + b].float()).to(q.dtype))
-    return torch.cat(outs, dim=2)
-
-
-def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
-                    softmax_scale=None):
-    """The attention weights softmax_j(s_ij) of the reference math: (B, H, Tq, Tk) float32, 0 on hidden keys.
-    For inspecting a few query rows (the result is Tq x Tk); same arguments as attention()."""
-    prior = bind(prior)
-    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, None)
-    B, H, Tq, _ = q.shape
-    probs = torch.zeros(B, H, Tq, k.shape[2], device=q.device)
-    for a, b, lo in chunks:
-        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                    scale_prior=scale_prior, softmax_scale=softmax_scale)
-        probs[:, :, a:b, lo:q_offset + b] = torch.softmax(s, dim=-1)
-    return probs
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CPU training path (impl="cpu"): the reference's math with a hand-written backward.
-#
-# Autograd through the reference keeps every intermediate of a score block and reaches the prior by scattering
-# each score's gradient back through the (rows x keys) gather of its table. Written out by hand, per query block:
-#   forward   q' = q * softmax_scale * r            SSMax's row scale folds into the queries: q'.k = l r
-#             S = q' K^T + B rho                    rho = r when SSMax scales the prior, else 1; -inf where hidden
-#             P = softmax(S),  O = P V              P is kept for the backward
-#   backward  dS = P * (dP - rowsum(dP * P)),  dP = dO V^T      softmax's own fused backward
-#             dq' = dS K,  dK += dS^T q',  dV += P^T dO
-#             dB(d) = sum over b, i of rho_bi dS_b,i,i+d        sum_b rho dS, summed along its diagonals
-#             drho_bi = sum_j dS_bij B(j - i)                   a matmul batched over (head, row)
-# and autograd takes it from q' to q and r, and from the table to the prior's parameters. The (rows x keys)
-# matrix B(j - i) of a block is a strided *view* of `ext`, the table repeated once per block row: row i of the
-# view starts i entries earlier in its own copy (_toeplitz). Its backward is the same view: each block adds its
-# sum_b rho dS into a zeroed ext-shaped buffer through it, and one sum over the rows gives dB per distance.
-# Each block of CPU_BLOCK query rows stops at its last query's key and starts at its earliest document start, so
-# most of the triangle that causality hides is skipped instead of computed and masked. The gradients are the
-# reference's up to float rounding (tests/test_model.py); the saved P blocks make training memory O(T^2), as
-# the reference's is.
-# ----------------------------------------------------------------------------------------------------------
-CPU_BLOCK = 64  # query rows per block: fewer rows skip more of the causal triangle, each block costs ~25 op calls
-
-
-def _toeplitz(ext, rows, keys, col):
-    """The (H, rows, keys) view v[h, i, j] = table[h, col - i + j] of ext (H, R, n), R >= rows copies of the
-    table (H, n); needs col >= rows - 1 and col + keys <= n."""
-    H, R, n = ext.shape
-    return ext.as_strided((H, rows, keys), (R * n, n - 1, 1), ext.storage_offset() + col)
-
-
-class _CPUAttention(torch.autograd.Function):
-    """q' (= q * softmax_scale * r), k, v -> O. table: the prior at distances dmin..CPU_BLOCK - 1, (H or 1, n);
-    rho: the prior's row scale (B or 1, H, Tq) or None; blocks = [(a, b, lo, i0)]: query rows a..b-1 at absolute
-    positions i0.. against keys lo..i0 + b - a - 1."""
-
-    @staticmethod
-    def forward(ctx, qs, k, v, table, rho, doc_start, blocks, dmin, save):
-        out, saved = torch.empty_like(qs), []
-        rows_max = max(b - a for a, b, _, _ in blocks)
-        ext = table[:, None, :].expand(-1, rows_max, -1).contiguous() if table is not None else None
-        for a, b, lo, i0 in blocks:
-            i1 = i0 + b - a
-            s = torch.matmul(qs[:, :, a:b], k[:, :, lo:i1].transpose(-1, -2))
-            bias = None
-            if table is not None:
-                bias = _toeplitz(ext, b - a, i1 - lo, lo - i0 - dmin)
-                s.add_(bias) if rho is None else s.addcmul_(bias, rho[:, :, a:b, None])
-            qpos, kpos = torch.arange(i0, i1, device=qs.device), torch.arange(lo, i1, device=qs.device)
-            s.add_(_neg_inf_where(_hidden(qpos, kpos, None if doc_start is None else doc_start[:, i0:i1])))
-            p = torch.softmax(s, dim=-1)
-            out[:, :, a:b] = torch.matmul(p, v[:, :, lo:i1])
-            saved.append((p, bias) if save else None)
-        ctx.blocks, ctx.dmin, ctx.blocks_saved = blocks, dmin, saved
-        if save:
-            ctx.save_for_backward(qs, k, v, table, rho, ext)
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        qs, k, v, table, rho, ext = ctx.saved_tensors
-        dqs, dk, dv = torch.empty_like(qs), torch.zeros_like(k), torch.zeros_like(v)
-        # (H, R, n): one table copy per block row, per head even for a table shared by the heads (summed at the end)
-        dext = qs.new_zeros(qs.shape[1], *ext.shape[1:]) if ctx.needs_input_grad[3] else None
-        drho = torch.zeros_like(rho) if ctx.needs_input_grad[4] else None
-        for (a, b, lo, i0), (p, bias) in zip(ctx.blocks, ctx.blocks_saved):
-            i1, dob = i0 + b - a, do[:, :, a:b]
-            ds = torch._softmax_backward_data(torch.matmul(dob, v[:, :, lo:i1].transpose(-1, -2)), p, -1, p.dtype)
-            dv[:, :, lo:i1] += torch.matmul(p.transpose(-1, -2), dob)
-            dqs[:, :, a:b] = torch.matmul(ds, k[:, :, lo:i1])
-            dk[:, :, lo:i1] += torch.matmul(ds.transpose(-1, -2), qs[:, :, a:b])
-            if drho is not None:  # (H, rows, B, keys) @ (H, rows, keys, 1): one pass over ds
-                g = torch.matmul(ds.permute(1, 2, 0, 3), bias[..., None])[..., 0].permute(2, 0, 1)
-                drho[:, :, a:b] += g.sum_to_size(drho[:, :, a:b].shape)
-            if dext is not None:
-                view = _toeplitz(dext, b - a, i1 - lo, lo - i0 - ctx.dmin)
-                if rho is None:
-                    view += ds.sum(0)
-                elif rho.shape[0] == 1:
-                    view.addcmul_(ds.sum(0), rho[0, :, a:b, None])
-                else:  # ds is not needed after this
-                    view += ds.mul_(rho[:, :, a:b, None]).sum(0)
-        del ctx.blocks_saved
-        dtable = dext.sum(1).sum_to_size(table.shape) if dext is not None else None
-        return dqs, dk, dv, dtable, drho, None, None, None, None
-
-
-def attention_cpu(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                  q_offset=None, softmax_scale=None, block_rows=CPU_BLOCK):
-    """attention() with the reference's math and a hand-written backward (see above): CPU training's impl."""
-    prior = bind(prior)
-    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, block_rows)
-    blocks = [(a, b, lo, q_offset + a) for a, b, lo in chunks]
-    dmin = min(lo - (i0 + b - a - 1) for a, b, lo, i0 in blocks)  # the most negative distance any block sees
-    table = _bias_table(prior, dmin, min(block_rows, q.shape[2]) - 1, q.device) if prior is not None else None
-    scale = softmax_scale if row_scale is None else softmax_scale * row_scale[..., None].float()
-    rho = row_scale.float() if row_scale is not None and scale_prior and prior is not None else None
-    with torch.autocast(q.device.type, enabled=False):  # fp32 throughout, like the reference
-        out = _CPUAttention.apply(q.float() * scale, k.float(), v.float(), table, rho, doc_start, blocks, dmin,
-                                  needs_grad(q, k, v, prior, row_scale))
-    return out.to(q.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CPU fast path (impl="sdpa"): PyTorch's fused CPU attention kernel with the prior as a float attn_mask.
-#
-# Per query chunk, SSMax's row scale r_i moves into the queries, l_ij r_i = ((q_i r_i) . k_j) * softmax_scale, so
-#     s_ij = l_ij r_i + M_ij,   M_ij = B(j - i) r_i  if scale_prior  else  B(j - i),   M_ij = -inf where invisible,
-# which is scaled_dot_product_attention(q r, k, v, attn_mask=M): PyTorch's fused (flash) CPU kernel.
-# The keys are read in reverse order (softmax does not care): then B(j - i) = rtable[i' + j'] for the chunk's row
-# index i' and the reversed key index j', a Hankel matrix, i.e. a strided *view* of the reversed (H, rows + keys - 1)
-# prior table that the kernel reads without a copy; causality is -inf table entries. Only a mask that depends on
-# more than the distance (SSMax scaling the prior, documents) is written, into one buffer that every chunk reuses
-# (a fresh allocation per chunk costs more in page faults than the kernel itself). The buffer bounds the chunk, so
-# memory stays linear in the length.
-# ----------------------------------------------------------------------------------------------------------
-def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
-    # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
-    return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
-
-
 def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
     """One chunk's float mask, (B or 1, H or 1, rows, keys), keys in reverse order (see above); a view of rtable
     when it can be. rtable: (H or 1, rows + keys - 1), entry u for distance d = rows - 1 - u; r: (B or 1, H, rows, 1)
     row scales when they scale the prior, else None; doc_rows: (B, rows) document starts or None; kmax: the
-    position of the first (reversed) key."""
+    position of the first (reversed) key; buf: a reused buffer, or None under autograd."""
     H, n = rtable.shape
     keys = n - rows + 1
     if r is None:  # a function of the distance alone: causality (d > 0) is -inf table entries
@@ -304,11 +218,11 @@ def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
     if r is None and doc_rows is None:
         return view
     shape = (doc_rows.shape[0] if doc_rows is not None else r.shape[0], H if r is None else r.shape[1], rows, keys)
-    m = buf[:math.prod(shape)].view(shape) if buf is not None else rtable.new_empty(shape)
+    m = buf[:math.prod(shape)].view(shape) if buf is not None else None
     if r is None:
-        m.copy_(view.expand(shape))
+        m = view.expand(shape).clone() if m is None else m.copy_(view.expand(shape))
     else:  # causality: key j' is after query i' iff i' + j' < rows - 1, in the first rows - 1 columns
-        torch.mul(view.expand(shape), r, out=m)
+        m = view.expand(shape) * r if m is None else torch.mul(view.expand(shape), r, out=m)
         ij = torch.arange(rows, device=m.device)
         m[..., :rows - 1].add_(_neg_inf_where(ij[:, None] + ij[None, :rows - 1] < rows - 1))
     if doc_rows is not None and (c := int(kmax - doc_rows.max())) < keys - 1:  # keys before a document start
@@ -317,38 +231,28 @@ def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
     return m
 
 
-def _sdpa_mask_is_constant(prior, row_scale, scale_prior):
-    """Whether no tensor that the mask is built from needs a gradient (the fused kernel gives none for its mask):
-    true for NoPE, RoPE, a fixed prior such as ALiBi, and SSMax that scales only the content."""
-    return not needs_grad(prior) and not (scale_prior and prior is not None and needs_grad(row_scale))
-
-
 def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
                    q_offset=None, softmax_scale=None, chunk_size=None):
-    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). Gradients flow to q, k,
-    v and to a row_scale that scales only the content, through the kernel's fused backward; a trained prior (or
-    SSMax scaling one) raises, since the kernel gives no gradient for its mask. Under autograd each chunk's mask is
-    a fresh tensor that the backward keeps, so training memory is O(T^2) when a mask has to be written."""
+    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). Under autograd each
+    chunk's mask is a fresh tensor that the backward keeps (training memory O(T^2)); impl_error says that it
+    does not train a prior."""
     prior = bind(prior)
-    if not _sdpa_mask_is_constant(prior, row_scale, scale_prior):
-        raise NotImplementedError("impl='sdpa' gives no gradient for the prior (nor for an SSMax scale applied to "
-                                  "it); train with impl='cpu' (impl='auto' does)")
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
     chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
-    q_offset, softmax_scale, chunks = _query_chunks(q, k, doc_start, q_offset, softmax_scale, chunk)
     dtype, (q, k, v) = q.dtype, (q.float(), k.float(), v.float())  # fp32 inside, like the reference
     if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(dtype)
     written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
-    grad = needs_grad(q, k, v)
+    grad = needs_grad(q, k, v, prior, row_scale)
     buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
     k_rev, v_rev = k.flip(2), v.flip(2)  # key j sits at Tk - 1 - j
     outs = []
-    for a, b, lo in chunks:  # lo: keys before it are invisible to every query of the chunk
+    for a, b, lo in _query_chunks(Tq, doc_start, q_offset, chunk):  # keys before lo: invisible to the chunk
         i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
         dmin, dmax = lo - (i1 - 1), i1 - i0 - 1
-        rtable = (_bias_table(prior, dmin, dmax, q.device).flip(1) if prior is not None
+        rtable = (prior.table(torch.arange(dmin, dmax + 1, device=q.device)).flip(1) if prior is not None
                   else q.new_zeros(1, dmax - dmin + 1))
         qc, r = q[:, :, a:b], None
         if row_scale is not None:
@@ -359,107 +263,6 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
         outs.append(F.scaled_dot_product_attention(qc, k_rev[:, :, Tk - i1:Tk - lo], v_rev[:, :, Tk - i1:Tk - lo],
                                                    attn_mask=mask, scale=softmax_scale))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(dtype)
-
-
-def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-              q_offset=None, softmax_scale=None, impl="auto"):
-    """The one attention function the model calls. See the module docstring for the math, shapes and impls."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    prior = bind(prior)
-    Tq, Tk = q.shape[2], k.shape[2]
-    if Tq > Tk:
-        raise ValueError(f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions")
-    if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
-        raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
-    kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
-              softmax_scale=softmax_scale)
-    impl = auto_impl(q, prior, k, v, row_scale) if impl == "auto" else impl
-    if impl == "triton":
-        return attention_triton(q, k, v, **kw)
-    if impl == "flex":
-        return attention_flex(q, k, v, **kw)
-    if impl == "sdpa":
-        return attention_sdpa(q, k, v, **kw)
-    if impl == "cpu":
-        return attention_cpu(q, k, v, **kw)
-    return attention_torch(q, k, v, **kw)
-
-
-def needs_grad(*tensors):
-    """Whether autograd will want a gradient of any of these (tensors, BoundPriors, None)."""
-    flat = [t for x in tensors for t in ((x.params if isinstance(x, BoundPrior) else (x,)))]
-    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
-
-
-def auto_impl(q, prior, *tensors):
-    """impl="auto": the fastest implementation that computes `prior` exactly. CUDA: the Triton kernel when the prior
-    is native to it, else FlexAttention. CPU without gradients (evaluation): the fused-SDPA path, 2-6x faster than
-    the reference (README, "Measured on a 2-core CPU"); compiled Flex is slower there and compiles anew for every
-    shape. CPU training: "cpu", the reference's math with a hand-written backward (the fused CPU kernel gives no
-    gradient for its mask, i.e. for a trained prior; "cpu" trains every prior, also faster than SDPA's own
-    backward for NoPE at the demo's and bench.py's shapes)."""
-    if q.is_cuda:
-        native = prior is None or "triton" in prior.prior.native
-        return "triton" if native and _triton_available() else "flex"
-    return "cpu" if needs_grad(q, prior, *tensors) else "sdpa"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# FlexAttention (torch.nn.attention.flex_attention, compiled): the fused path for any registered prior. The prior
-# enters as its table over the distances (_bias_table, the reference's), indexed in score_mod; the causal +
-# document mask is a block mask, so fully hidden tiles are skipped. Gradients reach the prior's parameters and
-# row_scale through the tensors score_mod captures (flex differentiates them). FlexAttention's CPU path has no
-# backward (torch 2.13): on the CPU impl="flex" evaluates, and refuses to run where a gradient is needed.
-# ----------------------------------------------------------------------------------------------------------
-def _flex_scores(q, k, v, table, rs, prior_scale, ds, q_offset, softmax_scale):
-    """FlexAttention with s = l * rs + B(d) * prior_scale, the visible keys doc_start[i] <= j <= i. One graph for
-    every variant (absent parts are ones / zeros), so torch.compile builds it once per shape, not per flag."""
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-
-    def score_mod(score, b, h, qi, ki):  # d = ki - (qi + q_offset) <= 0 where visible; hidden ones clamped in range
-        bias = table[h, torch.clamp(ki - qi - q_offset, max=0) + Tk - 1]
-        return score * rs[b, h, qi] + bias * prior_scale[b, h, qi]
-
-    def visible(b, h, qi, ki):
-        return (ki <= qi + q_offset) & (ki >= ds[b, qi + q_offset])
-
-    block_mask = create_block_mask(visible, B, None, Tq, Tk, device=q.device)
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale)
-
-
-# Compiled at the first call and again for each new shape: with dynamic shapes, torch 2.13's CPU FlexAttention
-# template generates C++ that does not compile, so the shapes stay static.
-_flex_compiled = torch.compile(_flex_scores, dynamic=False)
-
-
-def attention_flex(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
-                   softmax_scale=None):
-    """The FlexAttention implementation of attention() (same contract, see the module docstring)."""
-    prior = bind(prior)
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-    if not needs_grad(q, k, v, prior, row_scale):  # FlexAttention's CPU path refuses inputs that require grad
-        q, k, v = q.detach(), k.detach(), v.detach()
-    elif not q.is_cuda:
-        raise RuntimeError("impl='flex' has no backward on the CPU (FlexAttention's CPU path is forward-only in "
-                           f"torch {torch.__version__}); train on the CPU with impl='cpu' (or 'auto')")
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    dev = q.device
-    table = _bias_table(prior, -(Tk - 1), 0, dev) if prior is not None else torch.zeros(H, Tk, device=dev)
-    ones = torch.ones(B, H, Tq, device=dev)
-    rs = row_scale.float().expand(B, H, Tq).contiguous() if row_scale is not None else ones
-    # BAM + SSMax scales the prior too: (l + B) r = l r + B r. A copy, not rs itself: tensors that alias each
-    # other would make torch.compile build a second graph.
-    prior_scale = rs.clone() if scale_prior and row_scale is not None else torch.ones_like(ones)
-    ds = doc_start.to(dev).expand(B, Tk) if doc_start is not None else torch.zeros(B, Tk, dtype=torch.long, device=dev)
-    return _flex_compiled(q, k.to(q.dtype), v.to(q.dtype), table, rs, prior_scale, ds.contiguous(), q_offset,
-                          softmax_scale)
-
-
-def _triton_available():
-    return triton is not None  # the import is tried once, below (no import inside code that torch.compile traces)
 
 
 # ----------------------------------------------------------------------------------------------------------

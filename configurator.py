@@ -55,7 +55,12 @@ def configure(defaults, argv=None):
             except OSError as e:
                 raise ConfigError(f"cannot read config file {arg!r}: {e.strerror}") from None
             namespace = {}
-            exec(compile(source, arg, "exec"), namespace)
+            try:
+                exec(compile(source, arg, "exec"), namespace)
+            except SyntaxError as e:
+                raise ConfigError(f"config file {arg!r}, line {e.lineno}: {e.msg}") from None
+            except Exception as e:  # the file ran, and failed
+                raise ConfigError(f"config file {arg!r} failed: {type(e).__name__}: {e}") from None
             for key, value in namespace.items():
                 if not key.startswith("_") and not callable(value) and not isinstance(value, type(sys)):
                     config[key] = _check(key, value, defaults, f"in {arg}")

@@ -52,7 +52,7 @@ class GPTConfig:
     prior: str = "ggd"               # the learned prior family of bam, a name registered in priors.py
     bam_init: str = "zero"           # its init spec (priors.py); ggd: zero (NoPE-equivalent) | alibi | linear | "A,B"
     train_mu: bool = False           # ggd: theta_mu is frozen at 0 in the paper (mu = 0)
-    attn_impl: str = "auto"          # auto | torch | cpu | flex | triton | sdpa (attention_kernel.py); no weights
+    attn_impl: str = "auto"          # auto | torch | sdpa | triton (attention_kernel.py); no weights
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     tokenizer: str = "gpt2"          # stored so that no script pairs a model with the wrong tokenizer
@@ -501,7 +501,7 @@ def load_state(model, ckpt):
 
 def load_model(path, device="cpu", attn_impl=None):
     """Build a GPT from a checkpoint file or run directory. Returns (model in eval mode, checkpoint dict).
-    attn_impl (auto | torch | cpu | flex | triton | sdpa) replaces the checkpoint's attention implementation."""
+    attn_impl (auto | torch | sdpa | triton) replaces the checkpoint's attention implementation."""
     ckpt = load_checkpoint(path)
     args = checkpoint_model_args(ckpt)
     if attn_impl is not None:

@@ -9,10 +9,9 @@ which key to read (the paper's reading of positional encodings). Each prior is r
     params          its per-head parameter names, in the order fn takes them (also the model's parameter names)
     init(spec, H)   their initial values from a spec string (train.py's bam_init: "zero", "alibi", "A,B", ...)
     trainable       the parameters trained by default (the others are kept fixed)
-    native          the attention implementations that compute it: "torch" (the reference) and "flex"
-                    (FlexAttention) evaluate fn itself; "triton" only for the forms the kernel hard-codes
-    formula         for figures and docs; shape_param labels a head in figures; highlight(*params) -> (H,) bool
-                    picks the heads figures draw thick, described by highlight_label
+and, optionally, for figures and logs: formula (default: the name of fn and its params), shape_param, the
+parameter that labels a head (default: the first trainable one), and highlight(*params) -> (H,) bool, the heads
+figures draw thick, described by highlight_label (default: none).
 
 attention() receives a BoundPrior (the prior and one layer's parameters). Priors shipped: ggd (the paper's,
 the default), alibi (fixed slopes) and cauchy (a learnable heavy-tailed example of adding one).
@@ -23,8 +22,6 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-IMPLS = frozenset({"torch", "flex", "triton"})
-
 
 @dataclass(frozen=True)
 class Prior:
@@ -33,11 +30,16 @@ class Prior:
     params: tuple
     init: Callable
     trainable: tuple
-    native: frozenset = frozenset({"torch", "flex"})
     formula: str = ""
     shape_param: str = ""
     highlight: Optional[Callable] = None
     highlight_label: str = ""
+
+    def __post_init__(self):  # the figure fields' defaults, so that the five required fields make a full prior
+        if not self.formula:
+            object.__setattr__(self, "formula", f"B(d) = {self.fn.__name__}(d, {', '.join(self.params)})")
+        if not self.shape_param:
+            object.__setattr__(self, "shape_param", (tuple(self.trainable) + tuple(self.params) + ("",))[0])
 
 
 class BoundPrior(NamedTuple):
@@ -58,9 +60,9 @@ def register(prior):
     if PRIORS.get(prior.name, prior) is not prior:
         raise ValueError(f"a different prior is already registered as {prior.name!r}")
     bad = [n for n in prior.trainable if n not in prior.params]
-    if bad or not prior.native <= IMPLS or prior.shape_param not in prior.params + ("",):
+    if bad or prior.shape_param not in prior.params:
         raise ValueError(f"prior {prior.name!r}: trainable {prior.trainable} and shape_param {prior.shape_param!r} "
-                         f"must be among its params {prior.params}, native {set(prior.native)} within {set(IMPLS)}")
+                         f"must be among its params {prior.params}")
     PRIORS[prior.name] = prior
     return prior
 
@@ -129,7 +131,7 @@ def ggd_init(spec, n_head):
 
 GGD = register(Prior(
     name="ggd", fn=ggd_prior, params=("theta_alpha", "theta_beta", "theta_mu"), init=ggd_init,
-    trainable=("theta_alpha", "theta_beta"), native=frozenset({"torch", "flex", "triton"}),
+    trainable=("theta_alpha", "theta_beta"),
     formula="B(d) = -exp(θα)(|d - μ| + 1e-5)^θβ, μ = 2 sinh(θμ)", shape_param="theta_beta",
     highlight=lambda theta_alpha, theta_beta, theta_mu: theta_beta < 0,
     highlight_label="θβ < 0"))
@@ -157,7 +159,7 @@ def alibi_prior(d, slope):
 
 ALIBI = register(Prior(
     name="alibi", fn=alibi_prior, params=("slope",), init=lambda spec, n_head: (alibi_slopes(n_head),),
-    trainable=(), native=frozenset({"torch", "flex", "triton"}), formula="B(d) = -m|d|, fixed slopes m",
+    trainable=(), formula="B(d) = -m|d|, fixed slopes m",
     shape_param="slope"))
 
 

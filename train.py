@@ -10,8 +10,7 @@ Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or ma
 Settings are the module-level variables below; their defaults are the paper's recipe, and a config file and
 --key=value arguments override them (configurator.py). The run directory out_dir/ holds:
     config.json     the resolved settings (plus world_size, vocab_size, tokenizer, model_args)
-    env.json        versions, GPUs, host, git commit and command line of every launch, and (CUDA) the result of
-                    the attention self-check run before the first step (attention_check.py)
+    env.json        versions, GPUs, host, git commit and command line of every launch
     metrics.jsonl   one JSON object per logged step: step, train_loss, lr, grad_norm, tokens_per_s, ms_per_step,
                     mfu (CUDA), and at evaluations val_loss and the learned prior (bam)
     ckpt_{step:07d}.pt  model.save_checkpoint(): model_args, model, optimizer, step, config, rng, val_loss, ...
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from attention_check import SelfCheckError, self_check_model
+from attention_kernel import impl_error
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, RUNTIME_KEYS, CheckpointError, GPTConfig, autocast,
@@ -173,17 +172,6 @@ def open_data(c, rank, world_size, tokens_per_update, log):
     return train_loader, val_loader, eval_iters
 
 
-def check_attention(raw_model, device, dtype, log):
-    """On CUDA, before the first step: the model's attention impl vs the reference, values and every gradient
-    (attention_check.py); raises SelfCheckError beyond the dtype's tolerance. None on the CPU."""
-    if device.type != "cuda":
-        return None
-    result = self_check_model(raw_model, training=True, dtype=getattr(torch, dtype))
-    log(f"attention self-check: {result['impl']} matches the reference (max error {result['max_err']:.1e}, "
-        f"{result['seconds']:.1f} s)")
-    return result
-
-
 def check_data_budget(c, train_windows, tokens_per_update):
     """Refuse a run that would wrap around its training data (the loader repeats it), unless allow_data_repeat."""
     T = c["block_size"]
@@ -199,18 +187,14 @@ def check_data_budget(c, train_windows, tokens_per_update):
 
 
 def attn_impl_errors(c):
-    """attn_impl settings that could not train this model: said before any data or model is touched."""
-    if c["attn_impl"] == "flex" and (c["device"] == "cpu" or (c["device"] == "auto" and not torch.cuda.is_available())):
-        return ["attn_impl='flex' cannot train on the CPU (FlexAttention has no CPU backward in this torch); "
-                "use attn_impl=cpu or auto"]
-    if c["attn_impl"] == "sdpa" and c["pos_encoding"] == "bam":
-        return ["attn_impl='sdpa' cannot train bam (PyTorch's fused kernel gives no gradient for the learned prior "
-                "in its mask); use attn_impl=cpu or auto"]
-    prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
-    if c["attn_impl"] == "triton" and prior in PRIORS and "triton" not in PRIORS[prior].native:
-        return [f"attn_impl='triton' cannot compute the prior {prior!r} (the kernel hard-codes "
-                f"{', '.join(p for p in PRIORS if 'triton' in PRIORS[p].native)}); use attn_impl=flex or auto"]
-    return []
+    """attn_impl that cannot train this model on this device (attention_kernel.impl_error decides)."""
+    prior = PRIORS.get(c["prior"]) if c["pos_encoding"] == "bam" else PRIORS["alibi"] if c["pos_encoding"] == "alibi" else None
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if c["device"] == "auto" else c["device"]
+    try:
+        error = impl_error(c["attn_impl"], prior, device, grad=True)
+    except RuntimeError:  # a device torch does not know: reported with the device
+        return []
+    return [f"attn_impl: {error}"] if error else []
 
 
 def resolve_accumulation(c, world_size):
@@ -365,10 +349,9 @@ def environment(argv, world_size):
             "command": shlex.join([sys.executable, *argv])}
 
 
-def write_run_files(c, tokens_per_update, argv, start_step, attention_check):
-    """config.json, env.json (this launch with its attention self-check result, and the earlier launches of a
-    resumed run) and metrics.jsonl cut back to start_step: records of steps after it were lost with the crash.
-    Returns the metrics path."""
+def write_run_files(c, tokens_per_update, argv, start_step):
+    """config.json, env.json (this launch, and the earlier launches of a resumed run) and metrics.jsonl cut back
+    to start_step: records of steps after it were lost with the crash. Returns the metrics path."""
     os.makedirs(c["out_dir"], exist_ok=True)
     with open(os.path.join(c["out_dir"], "config.json"), "w") as f:
         json.dump(dict(c, model_args=model_args(c, c["vocab_size"], c["tokenizer"]),
@@ -380,8 +363,8 @@ def write_run_files(c, tokens_per_update, argv, start_step, attention_check):
             prev = json.load(f)
         earlier = prev.pop("earlier_launches", []) + [prev]
     with open(env_path, "w") as f:
-        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, attention_check=attention_check,
-                       earlier_launches=earlier), f, indent=2)
+        json.dump(dict(environment(argv, c["world_size"]), start_step=start_step, earlier_launches=earlier), f,
+                  indent=2)
     metrics_path = os.path.join(c["out_dir"], "metrics.jsonl")
     kept = []
     if c["resume"] and os.path.exists(metrics_path):
@@ -582,11 +565,10 @@ def train(c, argv=()):
     step, last_ckpt, val_loss = 0, None, None
     if c["resume"]:
         step, last_ckpt, val_loss = restore(existing[-1][1], raw_model, optimizer, scaler, c, rank, world_size, log)
-    attn_check = check_attention(raw_model, device, c["dtype"], log)
     model = torch.compile(raw_model) if c["compile"] else raw_model
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    metrics_path = write_run_files(c, tokens_per_update, argv, step, attn_check) if master else None
+    metrics_path = write_run_files(c, tokens_per_update, argv, step) if master else None
     wandb = start_wandb(c) if master and c["wandb_log"] else None
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if device.type == "cuda" and peak is None:  # MFU needs the GPU's peak
@@ -637,7 +619,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError, SelfCheckError) as e:
+    except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError) as e:
         if os.environ.get("RANK", "0") == "0" or not isinstance(e, ConfigError):  # settings errors: rank 0 says it
             print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from attention_kernel import alibi_slopes, attention, attention_cpu, attention_sdpa, attention_torch, ggd_prior
+from attention_kernel import attention, attention_sdpa, attention_torch, dense_attention
 from configurator import ConfigError, configure
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
-from priors import BoundPrior, get_prior
+from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
@@ -33,26 +33,36 @@ def make(cfg, seed=0):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# attention(): the reference against a dense formula written independently here
+# attention(): dense_attention (the specification) against a per-element computation written here, and every
+# impl against dense_attention
 # ---------------------------------------------------------------------------------------------------------
-def dense_attention(q, k, v, doc_start, prior, row_scale, scale_prior, q_offset):
-    B, H, Tq, D = q.shape
-    Tk = k.shape[2]
-    i = torch.arange(Tq)[:, None] + q_offset
-    j = torch.arange(Tk)[None, :]
-    logits = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / math.sqrt(D)
-    bias = torch.zeros(H, Tq, Tk, dtype=torch.float64)
-    if prior is not None:
-        a, b, m = (t.double()[:, None, None] for t in prior)
-        mu = torch.exp(m) - torch.exp(-m)
-        bias = -torch.exp(a) * ((j - i)[None].double() - mu).abs().add(1e-5).pow(b)
-    r = torch.ones(1, H, Tq, 1, dtype=torch.float64) if row_scale is None else row_scale.double()[..., None]
-    s = (logits + bias) * r if scale_prior else logits * r + bias
-    ok = (j <= i)[None, None]
-    if doc_start is not None:
-        ok = ok & (j[None, None] >= doc_start[:, None, q_offset:q_offset + Tq, None])
-    s = s.masked_fill(~ok, float("-inf"))
-    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v.double())
+def test_dense_attention_is_the_formula_element_by_element():
+    """out_i = sum_j softmax_j(s_ij) v_j with s_ij = (l_ij + B(j - i)) r_i or l_ij r_i + B(j - i), the GGD prior
+    B(d) = -exp(a) (|d - 2 sinh(m)| + 1e-5)^b and the keys doc_start[i] <= j <= i, one scalar at a time."""
+    gen = torch.Generator().manual_seed(4)
+    B, H, Tq, Tk, D, q_offset = 2, 2, 4, 7, 3, 2
+    q, k, v = (torch.randn(B, H, t, D, generator=gen, dtype=torch.float64) for t in (Tq, Tk, Tk))
+    prior = (torch.tensor([-0.5, 0.3]), torch.tensor([-0.7, 1.2]), torch.tensor([0.4, 0.0]))
+    row_scale = torch.rand(B, H, Tq, generator=gen, dtype=torch.float64) + 0.5
+    doc_start = torch.tensor([[0, 0, 0, 3, 3, 3, 3], [0, 1, 1, 1, 1, 5, 5]])
+    for scale_prior in (False, True):
+        got = dense_attention(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                              scale_prior=scale_prior, q_offset=q_offset, softmax_scale=0.7)
+        for b in range(B):
+            for h in range(H):
+                a, be, m = (float(t[h]) for t in prior)
+                for t in range(Tq):
+                    i, r = q_offset + t, float(row_scale[b, h, t])
+                    scores = {}
+                    for j in range(int(doc_start[b, i]), i + 1):
+                        l = 0.7 * sum(float(q[b, h, t, x] * k[b, h, j, x]) for x in range(D))
+                        prior_ij = -math.exp(a) * (abs(j - i - 2 * math.sinh(m)) + 1e-5) ** be
+                        scores[j] = (l + prior_ij) * r if scale_prior else l * r + prior_ij
+                    z = sum(math.exp(s - max(scores.values())) for s in scores.values())
+                    want = [sum(math.exp(s - max(scores.values())) / z * float(v[b, h, j, x])
+                                for j, s in scores.items()) for x in range(D)]
+                    torch.testing.assert_close(got[b, h, t], torch.tensor(want, dtype=torch.float64),
+                                               atol=1e-6, rtol=1e-5)
 
 
 def random_doc_start(B, T, gen):
@@ -64,7 +74,7 @@ def random_doc_start(B, T, gen):
     return starts
 
 
-@pytest.mark.parametrize("impl", ["torch", "cpu", "sdpa"])
+@pytest.mark.parametrize("impl", ["torch", "sdpa"])
 @pytest.mark.parametrize("case", ["plain", "prior", "prior_neg_beta_mu", "ssmax", "ssmax_scale_prior",
                                   "docs", "q_offset", "everything"])
 def test_attention_matches_dense_formula(case, impl):
@@ -86,7 +96,8 @@ def test_attention_matches_dense_formula(case, impl):
         scale_prior = case != "ssmax"
     if case in ("docs", "everything"):
         doc_start = random_doc_start(B, Tk, gen)
-    ref = dense_attention(q, k, v, doc_start, prior, row_scale, scale_prior, q_offset)
+    ref = dense_attention(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior,
+                          q_offset=q_offset)
     out = attention(q.float(), k.float(), v.float(), doc_start=doc_start, prior=prior,
                     row_scale=None if row_scale is None else row_scale.float(), scale_prior=scale_prior,
                     q_offset=q_offset, impl=impl)
@@ -110,74 +121,6 @@ def test_reference_chunked_equals_unchunked_with_grads():
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("scale_prior", [False, True])
-@pytest.mark.parametrize("prior_name", ["ggd", "cauchy"])
-def test_cpu_path_gradients_match_reference_for_every_blocking(scale_prior, prior_name):
-    """impl='cpu' (hand-written backward) against autograd through the reference: the output and the gradient of
-    q, k, v, every prior parameter and row_scale, with documents, queries at an offset, a row scale per batch row
-    (0 or negative on some rows) and one broadcast over the batch, and blocks of 1, 7, 64 rows."""
-    gen = torch.Generator().manual_seed(11)
-    B, H, Tq, Tk, D = 3, 4, 30, 41, 8
-    q, dout = (torch.randn(B, H, Tq, D, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, H, Tk, D, generator=gen) for _ in range(2))
-    doc_start = random_doc_start(B, Tk, gen)
-    prior_def = get_prior(prior_name)
-    params = [torch.randn(H, generator=gen) * 0.7 for _ in prior_def.params]
-    for rs_batch in (B, 1):
-        row_scale = torch.rand(rs_batch, H, Tq, generator=gen) * 2 - 0.2
-        row_scale[:, :, 3] = 0.0
-        results = {}
-        for impl, block in (("torch", None), ("cpu", 1), ("cpu", 7), ("cpu", 64)):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v, *params, row_scale)]
-            kw = dict(doc_start=doc_start, prior=BoundPrior(prior_def, tuple(leaves[3:-1])), row_scale=leaves[-1],
-                      scale_prior=scale_prior, q_offset=6)
-            out = attention_torch(*leaves[:3], **kw) if impl == "torch" else \
-                attention_cpu(*leaves[:3], block_rows=block, **kw)
-            results[impl, block] = [out] + list(torch.autograd.grad((out * dout).sum(), leaves))
-        names = ["out", "q", "k", "v", *prior_def.params, "row_scale"]
-        for key, got in results.items():
-            for name, a, b in zip(names, got, results["torch", None]):
-                torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"{key} {name}: {m}")
-
-
-def test_cpu_path_without_prior_or_grad_and_in_bfloat16():
-    """NoPE (no table), no gradient at all (nothing is saved), and bf16 inputs (computed in fp32, returned in bf16,
-    gradients in bf16) all agree with the reference."""
-    gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 3, 19, 8, generator=gen) for _ in range(3))
-    doc_start = random_doc_start(2, 19, gen)
-    with torch.no_grad():
-        torch.testing.assert_close(attention_cpu(q, k, v, doc_start=doc_start, block_rows=5),
-                                   attention_torch(q, k, v, doc_start=doc_start))
-    grads = []
-    for fn in (attention_torch, attention_cpu):
-        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves, doc_start=doc_start)
-        assert out.dtype == torch.bfloat16
-        grads.append([out] + list(torch.autograd.grad(out.float().sum(), leaves)))
-    for a, b in zip(*grads):
-        assert a.dtype == torch.bfloat16
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("pe,ssmax", VARIANTS)
-def test_model_gradients_cpu_impl_equal_reference(pe, ssmax):
-    """Every variant's training gradients (all parameters, incl. the priors' and SSMax's) through impl='cpu', the
-    CPU training default, equal those through the reference."""
-    idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
-    doc_start = torch.zeros(2, 16, dtype=torch.long)
-    doc_start[1, 6:] = 6
-    grads = []
-    for impl in ("torch", "cpu"):
-        model = make(tiny(pe, ssmax, attn_impl=impl))
-        _, loss = model(idx, idx, doc_start=doc_start)
-        loss.backward()
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("scale_prior", [False, True])
@@ -233,7 +176,7 @@ def test_sdpa_path_gradients_match_reference(case):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     trained = (torch.zeros(H, requires_grad=True), torch.zeros(H), torch.zeros(H))
-    with pytest.raises(NotImplementedError, match="impl='cpu'"):
+    with pytest.raises(ValueError, match="cannot train a prior"):
         attention(q, k, v, prior=trained, impl="sdpa")
 
 

@@ -11,9 +11,9 @@ import torch
 
 import attention_kernel as ak
 import eval_passkey
-from attention_kernel import alibi_slopes, attention, attention_probs
+from attention_kernel import attention, attention_probs
 from model import GPT, CheckpointError, GPTConfig, load_model, save_checkpoint
-from priors import PRIORS, BoundPrior, Prior, bind, get_prior, register
+from priors import PRIORS, BoundPrior, Prior, alibi_slopes, bind, get_prior, register
 
 
 # ------------------------------------------------------------------------------------ a prior no other test uses
@@ -43,19 +43,18 @@ def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior
 
 
 def impl_cases():
-    """(impl, has_backward) for every impl this machine has: torch; cpu; flex (forward only on CPU); the kernel."""
-    cases = [("torch", True), ("cpu", True)]
-    cases.append(("flex", torch.cuda.is_available()))
-    if ak._triton_available() and (torch.cuda.is_available() or ak._interpreting()):
+    """(impl, trains the prior) for every impl this machine has: torch; sdpa (evaluation only); the kernel."""
+    cases = [("torch", True), ("sdpa", False)]
+    if ak.impl_error("triton", TANH, "cuda" if torch.cuda.is_available() else "cpu", True) is None:
         cases.append(("triton_kernel", True))
     return cases
 
 
-@pytest.mark.parametrize("impl,has_backward", impl_cases())
+@pytest.mark.parametrize("impl,trains", impl_cases())
 @pytest.mark.parametrize("scale_prior", [True, False])
-def test_every_kernel_matches_dense_formula_or_raises(impl, has_backward, scale_prior):
+def test_every_kernel_matches_dense_formula_or_raises(impl, trains, scale_prior):
     """Documents, SSMax in both placements and q_offset (the queries are not the last positions)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if torch.cuda.is_available() and impl != "sdpa" else "cpu"
     gen = torch.Generator().manual_seed(7)
     B, H, Tq, Tk, D, q_offset = 2, 3, 24, 40, 16, 10
     q, k, v = (torch.randn(B, H, t, D, generator=gen) for t in (Tq, Tk, Tk))
@@ -73,15 +72,11 @@ def test_every_kernel_matches_dense_formula_or_raises(impl, has_backward, scale_
     call = lambda: attention(*mine[:3], doc_start=ds.to(dev), prior=BoundPrior(TANH, tuple(mine[3:5])),
                              row_scale=mine[5], scale_prior=scale_prior, q_offset=q_offset,
                              impl=impl.replace("_kernel", ""))
-    if impl == "triton_kernel":  # the kernel hard-codes its priors: this one is refused, never replaced
-        with pytest.raises(ValueError, match="test_tanh"):
-            call()
-        return
-    if not has_backward:  # FlexAttention on the CPU: the forward, and a clear refusal where a gradient is needed
+    if not trains:  # sdpa: the forward, and impl_error's refusal where the prior needs a gradient
         with torch.no_grad():
             out = call()
         torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
-        with pytest.raises(RuntimeError, match="no backward on the CPU"):
+        with pytest.raises(ValueError, match="cannot train a prior"):
             call()
         return
     out = call()
@@ -115,21 +110,24 @@ def test_registry_names_and_errors():
     assert register(TANH) is TANH  # registering the same prior twice is harmless
     with pytest.raises(ValueError, match="trainable"):
         register(Prior(name="bad", fn=tanh_prior, params=("a",), init=TANH.init, trainable=("b",)))
+    # the five required fields make a full prior: the figure fields get defaults derived from it
+    minimal = Prior(name="test_minimal", fn=tanh_prior, params=("theta_p", "theta_q"), init=TANH.init,
+                    trainable=("theta_q",))
+    assert minimal.formula == "B(d) = tanh_prior(d, theta_p, theta_q)" and minimal.shape_param == "theta_q"
+    assert minimal.highlight is None and Prior("x", tanh_prior, ("a",), TANH.init, ()).shape_param == "a"
     triple = tuple(torch.zeros(2) for _ in range(3))
     assert bind(triple).prior.name == "ggd" and bind(None) is None
     with pytest.raises(TypeError):
         bind((torch.zeros(2), torch.zeros(2)))
 
 
-def test_cauchy_prior_formula_and_kernel_native_sets():
+def test_cauchy_prior_formula():
     d = torch.arange(-6, 1)
     table = get_prior("cauchy").fn(d, torch.tensor([1.0, 0.7, 0.0]), torch.tensor([0.0, 1.2, 0.5]))
     expect = torch.stack([-torch.log(1 + d.float() ** 2), -0.7 * torch.log(1 + (d.float() / math.exp(1.2)) ** 2),
                           torch.zeros(len(d))])  # theta_a = 0 is flat: the 'zero' init starts as NoPE
     torch.testing.assert_close(table, expect)
     assert get_prior("cauchy").highlight(torch.tensor([-0.1, 0.2]), torch.zeros(2)).tolist() == [True, False]
-    for name, prior in PRIORS.items():  # the registry says which priors the kernel computes; the kernel agrees
-        assert ("triton" in prior.native) == (name in ak._KERNEL_FORMS), name
 
 
 def test_alibi_prior_is_ggd_with_theta_beta_one():
@@ -169,11 +167,9 @@ def test_kernel_alibi_prior_matches_reference():
     torch.testing.assert_close(out, attention(q, k, v, **kw, impl="torch"), rtol=1e-4, atol=1e-5)
 
 
-def test_kernel_refuses_cauchy_and_auto_never_substitutes():
+def test_auto_never_substitutes_a_prior():
     q = torch.randn(1, 2, 8, 16)
     cauchy = BoundPrior(get_prior("cauchy"), (torch.ones(2), torch.zeros(2)))
-    with pytest.raises(ValueError, match="cannot compute the prior 'cauchy'"):
-        attention(q, q, q, prior=cauchy, impl="triton")
     ref = attention(q, q, q, prior=cauchy, impl="torch")
     torch.testing.assert_close(attention(q, q, q, prior=cauchy, impl="auto"), ref)
     assert not torch.allclose(ref, attention(q, q, q, prior=(torch.zeros(2),) * 3, impl="torch"))
@@ -222,19 +218,32 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
     assert "my_unregistered_prior" in msg and "\n" not in msg
 
 
-def test_auto_picks_the_fastest_exact_impl():
-    """CUDA: the kernel for its own priors, Flex for the rest. CPU: sdpa for evaluation, the cpu path to train.
-    The CUDA branch only reads .is_cuda, so a stand-in is enough here."""
-    from types import SimpleNamespace
-    cuda = SimpleNamespace(is_cuda=True)
-    ggd, cauchy = bind(tuple(torch.zeros(2) for _ in range(3))), BoundPrior(get_prior("cauchy"), ())
-    assert ak.auto_impl(cuda, ggd) == "triton" and ak.auto_impl(cuda, None) == "triton"
-    assert ak.auto_impl(cuda, BoundPrior(get_prior("alibi"), ())) == "triton"
-    assert ak.auto_impl(cuda, cauchy) == "flex"
-    # CPU: the fused-SDPA path when nothing needs a gradient, the hand-written backward when anything does
-    assert ak.auto_impl(torch.zeros(1), cauchy) == "sdpa" and ak.auto_impl(torch.zeros(1), ggd) == "sdpa"
+def test_one_decision_point_says_which_impl_computes_what(monkeypatch):
+    """impl_error: torch computes everything; sdpa is CPU-only and does not train a prior; triton needs CUDA (or
+    the interpreter) and the triton package. pick_impl: "auto" is the fastest that can, others raise its message."""
+    ggd, cauchy = get_prior("ggd"), get_prior("cauchy")
     trained = bind(tuple(torch.zeros(2, requires_grad=True) for _ in range(3)))
-    assert ak.auto_impl(torch.zeros(1), trained) == "cpu"
-    assert ak.auto_impl(torch.zeros(1), None, torch.zeros(1, requires_grad=True)) == "cpu"
-    with torch.no_grad():
-        assert ak.auto_impl(torch.zeros(1), trained) == "sdpa"
+    fixed = BoundPrior(get_prior("alibi"), (torch.ones(2),))
+    for prior in (None, ggd, cauchy, trained, fixed, TANH):
+        for dev in ("cpu", "cuda", torch.device("cpu")):
+            assert ak.impl_error("torch", prior, dev, True) is None
+    assert ak.impl_error("sdpa", None, "cpu", True) is None and ak.impl_error("sdpa", fixed, "cpu", True) is None
+    assert ak.impl_error("sdpa", ggd, "cpu", False) is None and ak.impl_error("sdpa", trained, "cpu", False) is None
+    assert "cannot train a prior" in ak.impl_error("sdpa", ggd, "cpu", True)
+    assert "cannot train a prior" in ak.impl_error("sdpa", trained, "cpu", True)
+    assert "CPU evaluation path" in ak.impl_error("sdpa", None, "cuda", False)
+    assert "unknown attention impl 'flex'" in ak.impl_error("flex", None, "cpu", False)
+    assert ak.pick_impl("auto", ggd, "cpu", False) == "sdpa" and ak.pick_impl("auto", None, "cpu", True) == "torch"
+    with pytest.raises(ValueError, match="cannot train a prior"):
+        ak.pick_impl("sdpa", cauchy, "cpu", True)
+    monkeypatch.setattr(ak, "_interpreting", lambda: False)
+    if ak._triton_available():
+        for prior in (None, ggd, cauchy, TANH):  # every registered prior
+            assert ak.impl_error("triton", prior, "cuda", True) is None
+        assert ak.pick_impl("auto", cauchy, "cuda", True) == "triton"
+    assert "needs a CUDA device" in ak.impl_error("triton", ggd, "cpu", False)
+    monkeypatch.setattr(ak, "triton", None)
+    assert "needs the triton package" in ak.impl_error("triton", ggd, "cuda", False)
+    assert ak.pick_impl("auto", ggd, "cuda", True) == "torch"
+    with pytest.raises(ValueError, match="needs the triton package"):
+        attention(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), impl="triton")
