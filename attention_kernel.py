@@ -734,9 +734,10 @@ def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
     d0 = -(q_offset + Tq - 1) - pad
     n = Tq + Tk + 2 * pad - 1
-    future = torch.arange(d0, d0 + n, device=device) > 0
+    d = torch.arange(d0, d0 + n, device=device)
+    future = d > 0
     params = tuple(t.detach() for t in prior.params)
-    of = lambda *ps: _bias_table(BoundPrior(prior.prior, ps), d0, d0 + n - 1, device).float().expand(H, n)
+    of = lambda *ps: BoundPrior(prior.prior, ps).table(d).float().expand(H, n)  # the registry's fn
     table = of(*params).masked_fill(future, 0.0).contiguous()
     need = [i for i, t in enumerate(prior.params) if t.requires_grad] if torch.is_grad_enabled() else []
     if not need:
