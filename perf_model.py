@@ -19,9 +19,9 @@ special-function unit (MUFU: ex2, lg2, rcp) 16 ops, FP32 pipe (FFMA/FMUL/FADD/FM
 instruction issue 4 warp-instructions = 128 thread-instructions (all non-tensor instructions count), L1/shared
 memory 128 bytes (the loads and stores of the loop, by width; the tensor cores' own shared-memory operand reads
 are not counted). Time per score = max(tensor, MUFU, FP32, issue, L1): perfect overlap of the pipes, no latency,
-DRAM/L2 or occupancy stalls, so it is an upper bound on speed and a statement of which unit binds. FA2 is modelled the same way from its
-algorithm (not compiled here): head_dim padded to a multiple of 32 (48 -> 64), forward 4 D FLOP + 1 exp2 per
-score, backward 10 D FLOP + 1 exp2 (one kernel, dQ by atomics), its FP32 work assumed hidden.
+DRAM/L2 or occupancy stalls, so it is an upper bound on speed and a statement of which unit binds. FA2 is modelled
+the same way from its algorithm (not compiled here): head_dim padded to a multiple of 32 (48 -> 64), forward
+4 D FLOP + 1 exp2 per score, backward 10 D FLOP + 1 exp2 (one kernel, dQ by atomics), its FP32 work assumed hidden.
 The backward of this kernel is two kernels (dK/dV, then dQ), so its time per score is their sum.
 """
 import argparse
@@ -33,6 +33,8 @@ import re
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, from dev/
 
 GPUS = {  # per SM per clock
     90: dict(name="H100 SXM", tensor=4096, mufu=16, fp32=128, issue=128, l1_bytes=128),
@@ -53,11 +55,9 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za
 
 def load_kernel_module(rev=None):
     """attention_kernel of this checkout, or of git revision `rev` (loaded from `git show`)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if rev is None:
-        path = os.path.join(here, "attention_kernel.py")
-    else:
-        src = subprocess.run(["git", "show", f"{rev}:attention_kernel.py"], cwd=here, check=True,
+    path = importlib.util.find_spec("attention_kernel").origin
+    if rev is not None:
+        src = subprocess.run(["git", "show", f"{rev}:attention_kernel.py"], cwd=os.path.dirname(path), check=True,
                              capture_output=True, text=True).stdout
         path = os.path.join(tempfile.mkdtemp(), f"attention_kernel_{rev}.py")
         with open(path, "w") as f:

@@ -393,8 +393,8 @@ PRIOR_PARAMS = {  # name: (per-head parameters, trained); ggd with theta_beta < 
 @pytest.mark.parametrize("name", list(PRIOR_PARAMS))
 def test_kernel_every_prior_matches_dense_formula(name, scale_prior, monkeypatch):
     """The kernel reads any prior from its tables: values and every gradient (q, k, v, each prior parameter,
-    row_scale) match dense_attention in float64 (the tanh prior: its own formula), with documents, SSMax in both placements and q_offset; a second
-    backward pass is bitwise equal to the first."""
+    row_scale) match dense_attention in float64 (the tanh prior: its own formula), with documents, SSMax in both
+    placements and q_offset; a second backward pass is bitwise equal to the first."""
     monkeypatch.setattr(ak, "INTERPRET_BLOCKS", (16, 16))
     gen = torch.Generator().manual_seed(len(name))
     B, H, Tq, Tk, D, q_offset = 2, 2, 24, 40, 16, 10

@@ -1,7 +1,7 @@
 """torch.compile sees the whole model: attention is a registered custom op (Triton), never a graph break, and the
-prior's tables are built in the traced graph. On the CPU the Triton kernel runs under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-and the compiled model uses the aot_eager backend (AOTAutograd traces forward and backward, then runs the
-captured graphs eagerly), so compiled and eager results must be bitwise equal."""
+prior's tables are built in the traced graph. On the CPU the Triton kernel runs under the interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1) and the compiled model uses the aot_eager backend (AOTAutograd traces
+forward and backward, then runs the captured graphs eagerly), so compiled and eager results must be bitwise equal."""
 import pytest
 import torch
 import torch._dynamo
