@@ -457,3 +457,25 @@ def test_kernel_minimal_prior_trains_like_reference(monkeypatch):
     assert loss_k == pytest.approx(loss_ref, rel=1e-5)
     for n in p_ref:
         assert rel_err(p_k[n], p_ref[n]) < 1e-4, n
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times the compiled kernel: a GPU only (bash gpu_check.sh)")
+def test_kernel_speed_of_every_prior_is_that_of_its_tables():
+    """ggd, cauchy and the tanh prior with two trained parameters each launch the same compiled kernels (the prior
+    is only tables): bf16 forward + backward within 15% of GGD's time. Prints the times (gpu_check.sh's log)."""
+    from triton.testing import do_bench
+    B, H, T, D = 4, 16, 4096, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, T, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v, torch.rand(1, H, T, device="cuda", generator=gen) + 0.5)]
+    trained = {"ggd": ((0.0, True), (0.5, True), (0.0, False)), "cauchy": ((1.0, True), (2.0, True)),
+               TANH.name: ((-1.0, True), (2.0, True))}
+    ms = {}
+    for name, spec in trained.items():
+        params = tuple(torch.full((H,), x, device="cuda", requires_grad=g) for x, g in spec)
+        prior = BoundPrior(get_prior(name), params)
+        step = lambda: attention(*leaves[:3], prior=prior, row_scale=leaves[3], scale_prior=True,
+                                 impl="triton").backward(dout)
+        ms[name] = do_bench(step, rep=300)
+    print("fwd+bwd ms at B4 H16 T4096 D64 bf16, BAM + SSMax:", {n: round(t, 3) for n, t in ms.items()})
+    assert all(t < 1.15 * ms["ggd"] for t in ms.values()), ms
