@@ -600,15 +600,14 @@ if triton is not None:
                  dv.to(DV.dtype.element_ty), mask=kv_mask)
 
     # The dQ kernel's per-row sums over the row's visible keys j (dS = P (dP - Delta)): pdp = sum P dP (Delta');
-    # sx, px = sum dS x, sum P x (row_scale; x as in the section comment); sj, pj (BLOCK_M, KP): column k holds
+    # sx, px = sum dS x, sum P x (row_scale; x as in the section comment); sj, pj: tuples of K, whose entry k holds
     # sum dS J_k, sum P J_k (prior parameter k). Each "p" sum corrects its "s" sum for Delta' - Delta.
     @triton.jit
     def _bwd_dq_inner(dq, a_pdp, a_sx, a_px, a_sj, a_pj, q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd,
                       offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
                       MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                      SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, N_GRAD: tl.constexpr, KP: tl.constexpr,
+                      SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, N_GRAD: tl.constexpr,
                       NEED_RS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-        kcol = tl.arange(0, KP)[None, :]
         for blk in range(blk_lo, blk_hi):
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
@@ -616,6 +615,9 @@ if triton is not None:
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+            jt = ()  # the derivative tables' tiles, issued with the K/V loads so that they are pipelined like them
+            for k in tl.static_range(N_GRAD):
+                jt = jt + (_prior_tile(qpos[:, None], offs_n[None, :], jtab + k * n_dist, d0),)
             qk = _dot(q, kT, None, DOT_PREC)
             s, l, bias = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None], r_rows[:, None],
                                       tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
@@ -635,10 +637,10 @@ if triton is not None:
                     x = l + bias
                 a_sx += tl.sum(ds * x, 1)
                 a_px += tl.sum(p * x, 1)
+            sj, pj = (), ()
             for k in tl.static_range(N_GRAD):
-                jk = _prior_tile(qpos[:, None], offs_n[None, :], jtab + k * n_dist, d0)
-                a_sj += tl.where(kcol == k, tl.sum(ds * jk, 1)[:, None], 0.0)
-                a_pj += tl.where(kcol == k, tl.sum(p * jk, 1)[:, None], 0.0)
+                sj, pj = sj + (a_sj[k] + tl.sum(ds * jt[k], 1),), pj + (a_pj[k] + tl.sum(p * jt[k], 1),)
+            a_sj, a_pj = sj, pj
         return dq, a_pdp, a_sx, a_px, a_sj, a_pj
 
     @triton.jit
@@ -648,7 +650,7 @@ if triton is not None:
                      H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_qblocks,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                     SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, KP: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                     SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
                      ACC_DPP: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -668,8 +670,10 @@ if triton is not None:
         jtab = JTAB + h * (N_GRAD * n_dist)  # its derivative tables, one per parameter that needs a gradient
         lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        zero, zero_k = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M, KP], dtype=tl.float32)
-        a_pdp, a_sx, a_px, a_sj, a_pj = zero, zero, zero, zero_k, zero_k
+        zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a_pdp, a_sx, a_px, a_sj, a_pj = zero, zero, zero, (), ()
+        for k in tl.static_range(N_GRAD):
+            a_sj, a_pj = a_sj + (zero,), a_pj + (zero,)
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
         # the same three stages as the forward: unmasked interior tiles, then document-boundary and diagonal tiles
@@ -683,20 +687,18 @@ if triton is not None:
             dq, a_pdp, a_sx, a_px, a_sj, a_pj = _bwd_dq_inner(
                 dq, a_pdp, a_sx, a_px, a_sj, a_pj, q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd,
                 offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
-                masked, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, N_GRAD, KP, NEED_RS_GRAD,
+                masked, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, N_GRAD, NEED_RS_GRAD,
                 BLOCK_N, DOT_PREC)
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
         corr = a_pdp - delta  # Delta' - Delta
         if NEED_RS_GRAD:
             tl.store(DRS + bh * Tq + offs_m, a_sx - corr * a_px, mask=row_ok)
-        if N_GRAD > 0:
-            w = tl.where(row_ok, 1.0, 0.0)
-            if HAS_RS and SCALE_PRIOR:
-                w = w * r_rows  # dB = dS r
-            g = tl.sum(w[:, None] * (a_sj - corr[:, None] * a_pj), 0)
-            kc = tl.arange(0, KP)
-            tl.store(PART + (bh * n_qblocks + pid_m) * N_GRAD + kc, g, mask=kc < N_GRAD)
+        w = tl.where(row_ok, 1.0, 0.0)
+        if HAS_RS and SCALE_PRIOR:
+            w = w * r_rows  # dB = dS r
+        for k in tl.static_range(N_GRAD):
+            tl.store(PART + (bh * n_qblocks + pid_m) * N_GRAD + k, tl.sum(w * (a_sj[k] - corr * a_pj[k]), 0))
 
 
 # ------------------------------------------------------------------ launch configuration and the autograd wrapper
@@ -876,8 +878,7 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
             q, k, v, do, dq, lse, delta, ds_arg, rs_arg, ptab, jtab if n_grad else dummy, drs, part,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
             H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_qb,
-            BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, KP=triton.next_power_of_2(max(n_grad, 1)),
-            NEED_RS_GRAD=need_rs, ACC_DPP=n_grad > 0 or need_rs, num_warps=warps, num_stages=stages, **common)
+            BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs, ACC_DPP=n_grad > 0 or need_rs, num_warps=warps, num_stages=stages, **common)
         # deterministic reduction of the per-program partials (fixed order, no atomics)
         g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)
     return dq, dk, dv, g, drs if need_rs else q.new_empty(0, dtype=torch.float32)

@@ -113,8 +113,8 @@ def kernel_launches(ak, variant, head_dim):
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_DOC=False, HAS_PRIOR=prior is not None, HAS_RS=ssmax,
                   SCALE_PRIOR=ssmax, EPS=1e-5, DOT_PREC="tf32")
     K = len(trained)
-    # N_GRAD, KP: the K derivative tables; NEED_PRIOR_GRAD, ACC_B: the flags of kernels from before them
-    dq_flags = dict(N_GRAD=K, KP=1 << max(K - 1, 0).bit_length(), NEED_RS_GRAD=ssmax, ACC_DPP=K > 0 or ssmax,
+    # N_GRAD: the K derivative tables; NEED_PRIOR_GRAD, ACC_B: the flags of kernels from before them
+    dq_flags = dict(N_GRAD=K, NEED_RS_GRAD=ssmax, ACC_DPP=K > 0 or ssmax,
                     NEED_PRIOR_GRAD=K > 0, ACC_B=prior is not None and (K > 0 or ssmax))
     out = []
     kernels = (("fwd", ak._attn_fwd, {}), ("dkdv", ak._attn_bwd_dkdv, {}), ("dq", ak._attn_bwd_dq, dq_flags))
