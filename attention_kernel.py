@@ -281,9 +281,9 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
 # dB(d) is a sum along the diagonals of every dS tile, which a query-block program can neither hold (its
 # distances span the whole row) nor store in linear memory, so it would need a third kernel per block diagonal
 # recomputing S, P and dP, after a pass that knows Delta' (below). perf_model.py (sm_90, D = 64, bf16) puts a
-# forward-class kernel with a prior at 0.137 clocks per score before any diagonal reduction, against 0.148 for
-# the dQ kernel's two derivative tables of GGD or Cauchy (+0.073 per further parameter): the tables cost no
-# more for the shipped priors, need no new pass, and keep the exact zero below.
+# forward-class kernel with a prior at 0.137 clocks per score before any diagonal reduction, and what the dQ
+# kernel adds for two derivative tables (GGD's or Cauchy's trained parameters) at 0.149, +0.094 for a third:
+# for the shipped priors the tables cost no more, need no extra pass or new reduction, and keep the exact zero.
 #
 # Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i = row_scale (1 without SSMax):
 #   l = softmax_scale * q_i.k_j ;  s = (l + B) r  if scale_prior  else  l r + B ;  masked s = -inf
