@@ -113,7 +113,7 @@ def kernel_launches(ak, variant, head_dim):
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_DOC=False, HAS_PRIOR=prior is not None, HAS_RS=ssmax,
                   SCALE_PRIOR=ssmax, EPS=1e-5, DOT_PREC="tf32")
     K = len(trained)
-    # N_GRAD: the K derivative tables; NEED_PRIOR_GRAD, ACC_B: the flags of kernels from before them
+    # N_GRAD: the K derivative tables; NEED_PRIOR_GRAD, ACC_B (and EPS): the flags of kernels from before them
     dq_flags = dict(N_GRAD=K, NEED_RS_GRAD=ssmax, ACC_DPP=K > 0 or ssmax,
                     NEED_PRIOR_GRAD=K > 0, ACC_B=prior is not None and (K > 0 or ssmax))
     out = []
