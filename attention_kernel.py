@@ -282,8 +282,8 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
 # distances span the whole row) nor store in linear memory, so it would need a third kernel per block diagonal
 # recomputing S, P and dP, after a pass that knows Delta' (below). perf_model.py (sm_90, D = 64, bf16) puts a
 # forward-class kernel with a prior at 0.137 clocks per score before any diagonal reduction, and what the dQ
-# kernel adds for two derivative tables (GGD's or Cauchy's trained parameters) at 0.149, +0.094 for a third:
-# for the shipped priors the tables cost no more, need no extra pass or new reduction, and keep the exact zero.
+# kernel adds for two derivative tables (GGD's or Cauchy's trained parameters) at 0.128, +0.059 for a third:
+# for the shipped priors the tables cost less, need no extra pass or new reduction, and keep the exact zero.
 #
 # Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i = row_scale (1 without SSMax):
 #   l = softmax_scale * q_i.k_j ;  s = (l + B) r  if scale_prior  else  l r + B ;  masked s = -inf
@@ -607,8 +607,9 @@ if triton is not None:
                       offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
                       MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
                       SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, N_GRAD: tl.constexpr,
-                      NEED_RS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-        for blk in range(blk_lo, blk_hi):
+                      NEED_RS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                      STAGES: tl.constexpr):
+        for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):  # pipelines the tables' loads too
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
             kT = tl.load(K_ptr + offs_n[None, :] * skt + offs_d[:, None] * skd,
@@ -651,7 +652,7 @@ if triton is not None:
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
                      SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                     ACC_DPP: tl.constexpr, DOT_PREC: tl.constexpr):
+                     ACC_DPP: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
@@ -688,7 +689,7 @@ if triton is not None:
                 dq, a_pdp, a_sx, a_px, a_sj, a_pj, q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd,
                 offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
                 masked, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, N_GRAD, NEED_RS_GRAD,
-                BLOCK_N, DOT_PREC)
+                BLOCK_N, DOT_PREC, STAGES)
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
         corr = a_pdp - delta  # Delta' - Delta
@@ -718,10 +719,19 @@ def _configs(block_d, dtype):
             return dict(fwd=(64, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=64)
         return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
     if block_d <= 64:
-        return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 3), pre=128)
+        return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 2), pre=128)
     # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead: perf_model.py
     # predicts 5x the time, bound by shared-memory bandwidth)
     return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
+
+
+def _dq_stages(cfg, n_grad):
+    """Pipeline stages of the dQ loop. tl.range pipelines all its loads, the prior's 1 + K table tiles too (the
+    kernel argument num_stages only those that feed a dot: the derivative tables' tiles then went through a
+    layout conversion in shared memory, 12 bytes per score each, perf_model.py); beyond 96 KB of table tiles
+    per extra stage they would not fit beside K and V on an A100, and stay unpipelined."""
+    bm, bn, _, stages = cfg["dq"]
+    return stages if (1 + n_grad) * bm * bn * 4 * (stages - 1) <= 96 * 1024 else 1
 
 
 def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
@@ -878,7 +888,8 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
             q, k, v, do, dq, lse, delta, ds_arg, rs_arg, ptab, jtab if n_grad else dummy, drs, part,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
             H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_qb,
-            BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs, ACC_DPP=n_grad > 0 or need_rs, num_warps=warps, num_stages=stages, **common)
+            BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs, ACC_DPP=n_grad > 0 or need_rs,
+            STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **common)
         # deterministic reduction of the per-program partials (fixed order, no atomics)
         g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)
     return dq, dk, dv, g, drs if need_rs else q.new_empty(0, dtype=torch.float32)

@@ -121,6 +121,8 @@ def kernel_launches(ak, variant, head_dim):
     for name, fn, extra in kernels:
         bm, bn, warps, stages = cfg[name]
         flags = {k: v for k, v in {**common, **extra}.items() if k in fn.arg_names}
+        if "STAGES" in fn.arg_names:
+            flags["STAGES"] = ak._dq_stages(cfg, K)
         out.append((name, fn, dict(flags, BLOCK_M=bm, BLOCK_N=bn), (bm, bn, warps, stages)))
     return out
 
