@@ -11,7 +11,8 @@ Tk - Tq: the queries are the last positions). For query position i and key posit
     out_i = sum_j softmax_j(s_ij) v_j   over the visible keys doc_start[i] <= j <= i (causal, same document)
 B is the prior's log-prior of the distance (priors.py): prior is None (NoPE), a BoundPrior, or a bare GGD triple
 (theta_alpha, theta_beta, theta_mu) of (H,) tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1.
-doc_start (B, Tk) holds the first position of each position's document. Everything is differentiable.
+doc_start (B, Tk) holds the first position of each position's document. Gradients reach q, k, v, the prior's
+parameters and row_scale.
 Impls: "torch" the chunked reference (any prior, any device), "sdpa" the CPU evaluation path, "triton" the fused
 kernel (CUDA); "auto" the fastest that can. impl_error is the one place that says which impl can do what.
 """
@@ -72,6 +73,11 @@ def _query_chunks(Tq, doc_start, q_offset, chunk):
     return chunks
 
 
+def _neg_inf_where(hidden):
+    # 0 where visible, -inf where hidden, added to the scores: faster on CPU than masked_fill, backward the identity
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
 def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scale_prior, softmax_scale):
     """The masked scores s of query rows a..b-1 against keys lo..q_offset + b - 1: (B, H, b - a, keys) fp32."""
     i = torch.arange(q_offset + a, q_offset + b, device=q.device)[:, None]  # query positions
@@ -86,7 +92,7 @@ def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scal
     visible = j <= i
     if doc_start is not None:
         visible = visible & (j >= doc_start[:, i])[:, None]
-    return s + _neg_inf_where(~visible)  # as masked_fill, but its backward is the identity: faster to train
+    return s + _neg_inf_where(~visible)
 
 
 def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
@@ -198,11 +204,6 @@ def _triton_available():
 def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
     # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
     return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
-
-
-def _neg_inf_where(hidden):
-    # adding a 0 / -inf tensor is several times faster on CPU than masked_fill_ with a broadcast boolean mask
-    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
 def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):

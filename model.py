@@ -1,15 +1,11 @@
 """
 The bam-gpt model: the paper's LLaMA-style decoder (as in the authors' models/) with one attention path and a
-switch for the positional encoding: nope | sinusoidal | rope | alibi | bam, each with or without Scalable-Softmax (SSMax).
-
-Everything positional happens in three places, all in this file or attention_kernel.py:
-  - sinusoidal: added to the token embeddings (absolute positions)
-  - rope: rotates q and k (absolute positions, not reset at document boundaries, as the authors did)
-  - alibi / bam: an additive log-prior on the logits, computed inside attention() from a registered prior
-    (priors.py: alibi's fixed slopes, or the learned family `prior` of bam, GGD by default) and its parameters
-and SSMax multiplies each query row's logits by s_h * log(n_i), n_i = keys visible to query i in its document.
-
-Also here: checkpoint save/load (the one place), the size presets, the optimizer groups and prior inspection.
+switch for the positional encoding, nope | sinusoidal | rope | alibi | bam, each with or without Scalable-Softmax.
+Positions enter in three places: sinusoidal is added to the token embeddings; rope rotates q and k (absolute
+positions, not reset at document boundaries, as the authors did); alibi and bam add a log-prior to the logits
+inside attention() (priors.py: alibi's fixed slopes, or bam's learned `prior`, GGD by default). SSMax multiplies
+each query row's logits by s_h * log(n_i), n_i = the keys visible to query i in its document.
+Also here: the size presets, the optimizer groups, and checkpoint save/load (the one place).
 """
 import os
 import re
@@ -20,21 +16,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention_kernel import IMPLS as ATTN_IMPLS, attention
+from attention_kernel import IMPLS as ATTN_IMPLS, attention, impl_error
 from priors import PRIORS, BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 
 # (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM).
 # l12 is the paper's "120M" model, l24 its "1.1B".
-MODEL_SIZES = {
-    "l6": (6, 512, 16),
-    "l8": (8, 768, 16),
-    "l12": (12, 768, 16),
-    "l15": (15, 1152, 24),
-    "l18": (18, 1536, 32),
-    "l24": (24, 2048, 64),
-}
+MODEL_SIZES = {"l6": (6, 512, 16), "l8": (8, 768, 16), "l12": (12, 768, 16), "l15": (15, 1152, 24),
+               "l18": (18, 1536, 32), "l24": (24, 2048, 64)}
 
 
 @dataclass
@@ -64,8 +54,8 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.n_embd // self.n_head}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.attn_impl not in ATTN_IMPLS:  # unknown names only: what an impl can compute depends on the call
+            raise ValueError(impl_error(self.attn_impl, None, "cpu", False))
         prior = get_prior(self.prior)  # an unregistered name fails here, naming the registered ones
         if self.pos_encoding == "bam":
             try:  # fail early on a malformed init string
@@ -115,9 +105,7 @@ def apply_rope(x, cos, sin):
     return out.to(x.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Blocks
-# ----------------------------------------------------------------------------------------------------------
+# ---- Blocks ----------------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -133,8 +121,7 @@ class KVCache:
     """Keys and values of every layer for incremental decoding: prefill a prompt, then one token at a time."""
 
     def __init__(self, n_layer):
-        self.k = [None] * n_layer  # (B, H, capacity, D) buffers; the first `length` (+ new) positions are valid
-        self.v = [None] * n_layer
+        self.k, self.v = [None] * n_layer, [None] * n_layer  # (B, H, capacity, D) buffers, `length` of them valid
         self.length = 0  # positions already cached (GPT.forward advances it after all layers ran)
 
     def update(self, layer, k, v):
@@ -158,10 +145,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.config, self.pos_encoding, self.ssmax_prior = cfg, cfg.pos_encoding, cfg.ssmax_prior
-        self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.n_embd, cfg.n_embd, bias=False) for _ in range(4))
         # the positional prior: bam learns one per layer ("local"), with one value of each parameter per head,
         # stored under the prior's parameter names; alibi's slopes are fixed and not saved (they never change)
         self.prior_def = get_prior(cfg.prior if cfg.pos_encoding == "bam" else "alibi") \
@@ -178,9 +162,7 @@ class Attention(nn.Module):
 
     def prior(self):
         """This layer's prior with its parameters (a BoundPrior), or None without a positional prior."""
-        if self.prior_def is None:
-            return None
-        return BoundPrior(self.prior_def, tuple(getattr(self, name) for name in self.prior_def.params))
+        return self.prior_def and BoundPrior(self.prior_def, tuple(getattr(self, n) for n in self.prior_def.params))
 
     def qkv(self, x, rope):
         """Queries, keys and values (B, H, T, D) of x (B, T, C), rotated if rope = (cos, sin) is given."""
@@ -210,10 +192,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):  # SwiGLU, hidden 2*D (the authors' ffn_dim_multiplier 2)
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        hidden = 2 * cfg.n_embd
-        self.w1 = nn.Linear(cfg.n_embd, hidden, bias=False)
-        self.w3 = nn.Linear(cfg.n_embd, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, cfg.n_embd, bias=False)
+        D = cfg.n_embd
+        self.w1, self.w3 = nn.Linear(D, 2 * D, bias=False), nn.Linear(D, 2 * D, bias=False)
+        self.w2 = nn.Linear(2 * D, D, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -232,9 +213,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The model
-# ----------------------------------------------------------------------------------------------------------
+# ---- The model -------------------------------------------------------------------------------------------
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -303,13 +282,10 @@ class GPT(nn.Module):
         out = []
         for _ in range(max_new_tokens):
             logits = logits[:, -1].float()
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
-            else:
-                nxt = logits.argmax(-1, keepdim=True)
-            tok = int(nxt)
-            out.append(tok)
-            if tok in stop_tokens:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1) if temperature > 0 else \
+                logits.argmax(-1, keepdim=True)
+            out.append(int(nxt))
+            if out[-1] in stop_tokens:
                 break
             logits, _ = self(nxt, kv_cache=cache)
         return out
@@ -353,25 +329,20 @@ class GPT(nn.Module):
         """Per layer: the prior's name, each of its parameters per head (lists of floats; ggd also mu) and SSMax
         s per head. ALiBi layers report their fixed slopes. Empty for nope/rope/sinusoidal without SSMax."""
         rows = []
-        for i, block in enumerate(self.blocks):
-            attn = block.attn
-            prior = attn.prior()
-            row = {"layer": i}
+        for i, attn in enumerate(block.attn for block in self.blocks):
+            row, prior = {"layer": i}, attn.prior()
             if prior is not None:
                 row["prior"] = prior.prior.name
-                row.update({n: t.detach().float().cpu().tolist() for n, t in zip(prior.prior.params, prior.params)})
+                row.update({n: t.float().tolist() for n, t in zip(prior.prior.params, prior.params)})
                 if prior.prior.name == "ggd":
-                    row["mu"] = ggd_mu(attn.theta_mu.detach().float().cpu()).tolist()
+                    row["mu"] = ggd_mu(attn.theta_mu.float()).tolist()
             if hasattr(attn, "ssmax_s"):
-                row["ssmax_s"] = attn.ssmax_s.detach().float().cpu().tolist()
-            if len(row) > 1:
-                rows.append(row)
+                row["ssmax_s"] = attn.ssmax_s.float().tolist()
+            rows += [row] if len(row) > 1 else []
         return rows
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Precision and the GPU's peak: one home for train.py, bench.py and the evaluations
-# ----------------------------------------------------------------------------------------------------------
+# ---- Precision and the GPU's peak: one home for train.py, bench.py and the evaluations -------------------
 def autocast(device, dtype):
     """The autocast context of a precision name (bfloat16 | float16 | float32); float32 runs without autocast."""
     if dtype == "float32":
@@ -395,6 +366,7 @@ def peak_flops(device_name):
 # GPTConfig as a dict), "model" (a clean state_dict) and whatever the trainer adds (optimizer, step, RNG, ...).
 # ----------------------------------------------------------------------------------------------------------
 CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+RUNTIME_KEYS = ("attn_impl",)  # how to compute, not what: the caller's choice, never the checkpoint's
 
 
 class CheckpointError(RuntimeError):
@@ -410,10 +382,9 @@ def unwrap(model):
 def save_checkpoint(path, model, **extra):
     """Atomic: write to a temporary file in the same directory, then rename over the target."""
     raw = unwrap(model)  # saved keys carry no "_orig_mod." / "module." prefixes
-    obj = {"model_args": asdict(raw.config), "model": raw.state_dict(), **extra}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
+    torch.save({"model_args": asdict(raw.config), "model": raw.state_dict(), **extra}, tmp)
     os.replace(tmp, path)
 
 
@@ -428,21 +399,15 @@ def checkpoints(run_dir):
     return sorted((int(m.group(1)), os.path.join(run_dir, f)) for f in os.listdir(run_dir) if (m := CKPT_RE.match(f)))
 
 
-def find_checkpoint(path):
-    """A checkpoint file, or the newest ckpt_<step>.pt inside a run directory."""
-    if os.path.isfile(path):
-        return path
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py")
-    found = checkpoints(path)
-    if not found:
-        raise FileNotFoundError(f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?")
-    return found[-1][1]
-
-
 def load_checkpoint(path, map_location="cpu"):
-    """Load a checkpoint dict safely (weights_only=True: no code from the file is executed)."""
-    path = find_checkpoint(path)
+    """Load a checkpoint dict (a .pt file, or the newest ckpt_<step>.pt of a run directory) with weights_only=True:
+    no code from the file is executed."""
+    if os.path.isdir(path):
+        if not (found := checkpoints(path)):
+            raise FileNotFoundError(f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?")
+        path = found[-1][1]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -450,62 +415,46 @@ def load_checkpoint(path, map_location="cpu"):
                               "is it a bam-gpt checkpoint and fully written?") from e
     if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
         raise CheckpointError(f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')")
-    ckpt["path"] = path
-    return ckpt
-
-
-RUNTIME_KEYS = ("attn_impl",)  # model settings that choose how to compute, not what: free to differ from a checkpoint
+    return dict(ckpt, path=path)
 
 
 def checkpoint_model_args(ckpt):
-    """A checkpoint's GPTConfig as a dict, with the settings it predates at their defaults (a checkpoint without
-    `prior` is ggd). Raises CheckpointError for settings this code does not know and for an unregistered prior."""
+    """A checkpoint's GPTConfig as a dict: settings it predates (a checkpoint without `prior` is ggd) and
+    RUNTIME_KEYS at their defaults. Raises CheckpointError for settings this code does not know and for an
+    unregistered prior."""
     defaults = {f.name: f.default for f in fields(GPTConfig)}
-    unknown = set(ckpt["model_args"]) - set(defaults)
-    if unknown:
+    if unknown := set(ckpt["model_args"]) - set(defaults):
         raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} has model settings this code does not know: "
                               f"{sorted(unknown)}")
-    args = {**defaults, **ckpt["model_args"]}
+    args = {**defaults, **{k: v for k, v in ckpt["model_args"].items() if k not in RUNTIME_KEYS}}
     if args["pos_encoding"] == "bam" and args["prior"] not in PRIORS:
         raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} uses the prior {args['prior']!r}, which is not "
                               f"registered (registered: {', '.join(PRIORS)}); register it in priors.py to load it")
     return args
 
 
-def config_diff(a: dict, b: dict):
-    """Human-readable list of the keys where two model configs differ."""
-    keys = sorted(set(a) | set(b))
-    return [f"{k}: {a.get(k, '<absent>')!r} vs {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
-
-
 def load_state(model, ckpt):
     """Load ckpt["model"] into model, or raise an error that says how the checkpoint's model differs."""
-    raw = unwrap(model)
-    defaults = {f.name: f.default for f in fields(GPTConfig)}
-    ckpt_args = {**defaults, **{k: v for k, v in ckpt["model_args"].items() if k in defaults}}
-    diff = config_diff({k: v for k, v in ckpt_args.items() if k not in RUNTIME_KEYS},
-                       {k: v for k, v in asdict(raw.config).items() if k not in RUNTIME_KEYS})
+    raw, theirs = unwrap(model), checkpoint_model_args(ckpt)
+    ours = asdict(raw.config)
+    diff = [f"{k}: {theirs[k]!r} vs {ours[k]!r}" for k in ours if k not in RUNTIME_KEYS and theirs[k] != ours[k]]
     if diff:
         raise ValueError(f"checkpoint {ckpt.get('path', '')!r} is from another model (checkpoint vs this model):\n  "
                          + "\n  ".join(diff))
-    own = raw.state_dict()
-    missing = [k for k in own if k not in ckpt["model"]]
-    unexpected = [k for k in ckpt["model"] if k not in own]
-    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in ckpt["model"].items()
+    own, saved = raw.state_dict(), ckpt["model"]
+    missing, unexpected = [k for k in own if k not in saved], [k for k in saved if k not in own]
+    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in saved.items()
               if k in own and v.shape != own[k].shape]
     if missing or unexpected or shapes:
         raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: missing {missing[:8]}, "
-                         f"unexpected {unexpected[:8]}, shape mismatches {shapes[:8]}")
-    raw.load_state_dict(ckpt["model"])
+                              f"unexpected {unexpected[:8]}, shape mismatches {shapes[:8]}")
+    raw.load_state_dict(saved)
 
 
-def load_model(path, device="cpu", attn_impl=None):
-    """Build a GPT from a checkpoint file or run directory. Returns (model in eval mode, checkpoint dict).
-    attn_impl (auto | torch | sdpa | triton) replaces the checkpoint's attention implementation."""
+def load_model(path, device="cpu", attn_impl="auto"):
+    """Build a GPT from a checkpoint file or run directory, computing attention with attn_impl (auto | torch |
+    sdpa | triton). Returns (model in eval mode, checkpoint dict)."""
     ckpt = load_checkpoint(path)
-    args = checkpoint_model_args(ckpt)
-    if attn_impl is not None:
-        args["attn_impl"] = attn_impl
-    model = GPT(GPTConfig(**args))
+    model = GPT(GPTConfig(**dict(checkpoint_model_args(ckpt), attn_impl=attn_impl or "auto")))
     load_state(model, ckpt)
     return model.to(device).eval(), ckpt

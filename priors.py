@@ -3,18 +3,13 @@ The positional priors of bam-gpt: the one place that says what a prior is. Open 
 
 A prior is a log-prior B_h(d) over the signed distance d = j - i from query i to key j (d <= 0 under the causal
 mask), one curve per head h, added to the attention logits: softmax(q.k/sqrt(D) + B) is then the posterior over
-which key to read (the paper's reading of positional encodings). Each prior is registered under a name:
-
+which key to read (the paper's reading of positional encodings). A Prior is registered under its name with
     fn(d, *params) -> (H, len(d)) float32   the log-prior; d a 1-D tensor of distances, params (H,) tensors
-    params          its per-head parameter names, in the order fn takes them (also the model's parameter names)
-    init(spec, H)   their initial values from a spec string (train.py's bam_init: "zero", "alibi", "A,B", ...)
-    trainable       the parameters trained by default (the others are kept fixed)
-and, optionally, for figures and logs: formula (default: the name of fn and its params), shape_param, the
-parameter that labels a head (default: the first trainable one), and highlight(*params) -> (H,) bool, the heads
-figures draw thick, described by highlight_label (default: none).
-
-attention() receives a BoundPrior (the prior and one layer's parameters). Priors shipped: ggd (the paper's,
-the default), alibi (fixed slopes) and cauchy (a learnable heavy-tailed example of adding one).
+    params, init(spec, H), trainable        per-head parameter names (the model's too), their initial values from
+                                            train.py's bam_init ("zero", "A,B", ...), the ones trained by default
+and, for figures and logs, optionally: formula, shape_param (the parameter that labels a head; default the first
+trainable) and highlight(*params) -> (H,) bool with its highlight_label (the heads figures draw thick).
+Shipped: ggd (the paper's, the default), alibi (fixed slopes) and cauchy (the worked example of adding one).
 """
 import math
 from dataclasses import dataclass
@@ -59,8 +54,7 @@ def register(prior):
     """Add a prior to the registry (under prior.name) and return it."""
     if PRIORS.get(prior.name, prior) is not prior:
         raise ValueError(f"a different prior is already registered as {prior.name!r}")
-    bad = [n for n in prior.trainable if n not in prior.params]
-    if bad or prior.shape_param not in prior.params:
+    if not set(prior.trainable) | {prior.shape_param} <= set(prior.params):
         raise ValueError(f"prior {prior.name!r}: trainable {prior.trainable} and shape_param {prior.shape_param!r} "
                          f"must be among its params {prior.params}")
     PRIORS[prior.name] = prior
@@ -68,6 +62,7 @@ def register(prior):
 
 
 def get_prior(name):
+    """The registered prior of that name (a ValueError names the registered ones)."""
     if name not in PRIORS:
         raise ValueError(f"unknown prior {name!r}; registered priors: {', '.join(PRIORS)}")
     return PRIORS[name]
@@ -83,7 +78,7 @@ def bind(prior):
                     f"tensors; got {type(prior).__name__}")
 
 
-def _per_head(*params):
+def _per_head(*params):  # (H,) parameters as (H, 1) columns against the distances
     return (t.float()[:, None] for t in params)
 
 
@@ -105,19 +100,18 @@ def ggd_mu(theta_mu):
 
 
 def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
-    """GGD-BAM (the paper, eq. for B): B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h.
-
-    The log-density of a generalised Gaussian centred at mu with shape theta_beta (up to a constant that softmax
-    ignores): theta_beta = 1 is Laplace (ALiBi), 0 is uniform (NoPE), < 0 puts the mass *far* from the query."""
+    """GGD-BAM (the paper, eq. for B): B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, the
+    log-density of a generalised Gaussian centred at mu with shape theta_beta (up to a constant softmax ignores):
+    theta_beta = 1 is Laplace (ALiBi), 0 is uniform (NoPE), < 0 puts the mass *far* from the query."""
     d = d.float()[None, :]
     alpha, beta, mu_raw = _per_head(theta_alpha, theta_beta, theta_mu)
     return -torch.exp(alpha) * torch.pow((d - ggd_mu(mu_raw)).abs() + GGD_EPS, beta)
 
 
 def ggd_init(spec, n_head):
-    """'zero' (the authors' default): theta_alpha = theta_beta = 0, a constant prior, i.e. BAM starts as NoPE and
-    learns its shape. 'alibi' starts exactly at ALiBi. 'linear' spreads theta_beta over [0, 1] across heads
-    (theta_alpha = 0). 'A,B' sets every head to theta_alpha=A, theta_beta=B. theta_mu always starts at 0."""
+    """'zero' (the authors' default): theta_alpha = theta_beta = 0, a constant prior: BAM starts as NoPE. 'alibi'
+    starts at ALiBi, 'linear' spreads theta_beta over [0, 1] across heads, 'A,B' sets every head to theta_alpha=A,
+    theta_beta=B. theta_mu always starts at 0."""
     if spec == "zero":
         alpha, beta = torch.zeros(n_head), torch.zeros(n_head)
     elif spec == "alibi":
@@ -131,9 +125,8 @@ def ggd_init(spec, n_head):
 
 GGD = register(Prior(
     name="ggd", fn=ggd_prior, params=("theta_alpha", "theta_beta", "theta_mu"), init=ggd_init,
-    trainable=("theta_alpha", "theta_beta"),
-    formula="B(d) = -exp(θα)(|d - μ| + 1e-5)^θβ, μ = 2 sinh(θμ)", shape_param="theta_beta",
-    highlight=lambda theta_alpha, theta_beta, theta_mu: theta_beta < 0,
+    trainable=("theta_alpha", "theta_beta"), formula="B(d) = -exp(θα)(|d - μ| + 1e-5)^θβ, μ = 2 sinh(θμ)",
+    shape_param="theta_beta", highlight=lambda theta_alpha, theta_beta, theta_mu: theta_beta < 0,
     highlight_label="θβ < 0"))
 
 
@@ -142,13 +135,9 @@ def alibi_slopes(n_head):
     """ALiBi's fixed per-head slopes (Press et al.), including head counts that are not powers of two: the first
     n - c slopes at even indices of the 2c-head sequence, as in the ALiBi reference code."""
     def power_of_2(n):
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (k + 1) for k in range(n)]
+        return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]
     c = 2 ** int(math.floor(math.log2(n_head)))
-    slopes = power_of_2(c)
-    if c < n_head:
-        slopes += power_of_2(2 * c)[0::2][: n_head - c]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(power_of_2(c) + power_of_2(2 * c)[0::2][: n_head - c], dtype=torch.float32)
 
 
 def alibi_prior(d, slope):
@@ -157,21 +146,15 @@ def alibi_prior(d, slope):
     return -m * d.float().abs()[None, :]
 
 
-ALIBI = register(Prior(
-    name="alibi", fn=alibi_prior, params=("slope",), init=lambda spec, n_head: (alibi_slopes(n_head),),
-    trainable=(), formula="B(d) = -m|d|, fixed slopes m",
-    shape_param="slope"))
+ALIBI = register(Prior(name="alibi", fn=alibi_prior, params=("slope",), trainable=(),
+                       init=lambda spec, n_head: (alibi_slopes(n_head),), formula="B(d) = -m|d|, fixed slopes m"))
 
 
 # ------------------------------------------------------------------------------------------------------- Cauchy
 def cauchy_prior(d, theta_a, theta_s):
-    """A heavy-tailed learnable prior, the worked example of adding one (README, "Try your own prior"):
-    B_h(d) = -theta_a_h * log(1 + (d / exp(theta_s_h))^2).
-
-    theta_a = 1 is the log-density of a Cauchy distribution of scale exp(theta_s) centred on the query, other
-    theta_a > 0 the Student-t family (theta_a = (nu + 1) / 2): far away it decays like a power law,
-    -2 theta_a log|d|, instead of ALiBi's linear penalty. theta_a = 0 is flat (NoPE), so training can start there as
-    GGD does, and theta_a < 0 favours distant keys (anti-local, like GGD's theta_beta < 0)."""
+    """B_h(d) = -theta_a_h log(1 + (d / exp(theta_s_h))^2), a heavy-tailed learnable prior (README, "Try your own
+    prior"). theta_a = 1 is a Cauchy density of scale exp(theta_s), theta_a > 0 Student-t (theta_a = (nu + 1) / 2):
+    a power-law tail, -2 theta_a log|d|, not ALiBi's linear one. 0 is flat (NoPE), < 0 favours distant keys."""
     a, s = _per_head(theta_a, theta_s)
     return -a * torch.log1p((d.float()[None, :] / torch.exp(s)) ** 2)
 
@@ -186,5 +169,5 @@ def cauchy_init(spec, n_head):
 
 CAUCHY = register(Prior(
     name="cauchy", fn=cauchy_prior, params=("theta_a", "theta_s"), init=cauchy_init, trainable=("theta_a", "theta_s"),
-    formula="B(d) = -θa log(1 + (d / exp(θs))²)", shape_param="theta_a",
-    highlight=lambda theta_a, theta_s: theta_a < 0, highlight_label="θa < 0"))
+    formula="B(d) = -θa log(1 + (d / exp(θs))²)", highlight=lambda theta_a, theta_s: theta_a < 0,
+    highlight_label="θa < 0"))

@@ -104,23 +104,51 @@ def test_attention_matches_dense_formula(case, impl):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
 
 
-def test_reference_chunked_equals_unchunked_with_grads():
-    gen = torch.Generator().manual_seed(0)
-    B, H, T, D = 2, 4, 37, 8
-    q, k, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
-    doc_start = random_doc_start(B, T, gen)
-    prior = [torch.tensor([-1.0, 0.0, 0.5, -0.2]), torch.tensor([-0.7, 0.0, 1.0, 2.0]), torch.tensor([0.0, 0.1, 0, 0])]
-    row_scale = torch.rand(B, H, T, generator=gen) + 0.5
-    results = []
-    for chunk in (T, 5, 1):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, *prior, row_scale)]
-        out = attention_torch(*leaves[:3], doc_start=doc_start, prior=tuple(leaves[3:6]), row_scale=leaves[6],
-                              scale_prior=True, chunk_size=chunk)
-        out.pow(2).sum().backward()
-        results.append([out.detach()] + [t.grad for t in leaves])
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+@pytest.mark.parametrize("scale_prior", [False, True])
+@pytest.mark.parametrize("prior_name", ["ggd", "cauchy"])
+def test_reference_gradients_match_dense_formula_for_every_chunking(scale_prior, prior_name):
+    """impl='torch' against autograd through dense_attention: the output and the gradient of q, k, v, every prior
+    parameter and row_scale, with documents, queries at an offset, a row scale per batch row (0 or negative on
+    some rows) and one broadcast over the batch, and query chunks of 1, 7 and all rows."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, Tq, Tk, D = 3, 4, 30, 41, 8
+    q, dout = (torch.randn(B, H, Tq, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, H, Tk, D, generator=gen) for _ in range(2))
+    doc_start = random_doc_start(B, Tk, gen)
+    prior_def = get_prior(prior_name)
+    params = [torch.randn(H, generator=gen) * 0.7 for _ in prior_def.params]
+    names = ["out", "q", "k", "v", *prior_def.params, "row_scale"]
+    for rs_batch in (B, 1):
+        row_scale = torch.rand(rs_batch, H, Tq, generator=gen) * 2 - 0.2
+        row_scale[:, :, 3] = 0.0
+        results = {}
+        for chunk in ("dense", 1, 7, None):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, *params, row_scale)]
+            kw = dict(doc_start=doc_start, prior=BoundPrior(prior_def, tuple(leaves[3:-1])), row_scale=leaves[-1],
+                      scale_prior=scale_prior, q_offset=6)
+            out = dense_attention(*leaves[:3], **kw) if chunk == "dense" else \
+                attention_torch(*leaves[:3], chunk_size=chunk, **kw)
+            results[chunk] = [out] + list(torch.autograd.grad((out * dout).sum(), leaves))
+        for chunk, got in results.items():
+            for name, a, b in zip(names, got, results["dense"]):
+                torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4,
+                                           msg=lambda m: f"chunk {chunk} {name}: {m}")
+
+
+def test_reference_in_bfloat16_computes_in_fp32():
+    """bf16 inputs: computed in fp32, returned in bf16, gradients in bf16, close to the fp32 result."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 19, 8, generator=gen) for _ in range(3))
+    doc_start = random_doc_start(2, 19, gen)
+    grads = []
+    for dtype in (torch.float32, torch.bfloat16):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attention_torch(*leaves, doc_start=doc_start)
+        assert out.dtype == dtype
+        grads.append([out] + list(torch.autograd.grad(out.float().sum(), leaves)))
+    for a, b in zip(*grads):
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b.float(), a, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("scale_prior", [False, True])
@@ -150,8 +178,8 @@ def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
 
 @pytest.mark.parametrize("case", ["nope", "nope_ssmax", "alibi_ssmax", "fixed_ggd_ssmax_scaled"])
 def test_sdpa_path_gradients_match_reference(case):
-    """impl='sdpa' trains whatever needs no gradient through its mask: q, k, v, and SSMax when it scales only the
-    content; a fixed prior (ALiBi) even when SSMax scales it (row_scale without gradient). Documents throughout."""
+    """impl='sdpa' against dense_attention, values and gradients, for what it may train: q, k, v and SSMax's
+    row_scale, also where it scales a fixed prior (the mask then carries row_scale's gradient). Documents."""
     gen = torch.Generator().manual_seed(5)
     B, H, T, D = 2, 4, 33, 8
     q, k, v, dout = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))
@@ -166,15 +194,15 @@ def test_sdpa_path_gradients_match_reference(case):
         kw.update(prior=(torch.linspace(-1, 0.5, H), torch.tensor([-0.5, 0.0, 1.0, 2.0]), torch.zeros(H)),
                   scale_prior=True)
     grads = []
-    for impl in ("torch", "sdpa"):
+    for impl in ("dense", "sdpa"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        if "row_scale" in kw and case != "fixed_ggd_ssmax_scaled":
+        if "row_scale" in kw:
             kw["row_scale"] = rs.clone().requires_grad_()
             leaves.append(kw["row_scale"])
-        out = attention(*leaves[:3], **kw, impl=impl)
+        out = dense_attention(*leaves[:3], **kw) if impl == "dense" else attention(*leaves[:3], **kw, impl=impl)
         grads.append([out] + list(torch.autograd.grad((out * dout).sum(), leaves)))
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(b.double(), a.double(), atol=1e-5, rtol=1e-4)
     trained = (torch.zeros(H, requires_grad=True), torch.zeros(H), torch.zeros(H))
     with pytest.raises(ValueError, match="cannot train a prior"):
         attention(q, k, v, prior=trained, impl="sdpa")
@@ -378,6 +406,11 @@ def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
     idx = torch.randint(0, 257, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0])
+    # how attention is computed is the caller's choice, never the checkpoint's (whatever impl the run used)
+    ckpt["model_args"]["attn_impl"] = "an impl of another version"
+    torch.save(ckpt, path)
+    assert load_model(path, attn_impl="torch")[0].config.attn_impl == "torch"
+    assert load_model(path)[0].config.attn_impl == "auto"
     other = GPT(tiny("rope", False))
     with pytest.raises(ValueError, match="pos_encoding: 'bam' vs 'rope'"):
         load_state(other, ckpt)

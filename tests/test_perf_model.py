@@ -1,4 +1,4 @@
-"""perf_model.py: SASS loop finding and counting on a hand-written listing, the comparison with a measurement,
+"""dev/perf_model.py: SASS loop finding and counting on a hand-written listing, the comparison with a measurement,
 and the script end to end (compiles the no-prior kernels for sm_90 with Triton's bundled ptxas: no GPU needed)."""
 import json
 import os
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-import perf_model as pm
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
+import perf_model as pm  # noqa: E402
 
 
 # two loops: an outer one without tensor-core work and an inner one with it (one 64x64 tile, 4 warps per group)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, in one go (about 5 minutes on an H100/H200): `bash gpu_check.sh` (or `make gpu-check`).
-# Everything lands in results/gpu/ next to this script (logs and JSON); copy the numbers into the README.
+# The GPU checks, in one go (about 5 minutes on an H100/H200): `bash dev/gpu_check.sh` (or `make gpu-check`).
+# Everything lands in results/gpu/ (logs and JSON); copy the numbers into the README.
 #   1. the compiled Triton kernel vs the PyTorch reference: values and every gradient, fp32 / bf16, for ggd and
 #      for cauchy (the kernel reads any prior from its tables)
 #   2. the kernel, prior and torch.compile test suites on the GPU (compiled, not interpreted): every registered
@@ -15,12 +15,9 @@
 #      kernel), then a passkey evaluation
 # Each step runs even if an earlier one failed; the exit status says whether all passed.
 set -u
-HERE=$(cd "$(dirname "$0")" && pwd)  # this script and the scripts it runs beside it (bench*.py, perf_model.py)
-ROOT=$HERE
-[ -f "$ROOT/train.py" ] || ROOT=$(dirname "$HERE")  # the repo root: train.py and the tests
-cd "$ROOT"
+cd "$(dirname "$0")/.."  # the repo root
 PY=${PYTHON:-python}
-OUT=$HERE/results/gpu
+OUT=results/gpu
 mkdir -p "$OUT"
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure
@@ -36,18 +33,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 
-run kernel_check        $PY "$HERE/bench_attention.py" --check --out "$OUT/kernel_check.json"
-run kernel_check_cauchy $PY "$HERE/bench_attention.py" --check --prior cauchy --out "$OUT/kernel_check_cauchy.json"
+run kernel_check        $PY dev/bench_attention.py --check --out "$OUT/kernel_check.json"
+run kernel_check_cauchy $PY dev/bench_attention.py --check --prior cauchy --out "$OUT/kernel_check_cauchy.json"
 run kernel_tests        env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py tests/test_priors.py \
                         tests/test_kernel_compile.py
 run prior_speed         env TRITON_INTERPRET=0 $PY -m pytest -q -s tests/test_kernel.py -k speed_of_every_prior
-run attention_bench     $PY "$HERE/bench_attention.py" --quick --out "$OUT/bench_attention.json"
-run attention_bench_cauchy $PY "$HERE/bench_attention.py" --quick --prior cauchy --impls kernel_bam kernel_plain \
+run attention_bench     $PY dev/bench_attention.py --quick --out "$OUT/bench_attention.json"
+run attention_bench_cauchy $PY dev/bench_attention.py --quick --prior cauchy --impls kernel_bam kernel_plain \
                         --out "$OUT/bench_attention_cauchy.json"
-run perf_model          $PY "$HERE/perf_model.py" --archs 90 --head_dims 64 --variants none ggd_ssmax \
+run perf_model          $PY dev/perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
                         --compare "$OUT/bench_attention.json" --out "$OUT/perf_model"
-run step_ratio          $PY "$HERE/bench.py" --compile --steps 30 --out "$OUT/bench_l12.json"
-run long_forward        $PY "$HERE/bench.py" --long_forward=131072 --out "$OUT/long_forward_131k.json"
+run step_ratio          $PY dev/bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
+run long_forward        $PY dev/bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
 rm -rf /tmp/bam_gpu_run /tmp/bam_gpu_cauchy /tmp/bam_gpu_demo_data
 run demo_data           $PY prepare_demo.py --out_dir /tmp/bam_gpu_demo_data
 run train_compiled      $PY train.py config/demo_cpu.py --data_dir=/tmp/bam_gpu_demo_data --out_dir=/tmp/bam_gpu_run \

@@ -1,10 +1,10 @@
 """
 A performance model of the Triton attention kernel, from its compiled code: no GPU needed.
 
-    python perf_model.py                          # compile every variant for sm_90 and sm_80, print the table
-    python perf_model.py --out results/perf_model # also write perf_model.json, .csv and .md there
-    python perf_model.py --before a9f1e05         # add the kernels of another git revision (rows "... @a9f1e05")
-    python perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
+    python dev/perf_model.py                      # compile every variant for sm_90 and sm_80, print the table
+    python dev/perf_model.py --out dev/results/perf_model # also write perf_model.json, .csv and .md there
+    python dev/perf_model.py --before a9f1e05     # add the kernels of another git revision (rows "... @a9f1e05")
+    python dev/perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
                                                   # prediction next to bench_attention.py's measured ratios
 
 Every kernel (forward, dK/dV, dQ) of every variant (VARIANTS: no prior, ALiBi, GGD, GGD + SSMax, GGD with theta_mu
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, from dev/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 GPUS = {  # per SM per clock
     90: dict(name="H100 SXM", tensor=4096, mufu=16, fp32=128, issue=128, l1_bytes=128),
@@ -55,9 +55,11 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za
 
 def load_kernel_module(rev=None):
     """attention_kernel of this checkout, or of git revision `rev` (loaded from `git show`)."""
-    path = importlib.util.find_spec("attention_kernel").origin
-    if rev is not None:
-        src = subprocess.run(["git", "show", f"{rev}:attention_kernel.py"], cwd=os.path.dirname(path), check=True,
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+    if rev is None:
+        path = os.path.join(here, "attention_kernel.py")
+    else:
+        src = subprocess.run(["git", "show", f"{rev}:attention_kernel.py"], cwd=here, check=True,
                              capture_output=True, text=True).stdout
         path = os.path.join(tempfile.mkdtemp(), f"attention_kernel_{rev}.py")
         with open(path, "w") as f:
