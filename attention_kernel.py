@@ -267,7 +267,7 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Triton kernel: flash attention with the GGD prior and SSMax applied per tile.
+# Triton kernel: flash attention with any registered prior and SSMax applied per tile.
 #
 # Structure follows Triton's fused-attention tutorial: forward = one online-softmax loop over K/V blocks in
 # base 2 (exp2, log2(e) folded into the scores) in stages (unmasked tiles, then the boundary tiles masked);
@@ -275,28 +275,35 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
 # and a separate kernel per query block for dQ (no atomics), which also produces d row_scale and per-program
 # partial sums for the prior parameters, reduced afterwards in PyTorch (deterministic: two runs are bitwise equal).
 #
+# The kernel never sees a prior's formula, only tables by distance, built in PyTorch once per call from the
+# registered fn (_prior_tables): B(d) per head, and for the K parameters that need a gradient their derivative
+# tables J_k(d) = dB(d)/dtheta_k (forward-mode autograd, outside the custom ops), K a compile-time constant.
+# Why derivative tables and not the gradient w.r.t. the table (dB per head and distance, handed to autograd):
+# dB(d) is a sum along the diagonals of every dS tile, which a query-block program can neither hold (its
+# distances span the whole row) nor store in linear memory, so it would need a third kernel per block diagonal
+# recomputing S, P and dP, after a pass that knows Delta' (below). perf_model.py (sm_90, D = 64, bf16) puts a
+# forward-class kernel with a prior at 0.137 clocks per score before any diagonal reduction, and what the dQ
+# kernel adds for two derivative tables (GGD's or Cauchy's trained parameters) at 0.128, +0.059 for a third:
+# for the shipped priors the tables cost less, need no extra pass or new reduction, and keep the exact zero.
+#
 # Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i = row_scale (1 without SSMax):
-#   B(d) = ggd_prior(d), read from a per-head table indexed by d (_prior_tables: built once per call in PyTorch,
-#          Tq + Tk + padding entries). The prior depends on d alone, and evaluating it per score (a log2 and an
-#          exp2) made every kernel several times slower than without a prior (README, "Performance model").
 #   l = softmax_scale * q_i.k_j ;  s = (l + B) r  if scale_prior  else  l r + B ;  masked s = -inf
 #   P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij) (stored in base 2)
 # Backward, with Delta_i = sum_j P_ij dP_ij = rowsum(O_i * dO_i) and dP = dO V^T:
 #   dS = P * (dP - Delta)          gradient w.r.t. the final score s
 #   dl = dS r,  dq = softmax_scale dl K,  dk = softmax_scale dl^T Q,  dv = P^T dO
-#   dB = dS r if scale_prior else dS ;  dr_i = sum_j dS_ij (l_ij + B_ij) if scale_prior else sum_j dS_ij l_ij
-#   dB/dtheta_alpha = B ;  dB/dtheta_beta = B ln x ;  dB/dtheta_mu = -B theta_beta sign(d - mu) / x * 2 cosh(theta_mu)
-#   with x = |d - mu| + eps (sign(0) = 0, as torch.abs): two more tables by distance, read by the dQ kernel only
-#   when the prior is trained
-# theta_beta < 0 makes B(d = mu) about -1e7: exact in fp32 softmax, but sum_j dS_ij B_ij then multiplies rounding
-# noise in (dP - Delta) by 1e7 on rows where that entry carries the probability (a document's first query).
-# Because sum_j dS_ij = 0 exactly in real arithmetic, the dQ kernel replaces Delta by Delta'_i = sum_j P_ij dP_ij
-# (the same sums, accumulated in the same loop) for the prior and row_scale gradients:
+#   dtheta_k = sum_ij w_i dS_ij J_k(d_ij), w = r if scale_prior else 1 ;  dr_i = sum_j dS_ij x_ij,
+#   x = l + B if scale_prior else l
+# A prior can be huge where the probability sits (GGD with theta_beta < 0: B(d = mu) about -3e7): exact in fp32
+# softmax, but sum_j dS_ij J_ij then multiplies rounding noise in (dP - Delta) by 1e7 on rows where that entry
+# carries the probability (a document's first query). Because sum_j dS_ij = 0 exactly in real arithmetic, the dQ
+# kernel replaces Delta by Delta'_i = sum_j P_ij dP_ij (accumulated in the same loop) for those gradients:
 #   sum_j P (dP - Delta') f = sum_j dS f - (Delta' - Delta) sum_j P f,
-# which makes those gradients exactly 0 where the reference's are (one visible key) and more accurate elsewhere.
-# All kernels run with enable_fp_fusion=False and compute scores through the one _scores helper, so that the
-# backward's recomputed s is bit-identical to the forward's: with |s| ~ 1e7 one ulp is 2^2, and P = exp2(s - LSE)
-# of a row whose single key carries that prior would otherwise come out as 2^(+-ulp) instead of 1.
+# which makes them exactly 0 where the reference's are (one visible key) and more accurate elsewhere.
+# All kernels run with enable_fp_fusion=False and compute scores through the one _scores helper from the one
+# table the forward saved, so that the backward's recomputed s is bit-identical to the forward's: with
+# |s| ~ 1e7 one ulp is 2^2, and P = exp2(s - LSE) of a row whose single key carries that prior would otherwise
+# come out as 2^(+-ulp) instead of 1.
 # ----------------------------------------------------------------------------------------------------------
 try:
     import triton
@@ -593,30 +600,26 @@ if triton is not None:
         tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd,
                  dv.to(DV.dtype.element_ty), mask=kv_mask)
 
-    # The dQ kernel's per-row accumulators (sums over the row's visible keys j; dS = P (dP - Delta), l the content
-    # score, B the prior, B_beta = dB/dtheta_beta, B_mu = dB/dtheta_mu):
-    #   pdp = sum P dP (Delta')    sb, pb = sum dS B, sum P B            -> theta_alpha (dB/dtheta_alpha = B), row_scale
-    #   sbl, pbl = sum dS B_beta, sum P B_beta  -> theta_beta            sbm, pbm = sum dS B_mu, sum P B_mu -> theta_mu
-    #   sl, pl = sum dS l, sum P l              -> row_scale
-    # Each "p" sum corrects its "s" sum for Delta' - Delta (see the section comment).
+    # The dQ kernel's per-row sums over the row's visible keys j (dS = P (dP - Delta)): pdp = sum P dP (Delta');
+    # sx, px = sum dS x, sum P x (row_scale; x as in the section comment); sj, pj: tuples of K, whose entry k holds
+    # sum dS J_k, sum P J_k (prior parameter k). Each "p" sum corrects its "s" sum for Delta' - Delta.
     @triton.jit
-    def _bwd_dq_inner(dq, acc_pdp, acc_sb, acc_pb, acc_sbl, acc_pbl, acc_sbm, acc_pbm, acc_sl, acc_pl,
-                      q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows,
-                      tab, dtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
+    def _bwd_dq_inner(dq, a_pdp, a_sx, a_px, a_sj, a_pj, q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd,
+                      offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
                       MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                      SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, ACC_B: tl.constexpr,
-                      NEED_PRIOR_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-        for blk in range(blk_lo, blk_hi):
+                      SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, N_GRAD: tl.constexpr,
+                      NEED_RS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                      STAGES: tl.constexpr):
+        for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):  # pipelines the tables' loads too
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
             kT = tl.load(K_ptr + offs_n[None, :] * skt + offs_d[:, None] * skd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
-            if NEED_PRIOR_GRAD:  # issued with the K/V loads, so that they are pipelined like them
-                b_lnx = _prior_tile(qpos[:, None], offs_n[None, :], dtab, d0)  # dB/dtheta_beta (GGD: B ln x)
-                b_mu = _prior_tile(qpos[:, None], offs_n[None, :], dtab + n_dist, d0)  # dB/dtheta_mu
+            jt = ()  # the derivative tables' tiles, issued with the K/V loads so that they are pipelined like them
+            for k in tl.static_range(N_GRAD):
+                jt = jt + (_prior_tile(qpos[:, None], offs_n[None, :], jtab + k * n_dist, d0),)
             qk = _dot(q, kT, None, DOT_PREC)
             s, l, bias = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None], r_rows[:, None],
                                       tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
@@ -629,29 +632,28 @@ if triton is not None:
                 dl = ds
             dq = _dot(dl.to(kT.dtype), tl.trans(kT), dq, DOT_PREC)
             if ACC_DPP:  # Delta' = sum_j P dP (see the section comment)
-                acc_pdp += tl.sum(p * dp, 1)
-            if ACC_B:
-                acc_sb += tl.sum(ds * bias, 1)
-                acc_pb += tl.sum(p * bias, 1)
-            if NEED_PRIOR_GRAD:
-                acc_sbl += tl.sum(ds * b_lnx, 1)
-                acc_pbl += tl.sum(p * b_lnx, 1)
-                acc_sbm += tl.sum(ds * b_mu, 1)
-                acc_pbm += tl.sum(p * b_mu, 1)
+                a_pdp += tl.sum(p * dp, 1)
             if NEED_RS_GRAD:
-                acc_sl += tl.sum(ds * l, 1)
-                acc_pl += tl.sum(p * l, 1)
-        return dq, acc_pdp, acc_sb, acc_pb, acc_sbl, acc_pbl, acc_sbm, acc_pbm, acc_sl, acc_pl
+                x = l
+                if HAS_PRIOR and SCALE_PRIOR:
+                    x = l + bias
+                a_sx += tl.sum(ds * x, 1)
+                a_px += tl.sum(p * x, 1)
+            sj, pj = (), ()
+            for k in tl.static_range(N_GRAD):
+                sj, pj = sj + (a_sj[k] + tl.sum(ds * jt[k], 1),), pj + (a_pj[k] + tl.sum(p * jt[k], 1),)
+            a_sj, a_pj = sj, pj
+        return dq, a_pdp, a_sx, a_px, a_sj, a_pj
 
     @triton.jit
-    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DS, RS, PTAB, PDTAB, DRS, PART,
+    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DS, RS, PTAB, JTAB, DRS, PART,
                      sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod,
                      sdqb, sdqh, sdqt, sdqd, sdsb, srb, srh, srt,
                      H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_qblocks,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                     SCALE_PRIOR: tl.constexpr, NEED_PRIOR_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                     ACC_DPP: tl.constexpr, ACC_B: tl.constexpr, DOT_PREC: tl.constexpr):
+                     SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                     ACC_DPP: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
@@ -667,48 +669,38 @@ if triton is not None:
         ds_rows, r_rows = _row_state(DS + b * sdsb, RS + b * srb + h * srh, srt, offs_m, qpos, row_ok,
                                      HAS_DOC, HAS_RS, BLOCK_M)
         tab = PTAB + h * n_dist  # this head's prior table (unused without a prior)
-        dtab = PDTAB + h * (2 * n_dist)  # its derivatives in theta_beta and theta_mu (only with NEED_PRIOR_GRAD)
+        jtab = JTAB + h * (N_GRAD * n_dist)  # its derivative tables, one per parameter that needs a gradient
         lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-        a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = zero, zero, zero, zero, zero, zero, zero, zero, zero
+        a_pdp, a_sx, a_px, a_sj, a_pj = zero, zero, zero, (), ()
+        for k in tl.static_range(N_GRAD):
+            a_sj, a_pj = a_sj + (zero,), a_pj + (zero,)
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
         # the same three stages as the forward: unmasked interior tiles, then document-boundary and diagonal tiles
-        dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
-            dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
-            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, tab, dtab, d0, n_dist, sm_scale, Tk,
-            u0, u1,
-            False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
-            BLOCK_N, DOT_PREC)
-        dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
-            dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
-            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, tab, dtab, d0, n_dist, sm_scale, Tk,
-            lo, u0,
-            True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
-            BLOCK_N, DOT_PREC)
-        dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl = _bwd_dq_inner(
-            dq, a_pdp, a_sb, a_pb, a_sbl, a_pbl, a_sbm, a_pbm, a_sl, a_pl, q, do, lse, delta, r_rows,
-            K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos, ds_rows, tab, dtab, d0, n_dist, sm_scale, Tk,
-            u1, hi,
-            True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, ACC_B, NEED_PRIOR_GRAD, NEED_RS_GRAD,
-            BLOCK_N, DOT_PREC)
+        for stage in tl.static_range(3):
+            if stage == 0:
+                blk_lo, blk_hi, masked = u0, u1, False
+            elif stage == 1:
+                blk_lo, blk_hi, masked = lo, u0, True
+            else:
+                blk_lo, blk_hi, masked = u1, hi, True
+            dq, a_pdp, a_sx, a_px, a_sj, a_pj = _bwd_dq_inner(
+                dq, a_pdp, a_sx, a_px, a_sj, a_pj, q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd,
+                offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
+                masked, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, N_GRAD, NEED_RS_GRAD,
+                BLOCK_N, DOT_PREC, STAGES)
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
         corr = a_pdp - delta  # Delta' - Delta
         if NEED_RS_GRAD:
-            dr = a_sl - corr * a_pl
-            if HAS_PRIOR and SCALE_PRIOR:
-                dr += a_sb - corr * a_pb
-            tl.store(DRS + bh * Tq + offs_m, dr, mask=row_ok)
-        if NEED_PRIOR_GRAD:
-            w = tl.where(row_ok, 1.0, 0.0)
-            if HAS_RS and SCALE_PRIOR:
-                w = w * r_rows  # dB = dS r
-            part = PART + (bh * n_qblocks + pid_m) * 3
-            tl.store(part + 0, tl.sum(w * (a_sb - corr * a_pb), 0))
-            tl.store(part + 1, tl.sum(w * (a_sbl - corr * a_pbl), 0))
-            tl.store(part + 2, tl.sum(w * (a_sbm - corr * a_pbm), 0))
+            tl.store(DRS + bh * Tq + offs_m, a_sx - corr * a_px, mask=row_ok)
+        w = tl.where(row_ok, 1.0, 0.0)
+        if HAS_RS and SCALE_PRIOR:
+            w = w * r_rows  # dB = dS r
+        for k in tl.static_range(N_GRAD):
+            tl.store(PART + (bh * n_qblocks + pid_m) * N_GRAD + k, tl.sum(w * (a_sj[k] - corr * a_pj[k]), 0))
 
 
 # ------------------------------------------------------------------ launch configuration and the autograd wrapper
@@ -728,32 +720,45 @@ def _configs(block_d, dtype):
             return dict(fwd=(64, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=64)
         return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
     if block_d <= 64:
-        return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 3), pre=128)
+        return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 2), pre=128)
     # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead: perf_model.py
     # predicts 5x the time, bound by shared-memory bandwidth)
     return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
 
 
-def _prior_tables(prior, Tq, Tk, q_offset, cfg, grads=False):
-    """The prior by distance, for the kernels to read instead of evaluating it per score: B (H, n) float32 whose
-    entry t is B(d0 + t), covering every distance a tile touches (padded rows and keys included), and with
-    grads its derivatives in theta_beta and theta_mu (H, 2, n); dB/dtheta_alpha = B. The derivatives are written
-    out, not taken by torch.func.jvp: this runs inside the custom ops, below the autograd dispatch key, where
-    forward-mode AD is not allowed (torch.library.opcheck refuses it). Deterministic elementwise ops: the
-    backward rebuilds exactly the forward's table, hence bit-identical scores."""
+def _dq_stages(cfg, n_grad):
+    """Pipeline stages of the dQ loop. tl.range pipelines all its loads, the prior's 1 + K table tiles too (the
+    kernel argument num_stages only those that feed a dot: the derivative tables' tiles then went through a
+    layout conversion in shared memory, 12 bytes per score each, perf_model.py); beyond 96 KB of table tiles
+    per extra stage they would not fit beside K and V on an A100, and stay unpipelined."""
+    bm, bn, _, stages = cfg["dq"]
+    return stages if (1 + n_grad) * bm * bn * 4 * (stages - 1) <= 96 * 1024 else 1
+
+
+def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
+    """The prior by distance for the kernels, which never evaluate a formula: (table, jtab, theta, d0). table
+    (H, n) fp32: entry t is B(d0 + t), for every distance a tile touches (padded rows and keys included). jtab
+    (H, K, n): the derivative tables dB/dtheta_k of the K parameters that need a gradient; theta (H, K) those
+    parameters stacked: the ops never read its values, they return its gradient sum_ij w dS J_k and autograd
+    takes it on to the parameters (None, None when K = 0). The derivatives are forward-mode autograd (a tangent
+    of ones per parameter: B_h depends on head h's parameters only), here because the ops run below the autograd
+    key, where forward-mode AD is not allowed. d > 0 is never visible: 0 there, so that a prior undefined there
+    (inf, NaN) cannot reach a gradient sum as 0 * inf."""
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
     d0 = -(q_offset + Tq - 1) - pad
     n = Tq + Tk + 2 * pad - 1
-    ta, tb, tm = (t.detach().float() for t in prior)
-    d = torch.arange(d0, d0 + n, device=ta.device)
-    table = ggd_prior(d, ta, tb, tm).contiguous()
-    if not grads:
-        return table, None, d0, n
-    dm = d.float()[None, :] - ggd_mu(tm)[:, None]  # d - mu, as ggd_prior forms it
-    x = dm.abs() + GGD_EPS
-    d_beta = table * torch.log(x)  # B = -exp(theta_alpha) x^theta_beta
-    d_mu = -table * tb[:, None] * torch.sign(dm) / x * (2.0 * torch.cosh(tm))[:, None]  # dmu/dtheta_mu = 2 cosh
-    return table, torch.stack((d_beta, d_mu), 1).contiguous(), d0, n
+    d = torch.arange(d0, d0 + n, device=device)
+    future = d > 0
+    params = tuple(t.detach() for t in prior.params)
+    of = lambda *ps: BoundPrior(prior.prior, ps).table(d).float().expand(H, n)  # the registry's fn
+    table = of(*params).masked_fill(future, 0.0).contiguous()
+    need = [i for i, t in enumerate(prior.params) if t.requires_grad] if torch.is_grad_enabled() else []
+    if not need:
+        return table, None, None, d0
+    ones = [tuple(torch.ones_like(t) if j == i else torch.zeros_like(t) for j, t in enumerate(params)) for i in need]
+    jtab = torch.stack([torch.func.jvp(of, params, tangent)[1] for tangent in ones], 1)
+    theta = torch.stack([prior.params[i].float() for i in need], 1)
+    return table, jtab.masked_fill(future, 0.0).contiguous(), theta, d0
 
 
 def _kv_ranges(ds_rows, block_m, block_n, Tk):
@@ -787,12 +792,16 @@ def _st(t):
 Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
 
 
+def _block_d(head_dim):
+    return max(16, triton.next_power_of_2(head_dim))  # head dims that are not a power of two are padded
+
+
 def _launch_state(q, k, doc_start, row_scale):
     """What both ops derive from their inputs: block_d, tile configuration, dot precision, doc_start as
     (B, Tk) int32, row_scale as (B, H, Tq) fp32, and a dummy pointer for absent inputs."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = _block_d(D)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
     dummy = torch.zeros(1, device=q.device, dtype=torch.float32)
     ds = doc_start.to(device=q.device, dtype=torch.int32).contiguous().expand(B, Tk) if doc_start is not None else None
@@ -805,25 +814,24 @@ def _device_of(t):
 
 
 @torch.library.custom_op("bam::triton_attention_fwd", mutates_args=())
-def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, theta_alpha: OptTensor, theta_beta: OptTensor,
-                theta_mu: OptTensor, row_scale: OptTensor, scale_prior: bool, q_offset: int,
-                softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """The forward kernel: (O, LSE). LSE (B, H, Tq) fp32 is the row log-sum-exp in base 2 (the backward needs it)."""
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: OptTensor, jtab: OptTensor,
+                theta: OptTensor, row_scale: OptTensor, scale_prior: bool, q_offset: int, softmax_scale: float,
+                d0: int) -> tuple[Tensor, Tensor]:
+    """The forward kernel: (O, LSE). LSE (B, H, Tq) fp32 is the row log-sum-exp in base 2 (the backward needs it).
+    table, jtab, theta, d0 as _prior_tables makes them; jtab and theta are only kept for the backward."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    has_prior, has_doc, has_rs = theta_alpha is not None, doc_start is not None, row_scale is not None
+    has_prior, has_doc, has_rs = table is not None, doc_start is not None, row_scale is not None
     with _device_of(q):
         block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
-        prior = (theta_alpha, theta_beta, theta_mu)
-        ptab, _, d0, n_dist = _prior_tables(prior, Tq, Tk, q_offset, cfg) if has_prior else (dummy, None, 0, 0)
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), device=q.device, dtype=torch.float32)
         bm, bn, warps, stages = cfg["fwd"]
         _attn_fwd[(triton.cdiv(Tq, bm), B * H)](
-            q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, ptab,
+            q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, table if has_prior else dummy,
             *_st(q), *_st(k), *_st(v), *_st(o),
             ds.stride(0) if has_doc else 0, *(_st(rs) if has_rs else (0, 0, 0)),
-            H, Tq, Tk, q_offset, softmax_scale, d0, n_dist,
+            H, Tq, Tk, q_offset, softmax_scale, d0, table.shape[1] if has_prior else 0,
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
             HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs, DOT_PREC=dot_prec,
             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
@@ -831,36 +839,30 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, theta_alp
 
 
 @_triton_fwd.register_fake
-def _(q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset, softmax_scale):
+def _(q, k, v, doc_start, table, jtab, theta, row_scale, scale_prior, q_offset, softmax_scale, d0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
 def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: OptTensor,
-                theta_alpha: OptTensor, theta_beta: OptTensor, theta_mu: OptTensor, row_scale: OptTensor,
-                scale_prior: bool, q_offset: int, softmax_scale: float, need_prior: bool,
-                need_rs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward kernels: (dQ, dK, dV, the prior's gradients (H, 3) fp64 [theta_alpha, theta_beta, theta_mu],
-    d row_scale (B, H, Tq) fp32). The last two are empty when need_prior / need_rs is False."""
+                table: OptTensor, jtab: OptTensor, row_scale: OptTensor, scale_prior: bool, q_offset: int,
+                softmax_scale: float, d0: int, need_rs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernels: (dQ, dK, dV, d theta (H, K) fp64 from the derivative tables jtab (H, K, n),
+    d row_scale (B, H, Tq) fp32). The last two are empty without jtab / need_rs."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    has_prior, has_doc, has_rs = theta_alpha is not None, doc_start is not None, row_scale is not None
-    scale_prior = scale_prior and has_rs
+    has_prior, has_doc, has_rs = table is not None, doc_start is not None, row_scale is not None
+    n_grad = jtab.shape[1] if jtab is not None else 0
     with _device_of(q):
         block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
-        prior = (theta_alpha, theta_beta, theta_mu)
         dev = q.device
         do = do.contiguous() if do.stride(-1) != 1 else do
         dummy_i = torch.zeros(1, device=dev, dtype=torch.int32)
-        ds_arg = ds if has_doc else dummy_i
-        rs_arg = rs if has_rs else dummy
-        ds_st = ds.stride(0) if has_doc else 0
-        rs_st = _st(rs) if has_rs else (0, 0, 0)
+        ds_arg, ds_st = (ds, ds.stride(0)) if has_doc else (dummy_i, 0)
+        rs_arg, rs_st = (rs, _st(rs)) if has_rs else (dummy, (0, 0, 0))
+        ptab, n_dist = (table, table.shape[1]) if has_prior else (dummy, 0)
         common = dict(HEAD_DIM=D, BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior, HAS_RS=has_rs,
-                      SCALE_PRIOR=scale_prior, DOT_PREC=dot_prec, enable_fp_fusion=False)
-        ptab, pdtab, d0, n_dist = (_prior_tables(prior, Tq, Tk, q_offset, cfg, grads=need_prior) if has_prior
-                                   else (dummy, None, 0, 0))
-        pdtab = dummy if pdtab is None else pdtab
+                      SCALE_PRIOR=scale_prior and has_rs, DOT_PREC=dot_prec, enable_fp_fusion=False)
         # preprocess: Delta = rowsum(O * dO)
         delta = torch.empty((B, H, Tq), device=dev, dtype=torch.float32)
         pm = cfg["pre"]
@@ -871,65 +873,53 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         dv = torch.empty_like(v)
         bm, bn, warps, stages = cfg["dkdv"]
         n_kb = triton.cdiv(Tk, bn)
-        if has_doc:
-            q_end, q_clean = _kv_ranges(ds[:, q_offset:q_offset + Tq], bm, bn, Tk)
-        else:
-            q_end = q_clean = dummy_i
+        q_end, q_clean = _kv_ranges(ds[:, q_offset:q_offset + Tq], bm, bn, Tk) if has_doc else (dummy_i, dummy_i)
         _attn_bwd_dkdv[(n_kb, B * H)](
             q, k, v, do, dk, dv, lse, delta, ds_arg, rs_arg, ptab, q_end, q_clean,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dk), *_st(dv), ds_st, *rs_st,
             H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_kb,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-        # dQ (+ d row_scale, + per-program prior partial sums): one program per query block, looping over keys
+        # dQ (+ d row_scale, + per-program partial sums of d theta): one program per query block, looping over keys
         dq = torch.empty_like(q)
         bm, bn, warps, stages = cfg["dq"]
         n_qb = triton.cdiv(Tq, bm)
         drs = torch.empty((B, H, Tq), device=dev, dtype=torch.float32) if need_rs else dummy
-        part = torch.empty((B, H, n_qb, 3), device=dev, dtype=torch.float32) if need_prior else dummy
+        part = torch.empty((B, H, n_qb, n_grad), device=dev, dtype=torch.float32) if n_grad else dummy
         _attn_bwd_dq[(n_qb, B * H)](
-            q, k, v, do, dq, lse, delta, ds_arg, rs_arg, ptab, pdtab, drs, part,
+            q, k, v, do, dq, lse, delta, ds_arg, rs_arg, ptab, jtab if n_grad else dummy, drs, part,
             *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
             H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_qb,
-            BLOCK_M=bm, BLOCK_N=bn, NEED_PRIOR_GRAD=need_prior, NEED_RS_GRAD=need_rs,
-            ACC_DPP=need_prior or need_rs, ACC_B=has_prior and (need_prior or (need_rs and scale_prior)),
-            num_warps=warps, num_stages=stages, **common)
+            BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs, ACC_DPP=n_grad > 0 or need_rs,
+            STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **common)
         # deterministic reduction of the per-program partials (fixed order, no atomics)
-        g_prior = part.double().sum(dim=(0, 2)) if need_prior else q.new_empty(0, dtype=torch.float64)
-    return dq, dk, dv, g_prior, drs if need_rs else q.new_empty(0, dtype=torch.float32)
+        g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)
+    return dq, dk, dv, g, drs if need_rs else q.new_empty(0, dtype=torch.float32)
 
 
 @_triton_bwd.register_fake
-def _(do, q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset,
-      softmax_scale, need_prior, need_rs):
-    H = q.shape[1]
-    g_prior = q.new_empty((H, 3) if need_prior else (0,), dtype=torch.float64)
+def _(do, q, k, v, o, lse, doc_start, table, jtab, row_scale, scale_prior, q_offset, softmax_scale, d0, need_rs):
+    g = q.new_empty(jtab.shape[:2] if jtab is not None else (0,), dtype=torch.float64)
     drs = q.new_empty(q.shape[:3] if need_rs else (0,), dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g_prior, drs
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g, drs
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, doc_start, theta_alpha, theta_beta, theta_mu, row_scale, scale_prior, q_offset, softmax_scale = inputs
-    ctx.save_for_backward(q, k, v, *output, doc_start, theta_alpha, theta_beta, theta_mu, row_scale)
-    ctx.args = (scale_prior, q_offset, softmax_scale)
+    q, k, v, doc_start, table, jtab, theta, row_scale, scale_prior, q_offset, softmax_scale, d0 = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_start, table, jtab, row_scale)
+    ctx.args = (scale_prior, q_offset, softmax_scale, d0)
+    ctx.theta_dtype = theta.dtype if theta is not None else None
     ctx.mark_non_differentiable(output[1])
 
 
 def _fwd_backward(ctx, do, _dlse):
-    q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale = ctx.saved_tensors
+    q, k, v, o, lse, doc_start, table, jtab, row_scale = ctx.saved_tensors
     need = ctx.needs_input_grad
-    need_prior = theta_alpha is not None and any(need[4:7])
     need_rs = row_scale is not None and need[7]
-    dq, dk, dv, g, drs = _triton_bwd(do, q, k, v, o, lse, doc_start, theta_alpha, theta_beta, theta_mu, row_scale,
-                                     *ctx.args, need_prior, need_rs)
-    g_alpha = g_beta = g_mu = g_rs = None
-    if need_prior:
-        g_alpha = g[:, 0].to(theta_alpha.dtype) if need[4] else None
-        g_beta = g[:, 1].to(theta_beta.dtype) if need[5] else None
-        g_mu = g[:, 2].to(theta_mu.dtype) if need[6] else None
-    if need_rs:  # a row_scale broadcast over the batch sums its gradient
-        g_rs = drs.sum_to_size(row_scale.shape).to(row_scale.dtype)
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None,
-            g_alpha, g_beta, g_mu, g_rs, None, None, None)
+    dq, dk, dv, g, drs = _triton_bwd(do, q, k, v, o, lse, doc_start, table, jtab if need[6] else None, row_scale,
+                                     *ctx.args, need_rs)
+    g_rs = drs.sum_to_size(row_scale.shape).to(row_scale.dtype) if need_rs else None  # broadcast over the batch
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None, None,
+            g.to(ctx.theta_dtype) if need[6] else None, g_rs, None, None, None, None)
 
 
 _triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -937,9 +927,10 @@ _triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
                      q_offset=None, softmax_scale=None):
-    """The Triton implementation of attention() (same contract, see the module docstring). Needs CUDA tensors,
-    or TRITON_INTERPRET=1 set before triton is first imported (then it runs, slowly, on CPU tensors)."""
-    ta, tb, tm = _kernel_ggd_form(bind(prior))  # first: a prior the kernel does not compute is refused anywhere
+    """The Triton implementation of attention() (same contract, see the module docstring), for every registered
+    prior. Needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported (then it runs, slowly,
+    on CPU tensors)."""
+    prior = bind(prior)
     if triton is None:
         raise RuntimeError("impl='triton' needs the triton package")
     if not q.is_cuda and not _interpreting():
@@ -964,25 +955,7 @@ def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, sca
         raise ValueError(f"attention_triton: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}")
     if row_scale is not None and row_scale.shape[-1] != Tq:
         raise ValueError(f"attention_triton: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
-    return _triton_fwd(q, k, v, doc_start, ta, tb, tm, row_scale, bool(scale_prior), q_offset, softmax_scale)[0]
-
-
-def _kernel_ggd_form(prior):
-    """The kernel computes one form, -c (|d - mu| + eps)^beta with c = exp(theta_alpha): a prior it implements is
-    passed as that triple, any other raises (a prior is never replaced by another one)."""
-    if prior is None:
-        return None, None, None
-    name = prior.prior.name
-    if name not in _KERNEL_FORMS:
-        raise ValueError(f"impl='triton' cannot compute the prior {name!r}: the kernel hard-codes only "
-                         f"{', '.join(_KERNEL_FORMS)}; use impl='torch'")
-    return _KERNEL_FORMS[name](*prior.params)
-
-
-# ALiBi -m|d| as the GGD form: c = m, beta = 1, mu = 0. The kernel's eps adds the constant -m * 1e-5 to every
-# logit of a head, which softmax ignores. ALiBi's slopes are fixed, so the triple needs no gradient.
-_KERNEL_FORMS = {
-    "ggd": lambda theta_alpha, theta_beta, theta_mu: (theta_alpha, theta_beta, theta_mu),
-    "alibi": lambda slope: (slope.detach().float().log(), torch.ones_like(slope, dtype=torch.float32),
-                            torch.zeros_like(slope, dtype=torch.float32)),
-}
+    tables = (None, None, None, 0) if prior is None else _prior_tables(
+        prior, H, Tq, Tk, q_offset, _configs(_block_d(D), q.dtype), q.device)
+    return _triton_fwd(q, k, v, doc_start, *tables[:3], row_scale, bool(scale_prior), q_offset, softmax_scale,
+                       tables[3])[0]

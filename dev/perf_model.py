@@ -7,7 +7,8 @@ A performance model of the Triton attention kernel, from its compiled code: no G
     python dev/perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
                                                   # prediction next to bench_attention.py's measured ratios
 
-Every kernel (forward, dK/dV, dQ) of every variant (no prior, ALiBi, GGD, GGD + SSMax; bf16; head_dim 48/64/128)
+Every kernel (forward, dK/dV, dQ) of every variant (VARIANTS: no prior, ALiBi, GGD, GGD + SSMax, GGD with theta_mu
+trained, Cauchy; bf16; head_dim 48/64/128)
 is compiled with Triton for sm_90 and sm_80 (the launch's tiles from attention_kernel._configs, no GPU: Triton's
 bundled ptxas), disassembled with the bundled cuobjdump, and the instructions of its hot inner loop are counted
 per score (one query-key pair). The hot loop is the innermost loop with tensor-core instructions and the fewest
@@ -18,9 +19,9 @@ special-function unit (MUFU: ex2, lg2, rcp) 16 ops, FP32 pipe (FFMA/FMUL/FADD/FM
 instruction issue 4 warp-instructions = 128 thread-instructions (all non-tensor instructions count), L1/shared
 memory 128 bytes (the loads and stores of the loop, by width; the tensor cores' own shared-memory operand reads
 are not counted). Time per score = max(tensor, MUFU, FP32, issue, L1): perfect overlap of the pipes, no latency,
-DRAM/L2 or occupancy stalls, so it is an upper bound on speed and a statement of which unit binds. FA2 is modelled the same way from its
-algorithm (not compiled here): head_dim padded to a multiple of 32 (48 -> 64), forward 4 D FLOP + 1 exp2 per
-score, backward 10 D FLOP + 1 exp2 (one kernel, dQ by atomics), its FP32 work assumed hidden.
+DRAM/L2 or occupancy stalls, so it is an upper bound on speed and a statement of which unit binds. FA2 is modelled
+the same way from its algorithm (not compiled here): head_dim padded to a multiple of 32 (48 -> 64), forward
+4 D FLOP + 1 exp2 per score, backward 10 D FLOP + 1 exp2 (one kernel, dQ by atomics), its FP32 work assumed hidden.
 The backward of this kernel is two kernels (dK/dV, then dQ), so its time per score is their sum.
 """
 import argparse
@@ -40,9 +41,13 @@ GPUS = {  # per SM per clock
     80: dict(name="A100", tensor=2048, mufu=16, fp32=64, issue=128, l1_bytes=128),
 }
 HEAD_DIMS = (48, 64, 128)
-# variant -> (prior, prior trainable, SSMax); ALiBi is the GGD kernel with theta_beta = 1, frozen
-VARIANTS = {"none": (False, False, False), "alibi": (True, False, False), "ggd": (True, True, False),
-            "ggd_ssmax": (True, True, True)}
+# variant -> (prior, its parameters trained, SSMax). The kernel reads a prior as tables, so it sees only whether
+# there is one and how many parameters need a gradient (K derivative tables): cauchy compiles as ggd does.
+VARIANTS = {"none": (None, (), False), "alibi": ("alibi", (), False),
+            "ggd": ("ggd", ("theta_alpha", "theta_beta"), False),
+            "ggd_ssmax": ("ggd", ("theta_alpha", "theta_beta"), True),
+            "ggd_mu": ("ggd", ("theta_alpha", "theta_beta", "theta_mu"), False),
+            "cauchy": ("cauchy", ("theta_a", "theta_s"), False)}
 FP32_OPS = ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FRND", "FSWZADD")
 TENSOR_OPS = ("HMMA", "HGMMA")
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
@@ -102,19 +107,24 @@ def compile_kernel(fn, constexprs, arch, num_warps, num_stages):
 def kernel_launches(ak, variant, head_dim):
     """[(kernel name, fn, constexprs, (BLOCK_M, BLOCK_N, warps, stages))] as the autograd function launches them."""
     import torch
-    has_prior, trainable, ssmax = VARIANTS[variant]
+    prior, trained, ssmax = VARIANTS[variant]
+    if prior is not None and prior not in getattr(ak, "_KERNEL_FORMS", {prior: None}):
+        return []  # a kernel from before the prior tables that does not compute this prior
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     cfg = ak._configs(block_d, torch.bfloat16)
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_DOC=False, HAS_PRIOR=has_prior, HAS_RS=ssmax,
-                  SCALE_PRIOR=ssmax, EPS=ak.GGD_EPS, DOT_PREC="tf32")
-    need_prior = has_prior and trainable
-    dq_flags = dict(NEED_PRIOR_GRAD=need_prior, NEED_RS_GRAD=ssmax, ACC_DPP=need_prior or ssmax,
-                    ACC_B=has_prior and (need_prior or ssmax))
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_DOC=False, HAS_PRIOR=prior is not None, HAS_RS=ssmax,
+                  SCALE_PRIOR=ssmax, EPS=1e-5, DOT_PREC="tf32")
+    K = len(trained)
+    # N_GRAD: the K derivative tables; NEED_PRIOR_GRAD, ACC_B (and EPS): the flags of kernels from before them
+    dq_flags = dict(N_GRAD=K, NEED_RS_GRAD=ssmax, ACC_DPP=K > 0 or ssmax,
+                    NEED_PRIOR_GRAD=K > 0, ACC_B=prior is not None and (K > 0 or ssmax))
     out = []
     kernels = (("fwd", ak._attn_fwd, {}), ("dkdv", ak._attn_bwd_dkdv, {}), ("dq", ak._attn_bwd_dq, dq_flags))
     for name, fn, extra in kernels:
         bm, bn, warps, stages = cfg[name]
         flags = {k: v for k, v in {**common, **extra}.items() if k in fn.arg_names}
+        if "STAGES" in fn.arg_names:
+            flags["STAGES"] = ak._dq_stages(cfg, K)
         out.append((name, fn, dict(flags, BLOCK_M=bm, BLOCK_N=bn), (bm, bn, warps, stages)))
     return out
 

@@ -1,4 +1,4 @@
-"""The Triton attention kernel against the PyTorch reference.
+"""The Triton attention kernel against the PyTorch reference and the dense formula, for every registered prior.
 
 Runs on the CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton is
 imported); with TRITON_INTERPRET=0 on a CUDA machine the same tests check the compiled kernel. Shapes are small
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import attention_kernel as ak
-from attention_kernel import alibi_slopes, attention, attention_torch
+from attention_kernel import attention, attention_torch, dense_attention
+from priors import BoundPrior, Prior, alibi_slopes, get_prior, register
 
 pytest.importorskip("triton")
 
@@ -42,10 +43,6 @@ def doc_start_from_boundaries(length, starts):
 
 def bam_prior(alpha, beta, mu):
     return tuple(torch.tensor(x, dtype=torch.float32) for x in (alpha, beta, mu))
-
-
-def alibi_prior(n_head):
-    return alibi_slopes(n_head).log(), torch.ones(n_head), torch.zeros(n_head)
 
 
 def run(fn, q, k, v, dout, *, prior=None, row_scale=None, dtype=None, prior_grad=True, **kw):
@@ -126,13 +123,11 @@ GEN = torch.Generator().manual_seed(7)
 CASES = {
     # name: (B, H, Tq, Tk, D, blocks, kwargs builder)
     "nope_len17_d64": (2, 2, 17, 17, 64, (16, 16), lambda: {}),
-    "alibi_frozen_docs_len130_d48": (2, 3, 130, 130, 48, (16, 32), lambda: dict(
-        prior=alibi_prior(3), prior_grad=False, doc_start=random_doc_start(2, 130, GEN))),
     "bam_beta_-1.5_0.5_2_mu_len130_d64": (1, 3, 130, 130, 64, (32, 16), lambda: dict(
         prior=bam_prior([0.1, -0.5, 0.2], [-1.5, 0.5, 2.0], [0.0, 0.3, -0.2]),
         doc_start=random_doc_start(1, 130, GEN), noncontiguous=True)),
     "bam_beta_-0.3_0_1_mu_len257_d48": (1, 3, 257, 257, 48, (64, 64), lambda: dict(
-        prior=bam_prior([0.3, 0.0, -1.0], [-0.3, 0.0, 1.0], [0.4, 0.1, -0.25]),
+        prior=bam_prior([0.3, 0.0, -1.0], [-0.3, 0.0, 1.0], [0.4, 0.1, -0.25]), prior_grad=(False, True, False),
         doc_start=random_doc_start(1, 257, GEN, p=0.02))),
     "bam_ssmax_scale_prior_docs": (2, 2, 130, 130, 64, (32, 32), lambda: dict(
         prior=bam_prior([0.2, -0.3], [-1.5, 0.7], [0.0, 0.2]), doc_start=random_doc_start(2, 130, GEN),
@@ -249,22 +244,10 @@ def test_kernel_skips_tiles_it_must_not_load():
         assert rel_err(g_k[name][:, :, 64:96], g_r[name][:, :, 64:96]) < 1e-3, name
 
 
-def test_kernel_backward_is_deterministic():
-    """Two backward passes give bitwise-equal gradients (no atomics; partial sums reduced in a fixed order).
-    Under the interpreter this also catches any result read from uninitialised (torch.empty) memory."""
-    gen = torch.Generator().manual_seed(9)
-    ds = random_doc_start(2, 100, gen)
-    q, k, v = qkv(2, 2, 100, 100, 48, seed=8)
-    kw = dict(prior=bam_prior([0.2, -0.3], [-1.5, 0.7], [0.1, 0.2]), doc_start=ds,
-              row_scale=torch.rand(2, 2, 100, generator=gen) + 0.5, scale_prior=True)
-    dout = torch.randn(q.shape, generator=gen)
-    fn = functools.partial(attention, impl="triton")
-    _, g1 = run(fn, q, k, v, dout, **kw)
-    _, g2 = run(fn, q, k, v, dout, **kw)
-    for name in g1:
-        assert torch.equal(g1[name], g2[name]), name
-    src = inspect.getsource(ak)
-    assert "atomic_" not in src  # dQ and the parameter gradients must not use atomics
+def test_kernel_uses_no_atomics():
+    """dQ and the parameter gradients come from per-program partial sums reduced in a fixed order, never atomics:
+    what makes two backward passes bitwise equal (test_kernel_every_prior_matches_dense_formula runs two)."""
+    assert "atomic_" not in inspect.getsource(ak)
 
 
 def test_kernel_optional_inputs_and_no_grad_inputs():
@@ -284,54 +267,19 @@ def test_kernel_optional_inputs_and_no_grad_inputs():
     assert rel_err(out, attention_torch(q, k, v)) < 1e-5
 
 
-def test_kernel_matches_flex_attention_forward():
-    """FlexAttention as an independent implementation (forward only: its CPU path has no backward): the GGD prior
-    and SSMax as a score_mod, causal AND same-document as the mask_mod."""
-    fa = pytest.importorskip("torch.nn.attention.flex_attention")
-    import warnings
-    B, H, T, D = 2, 3, 70, 32
-    q, k, v = qkv(B, H, T, T, D, seed=21)
-    gen = torch.Generator().manual_seed(5)
-    ds = random_doc_start(B, T, gen, p=0.05)
-    alpha, beta, mu_raw = bam_prior([0.2, -0.4, 0.0], [-1.5, 0.5, 2.0], [0.0, 0.3, -0.2])
-    s = torch.tensor([1.0, 0.7, 1.2])
-    rs = ssmax_row_scale(s, ds, T, 0)  # (B, H, T)
-
-    def score_mod(score, b, h, qi, ki):
-        x = ((ki - qi).to(torch.float32) - 2.0 * torch.sinh(mu_raw[h])).abs() + 1e-5
-        return (score - torch.exp(alpha[h]) * torch.pow(x, beta[h])) * rs[b, h, qi]
-
-    def mask_mod(b, h, qi, ki):
-        return (ki <= qi) & (ki >= ds[b, qi])
-
-    block_mask = fa.create_block_mask(mask_mod, B, None, T, T, device="cpu", BLOCK_SIZE=16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
-        ref = fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    dev = lambda t: t.to(DEVICE)
-    out = attention(dev(q), dev(k), dev(v), doc_start=dev(ds), prior=(dev(alpha), dev(beta), dev(mu_raw)),
-                    row_scale=dev(rs), scale_prior=True, impl="triton")
-    assert rel_err(out.cpu(), ref) < 1e-4
-
-
 def test_kernel_dispatch(monkeypatch):
-    """impl='auto' on CPU tensors: the fused-SDPA path when nothing needs a gradient (evaluation), the hand-written
-    backward when anything does (training); impl='triton' uses the kernel (here, the interpreter)."""
+    """impl='auto' on CPU tensors: sdpa when nothing needs a gradient (evaluation), the reference when anything
+    does; impl='triton' uses the kernel (here, the interpreter) for every registered prior."""
     calls = []
-    monkeypatch.setattr(ak, "attention_torch", lambda *a, **kw: calls.append("torch") or "t")
-    monkeypatch.setattr(ak, "attention_cpu", lambda *a, **kw: calls.append("cpu") or "c")
-    monkeypatch.setattr(ak, "attention_triton", lambda *a, **kw: calls.append("triton") or "k")
-    monkeypatch.setattr(ak, "attention_sdpa", lambda *a, **kw: calls.append("sdpa") or "s")
-    q = torch.randn(1, 1, 4, 16)
-    assert attention(q, q, q, impl="auto") == "s"
-    assert attention(q.clone().requires_grad_(), q, q, impl="auto") == "c"
-    trained = (torch.zeros(1, requires_grad=True), torch.zeros(1), torch.zeros(1))
-    assert attention(q, q, q, prior=trained, impl="auto") == "c"
-    assert attention(q, q, q, impl="triton") == "k"
-    assert attention(q, q, q, impl="torch") == "t"
-    assert attention(q, q, q, impl="sdpa") == "s"
-    assert attention(q, q, q, impl="cpu") == "c"
-    assert calls == ["sdpa", "cpu", "cpu", "triton", "torch", "sdpa", "cpu"]
+    for name in ("torch", "triton", "sdpa"):
+        monkeypatch.setattr(ak, f"attention_{name}", lambda *a, name=name, **kw: calls.append(name) or name)
+    q = torch.randn(1, 2, 4, 16)
+    trained = (torch.zeros(2, requires_grad=True), torch.zeros(2), torch.zeros(2))
+    cauchy = BoundPrior(get_prior("cauchy"), (torch.ones(2, requires_grad=True), torch.zeros(2)))
+    assert [attention(q, q, q, impl="auto"), attention(q.clone().requires_grad_(), q, q, impl="auto"),
+            attention(q, q, q, prior=trained, impl="auto")] == ["sdpa", "torch", "torch"]
+    assert [attention(q, q, q, prior=p, impl="triton") for p in (None, trained, cauchy)] == ["triton"] * 3
+    assert ak.impl_error("triton", TANH, "cpu", True) is None  # the interpreter takes every prior
     with pytest.raises(ValueError):
         attention(q, q, q, impl="cuda")
 
@@ -343,7 +291,7 @@ def test_kernel_rejects_cpu_tensors_without_interpreter(monkeypatch):
         ak.attention_triton(q, q, q)
 
 
-@pytest.mark.parametrize("pos_encoding,ssmax", [("bam", True), ("alibi", False)])
+@pytest.mark.parametrize("pos_encoding,ssmax", [("bam", True)])
 def test_kernel_model_trains_through_kernel(monkeypatch, pos_encoding, ssmax):
     """A tiny GPT: forward + backward with attention forced onto the kernel matches the reference path."""
     import model as model_mod
@@ -388,3 +336,129 @@ def test_kernel_model_trains_through_kernel(monkeypatch, pos_encoding, ssmax):
     assert set(g_k) == set(g_ref)
     for n in g_ref:
         assert rel_err(g_k[n], g_ref[n]) < 2e-3, n
+
+
+# ------------------------------------------------------------------------------------- every registered prior
+def tanh_prior(d, theta_p, theta_q):
+    """tests/test_priors.py's test prior, theta_p tanh(|d| / exp(theta_q)), registered here under its own name
+    with the five required fields only."""
+    return theta_p.float()[:, None] * torch.tanh(d.float().abs()[None, :] / torch.exp(theta_q.float())[:, None])
+
+
+TANH = register(Prior(name="test_kernel_tanh", fn=tanh_prior, params=("theta_p", "theta_q"),
+                      init=lambda spec, n_head: (torch.zeros(n_head), torch.zeros(n_head)),
+                      trainable=("theta_p", "theta_q")))
+
+
+def dense_tanh(q, k, v, prior, doc_start, row_scale, scale_prior, q_offset):
+    """The tanh prior's attention written out from its formula, independently of the registry and attention_kernel."""
+    theta_p, theta_q = prior.params
+    i, j = q_offset + torch.arange(q.shape[2]), torch.arange(k.shape[2])
+    dist = (j[None, :] - i[:, None]).abs().double()
+    b = theta_p.double()[:, None, None] * torch.tanh(dist[None] / theta_q.double().exp()[:, None, None])
+    logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[3])
+    r = row_scale.double()[..., None]
+    s = (logits + b) * r if scale_prior else logits * r + b
+    visible = (j[None, None, :] <= i[None, :, None]) & (j[None, None, :] >= doc_start[:, i][:, :, None])
+    return torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), dim=-1) @ v.double()
+
+
+PRIOR_PARAMS = {  # name: (per-head parameters, trained); ggd with theta_beta < 0 (B(mu) about -3e7) and mu != 0
+    "ggd": (([0.1, -0.3], [-1.5, 0.7], [0.0, 0.3]), True),
+    "alibi": ((alibi_slopes(2).tolist(),), False),  # fixed slopes: no derivative table
+    "cauchy": (([1.0, -0.5], [0.0, 1.2]), True),
+    "test_kernel_tanh": (([-2.0, 1.5], [0.0, 1.0]), True),
+}
+
+
+@pytest.mark.parametrize("scale_prior", [True, False])
+@pytest.mark.parametrize("name", list(PRIOR_PARAMS))
+def test_kernel_every_prior_matches_dense_formula(name, scale_prior, monkeypatch):
+    """The kernel reads any prior from its tables: values and every gradient (q, k, v, each prior parameter,
+    row_scale) match dense_attention in float64 (the tanh prior: its own formula), with documents, SSMax in both
+    placements and q_offset; for ggd and the tanh prior a second backward pass is bitwise equal to the first."""
+    monkeypatch.setattr(ak, "INTERPRET_BLOCKS", (16, 16))
+    gen = torch.Generator().manual_seed(len(name))
+    B, H, Tq, Tk, D, q_offset = 2, 2, 24, 40, 16, 10
+    q, k, v = (torch.randn(B, H, t, D, generator=gen) for t in (Tq, Tk, Tk))
+    ds = torch.zeros(B, Tk, dtype=torch.long)
+    ds[0, 13:], ds[0, 27:], ds[1, 20:], ds[1, 21:] = 13, 27, 20, 21  # query 20 of row 1: a one-key document
+    values, trained = PRIOR_PARAMS[name]
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.rand(B, H, Tq, generator=gen) + 0.5)]
+    params = [torch.tensor(p, device=DEVICE, requires_grad=trained) for p in values]
+    kw = dict(doc_start=ds.to(DEVICE), row_scale=leaves[3], scale_prior=scale_prior, q_offset=q_offset)
+    prior = BoundPrior(get_prior(name), tuple(params))
+    wrt = leaves + (params if trained else [])
+    ref = dense_tanh(*leaves[:3], prior, **kw) if name == TANH.name else dense_attention(*leaves[:3], prior=prior, **kw)
+    dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64).to(DEVICE)
+    ref_grads = torch.autograd.grad((ref * dout).sum(), wrt)
+    out = attention(*leaves[:3], prior=prior, **kw, impl="triton")
+    assert rel_err(out.double(), ref) < 1e-5
+    passes = 2 if name in ("ggd", TANH.name) else 1
+    grads = [torch.autograd.grad((out.double() * dout).sum(), wrt, retain_graph=True) for _ in range(passes)]
+    for i, (g, *again) in enumerate(zip(*grads)):
+        assert all(torch.equal(g, g2) for g2 in again), i
+        assert rel_err(g.double(), ref_grads[i]) < 1e-4, (i, rel_err(g.double(), ref_grads[i]))
+
+
+def log_distance_prior(d, theta_c, theta_w):
+    """-softplus(theta_c) log(1 + |d| exp(theta_w)): registered below with the five required fields only."""
+    c, w = (torch.nn.functional.softplus(theta_c.float())[:, None], theta_w.float().exp()[:, None])
+    return -c * torch.log1p(d.float().abs()[None, :] * w)
+
+
+MINIMAL = register(Prior(name="test_kernel_log_distance", fn=log_distance_prior, params=("theta_c", "theta_w"),
+                         init=lambda spec, n_head: (torch.zeros(n_head), torch.zeros(n_head)),
+                         trainable=("theta_c", "theta_w")))
+
+
+def test_kernel_minimal_prior_trains_like_reference(monkeypatch):
+    """A prior registered with only (name, fn, params, init, trainable) trains through a GPT on the kernel: the
+    losses and the prior's parameters after three SGD steps are the reference's."""
+    import model as model_mod
+
+    monkeypatch.setattr(ak, "INTERPRET_BLOCKS", (16, 16))
+    gen = torch.Generator().manual_seed(2)
+    idx, tgt = (torch.randint(0, 64, (2, 32), generator=gen).to(DEVICE) for _ in range(2))
+    ds = random_doc_start(2, 32, gen, p=0.1).to(DEVICE)
+    runs = {}
+    for impl in ("torch", "triton"):
+        torch.manual_seed(0)
+        net = model_mod.GPT(model_mod.GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, block_size=32,
+                                                prior=MINIMAL.name, attn_impl=impl)).to(DEVICE)
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            _, loss = net(idx, tgt, doc_start=ds)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[impl] = losses, {n: p.detach().clone() for n, p in net.named_parameters() if ".theta_" in n}
+    (loss_ref, p_ref), (loss_k, p_k) = runs["torch"], runs["triton"]
+    assert len(p_ref) == 2 and all(not torch.equal(t, torch.zeros_like(t)) for t in p_ref.values())  # trained
+    assert loss_k == pytest.approx(loss_ref, rel=1e-5)
+    for n in p_ref:
+        assert rel_err(p_k[n], p_ref[n]) < 1e-4, n
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times the compiled kernel: a GPU only (bash gpu_check.sh)")
+def test_kernel_speed_of_every_prior_is_that_of_its_tables():
+    """ggd, cauchy and the tanh prior with two trained parameters each launch the same compiled kernels (the prior
+    is only tables): bf16 forward + backward within 15% of GGD's time. Prints the times (gpu_check.sh's log)."""
+    from triton.testing import do_bench
+    B, H, T, D = 4, 16, 4096, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, T, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v, torch.rand(1, H, T, device="cuda", generator=gen) + 0.5)]
+    trained = {"ggd": ((0.0, True), (0.5, True), (0.0, False)), "cauchy": ((1.0, True), (2.0, True)),
+               TANH.name: ((-1.0, True), (2.0, True))}
+    ms = {}
+    for name, spec in trained.items():
+        params = tuple(torch.full((H,), x, device="cuda", requires_grad=g) for x, g in spec)
+        prior = BoundPrior(get_prior(name), params)
+        step = lambda: attention(*leaves[:3], prior=prior, row_scale=leaves[3], scale_prior=True,
+                                 impl="triton").backward(dout)
+        ms[name] = do_bench(step, rep=300)
+    print("fwd+bwd ms at B4 H16 T4096 D64 bf16, BAM + SSMax:", {n: round(t, 3) for n, t in ms.items()})
+    assert all(t < 1.15 * ms["ggd"] for t in ms.values()), ms

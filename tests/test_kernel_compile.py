@@ -1,13 +1,14 @@
-"""torch.compile sees the whole model: attention is a registered custom op (Triton) or FlexAttention, never a
-graph break. On the CPU the Triton kernel runs under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
-and the compiled model uses the aot_eager backend (AOTAutograd traces forward and backward, then runs the
-captured graphs eagerly), so compiled and eager results must be bitwise equal."""
+"""torch.compile sees the whole model: attention is a registered custom op (Triton), never a graph break, and the
+prior's tables are built in the traced graph. On the CPU the Triton kernel runs under the interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1) and the compiled model uses the aot_eager backend (AOTAutograd traces
+forward and backward, then runs the captured graphs eagerly), so compiled and eager results must be bitwise equal."""
 import pytest
 import torch
 import torch._dynamo
 
 import attention_kernel as ak
 import model as model_mod
+from priors import BoundPrior, get_prior
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available() and not ak._interpreting():
@@ -63,34 +64,22 @@ def test_kernel_compiled_model_has_no_graph_break_and_equals_eager(small_tiles):
 
 def test_kernel_custom_ops_pass_opcheck(small_tiles):
     """torch.library.opcheck: schema, fake-tensor implementation (shapes, strides, dtypes), autograd registration
-    and AOT dispatch of the forward and backward ops, on inputs with every option (documents, prior, SSMax)."""
+    and AOT dispatch of the forward and backward ops, on inputs with every option (documents, a prior's table and
+    derivative tables, SSMax)."""
     gen = torch.Generator().manual_seed(0)
     B, H, T, D = 1, 2, 20, 16
     q, k, v = (torch.randn(B, T, H, D, generator=gen).transpose(1, 2).to(DEVICE).requires_grad_() for _ in range(3))
     ds = torch.zeros(B, T, dtype=torch.long, device=DEVICE)
     ds[:, 7:] = 7
-    ta, tb, tm = (torch.tensor(x, device=DEVICE, requires_grad=True) for x in ([0.1, -0.2], [-1.5, 0.7], [0.0, 0.3]))
+    params = tuple(torch.tensor(x, device=DEVICE, requires_grad=True) for x in ([1.0, -0.5], [0.0, 1.2]))
+    table, jtab, theta, d0 = ak._prior_tables(BoundPrior(get_prior("cauchy"), params), H, T, T, 0,
+                                              ak._configs(ak._block_d(D), q.dtype), DEVICE)
+    assert jtab.shape == (H, 2, table.shape[1]) and theta.requires_grad
     rs = (torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE).requires_grad_()
-    fwd_args = (q, k, v, ds, ta, tb, tm, rs, True, 0, 0.25)
+    fwd_args = (q, k, v, ds, table, jtab, theta, rs, True, 0, 0.25, d0)
     torch.library.opcheck(torch.ops.bam.triton_attention_fwd.default, fwd_args)
     detached = [t.detach() if torch.is_tensor(t) else t for t in fwd_args]
     o, lse = torch.ops.bam.triton_attention_fwd(*detached)
-    q, k, v, ds, ta, tb, tm, rs, *flags = detached
+    q, k, v, ds, table, jtab, theta, rs, *flags = detached
     torch.library.opcheck(torch.ops.bam.triton_attention_bwd.default,
-                          (torch.randn_like(o), q, k, v, o, lse, ds, ta, tb, tm, rs, *flags, True, True))
-
-
-def test_kernel_flex_compiled_model_has_no_graph_break():
-    """FlexAttention in a compiled model: one graph (a break would cost Flex its fusion). On the CPU forward only
-    (FlexAttention has no CPU backward); the compiled model matches the eager reference path."""
-    net, args, kwargs = tiny_gpt("torch")
-    with torch.no_grad():
-        _, loss_ref = net(*args, **kwargs)
-        net.config.attn_impl = "flex"  # the layers read the impl from the shared config at every call
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(net)(*args, **kwargs)
-        assert explained.graph_break_count == 0, explained.break_reasons
-        assert explained.graph_count == 1
-        _, loss_comp = torch.compile(net, backend="aot_eager", fullgraph=True)(*args, **kwargs)
-    torch._dynamo.reset()
-    assert torch.allclose(loss_comp, loss_ref, rtol=1e-5, atol=0)
+                          (torch.randn_like(o), q, k, v, o, lse, ds, table, jtab, rs, *flags, True))

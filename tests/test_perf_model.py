@@ -1,4 +1,4 @@
-"""perf_model.py: SASS loop finding and counting on a hand-written listing, the comparison with a measurement,
+"""dev/perf_model.py: SASS loop finding and counting on a hand-written listing, the comparison with a measurement,
 and the script end to end (compiles the no-prior kernels for sm_90 with Triton's bundled ptxas: no GPU needed)."""
 import json
 import os
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import perf_model as pm
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
+import perf_model as pm  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # two loops: an outer one without tensor-core work and an inner one with it (one 64x64 tile, 4 warps per group)
 LISTING = [
@@ -58,12 +58,24 @@ def test_compare_with_measurement(tmp_path):
     assert cells["kernel_plain / sdpa_flash fwd"][1] == "0.50"
 
 
+def test_kernel_sees_a_prior_only_as_tables():
+    """Variants differ in the kernels' constants only by prior or not, SSMax, and K (the parameters trained): cauchy
+    launches exactly what ggd does, and theta_mu trained adds one derivative table."""
+    import attention_kernel as ak
+    launch = {v: pm.kernel_launches(ak, v, 64) for v in ("alibi", "ggd", "ggd_mu", "cauchy", "none")}
+    assert launch["cauchy"] == launch["ggd"]
+    k = {v: dict(launch[v][2][2]) for v in launch}  # the dQ kernel's constants
+    assert (k["none"]["N_GRAD"], k["alibi"]["N_GRAD"], k["ggd"]["N_GRAD"], k["ggd_mu"]["N_GRAD"]) == (0, 0, 2, 3)
+    assert not k["none"]["HAS_PRIOR"] and k["alibi"]["HAS_PRIOR"]
+    assert launch["ggd_mu"][:2] == launch["ggd"][:2]  # the forward and dK/dV kernels read B only
+
+
 def test_script_end_to_end(tmp_path):
     """Compiles the forward, dK/dV and dQ kernels without a prior for sm_90 (real ptxas, outside the interpreter)
     and checks the counts that the kernel's algorithm fixes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "perf_model.py", "--archs", "90", "--head_dims", "64", "--variants", "none",
-                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, pm.__file__, "--archs", "90", "--head_dims", "64", "--variants", "none",
+                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "perf_model.json").read_text())
     k = {row["kernel"]: row for row in data["kernels"]}
