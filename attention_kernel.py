@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from priors import GGD_EPS, BoundPrior, Prior, bind, ggd_mu, ggd_prior
+from priors import BoundPrior, Prior, bind
 
 IMPLS = ("auto", "torch", "sdpa", "triton")
 

@@ -149,7 +149,7 @@ def test_alibi_prior_is_ggd_with_theta_beta_one():
 
 
 def test_kernel_alibi_prior_matches_reference():
-    """The kernel takes ALiBi natively (as its GGD form with beta = 1) and agrees with the reference's -m|d|."""
+    """The kernel reads ALiBi's table like any prior's and agrees with the reference's -m|d|."""
     if not (ak._triton_available() and (torch.cuda.is_available() or ak._interpreting())):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
     dev = "cuda" if torch.cuda.is_available() and not ak._interpreting() else "cpu"
