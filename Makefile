@@ -50,8 +50,10 @@ DEMO_PREPARE_ARGS ?=
 DEMO_TRAIN_ARGS ?=
 DEMO_EVAL_ARGS ?=
 BASELINE_SEEDS ?= $(SEEDS)
-demo_seeds = $(shell seq 1 $(if $(filter bam%,$(1)),$(SEEDS),$(BASELINE_SEEDS)))
-demo_runs := $(foreach v,$(DEMO_VARIANTS),$(foreach s,$(call demo_seeds,$(v)),$(v)-s$(s)))
+DEMO_JOBS ?= 2
+# seed by seed (every variant of seed 1 first), the baselines only up to BASELINE_SEEDS
+demo_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(DEMO_VARIANTS),\
+	$(if $(or $(filter bam%,$(v)),$(filter $(s),$(shell seq 1 $(BASELINE_SEEDS)))),$(v)-s$(s))))
 # run name <variant>-s<seed>, variant <pos_encoding>[_ssmax]
 demo_seed = $(lastword $(subst -s, ,$(1)))
 demo_variant = $(firstword $(subst -s, ,$(1)))
@@ -59,7 +61,7 @@ demo_flags = --pos_encoding=$(firstword $(subst _, ,$(call demo_variant,$(1)))) 
 	--ssmax=$(if $(filter %_ssmax,$(call demo_variant,$(1))),True,False) --seed=$(call demo_seed,$(1))
 
 demo: deps
-	$(MAKE) --no-print-directory -j2 $(demo_runs:%=$(DEMO_OUT)/%/done)
+	$(MAKE) --no-print-directory -j$(DEMO_JOBS) $(demo_runs:%=$(DEMO_OUT)/%/done)
 	rm -f $(DEMO_RESULTS)/passkey_*
 	$(PYTHON) eval_passkey.py --template demo $(demo_runs:%=--ckpt $(DEMO_OUT)/%) --lengths $(DEMO_LENGTHS) \
 		--out $(DEMO_RESULTS) --no_progress $(DEMO_EVAL_ARGS)
