@@ -151,6 +151,22 @@ def test_links_point_to_files(path):
     assert not missing, f"{path} links to files that do not exist: {missing}"
 
 
+def test_code_cites_readme_sections_that_exist():
+    """A comment or docstring that cites `README, "Section"` names a heading of README.md (its first words)."""
+    readme = re.sub(r"```.*?```", "", open(os.path.join(ROOT, "README.md")).read(), flags=re.S)  # not code
+    headings = [h.strip() for h in re.findall(r"^#+ (.*)$", readme, re.M)]
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py", "*.sh"],
+                         cwd=ROOT, capture_output=True, text=True).stdout.split()
+    stale = []
+    for path in (f for f in out if not f.startswith("tests/") and os.path.isfile(os.path.join(ROOT, f))):
+        text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+        for cited in re.findall(r'README(?:\.md)?, "([^"]+)"', text):
+            cited = " ".join(re.sub(r"^\s*#", " ", cited, flags=re.M).split())
+            if not any(h.startswith(cited) for h in headings):
+                stale.append(f"{path}: README, {cited!r}")
+    assert not stale, f"citations of README sections that do not exist (headings: {headings}): {stale}"
+
+
 def stand_ins(tmp_path):
     """Tiny byte-level checkpoints at the demo's run paths (training them is what make demo does)."""
     for name, pe, ssmax, prior in (("bam_ssmax", "bam", True, "ggd"), ("rope", "rope", False, "ggd"),
