@@ -26,15 +26,19 @@ RUN = ("eval_passkey.py", "plot_prior.py")  # cheap on tiny checkpoints: run as 
 WITH_COMMANDS = ("README.md", "dev/README.md", "results/demo/README.md")  # each must hold commands
 
 
-def markdown_files():
-    """Every markdown file of the repo (git's tracked and not-ignored files, or a walk without git)."""
+def repo_files(*suffixes):
+    """The repo's files ending in one of `suffixes` (git's tracked and not-ignored files, or a walk without git)."""
     try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"], cwd=ROOT,
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         out = [os.path.relpath(os.path.join(d, n), ROOT) for d, dirs, names in os.walk(ROOT)
-               if not re.search(r"/(\.git|\.venv|data|out)(/|$)", d) for n in names if n.endswith(".md")]
-    return sorted(f for f in out if os.path.isfile(os.path.join(ROOT, f)))
+               if not re.search(r"/(\.git|\.venv|data|out)(/|$)", d) for n in names]
+    return sorted(f for f in out if f.endswith(suffixes) and os.path.isfile(os.path.join(ROOT, f)))
+
+
+def markdown_files():
+    return repo_files(".md")
 
 
 def commands(path):
@@ -155,10 +159,8 @@ def test_code_cites_readme_sections_that_exist():
     """A comment or docstring that cites `README, "Section"` names a heading of README.md (its first words)."""
     readme = re.sub(r"```.*?```", "", open(os.path.join(ROOT, "README.md")).read(), flags=re.S)  # not code
     headings = [h.strip() for h in re.findall(r"^#+ (.*)$", readme, re.M)]
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py", "*.sh"],
-                         cwd=ROOT, capture_output=True, text=True).stdout.split()
     stale = []
-    for path in (f for f in out if not f.startswith("tests/") and os.path.isfile(os.path.join(ROOT, f))):
+    for path in (f for f in repo_files(".py", ".sh") if not f.startswith("tests/")):
         text = open(os.path.join(ROOT, path), encoding="utf-8").read()
         for cited in re.findall(r'README(?:\.md)?, "([^"]+)"', text):
             cited = " ".join(re.sub(r"^\s*#", " ", cited, flags=re.M).split())
