@@ -124,7 +124,7 @@ def check_parses(command):
 
 
 def needs_gpu_or_internet(note):
-    return bool(re.search(r"\bGPU\b|\binternet\b", note))
+    return bool(re.search(r"(?<!no )\b(GPU|internet)\b", note))  # "no internet" is not a need
 
 
 @pytest.mark.parametrize("path", WITH_COMMANDS)
