@@ -169,6 +169,26 @@ def test_code_cites_readme_sections_that_exist():
     assert not stale, f"citations of README sections that do not exist (headings: {headings}): {stale}"
 
 
+def known_options():
+    """Every option of every script with a build_parser(), and every train.py setting as --key."""
+    options = {f"--{k}" for k in train.config_keys} | {"--key"}  # `--key=value`: the configurator's syntax
+    for path in repo_files(".py"):
+        if not path.startswith("tests/") and "def build_parser" in open(os.path.join(ROOT, path)).read():
+            options |= set(load_script(path).build_parser()._option_string_actions)
+    return options
+
+
+def test_inline_options_exist():
+    """An option quoted in prose (`--allow_data_repeat=True`, `--preset paper`) is one that some script accepts."""
+    options = known_options()
+    unknown = []
+    for path in markdown_files():
+        for span in re.findall(r"`([^`\n]+)`", open(os.path.join(ROOT, path), encoding="utf-8").read()):
+            if not span.startswith(STARTS):  # whole commands are parsed by test_command_parses
+                unknown += [f"{path}: {o}" for o in re.findall(r"(?<![\w-])--\w+", span) if o not in options]
+    assert not unknown, f"options no script accepts: {unknown}"
+
+
 def stand_ins(tmp_path):
     """Tiny byte-level checkpoints at the demo's run paths (training them is what make demo does)."""
     for name, pe, ssmax, prior in (("bam_ssmax", "bam", True, "ggd"), ("rope", "rope", False, "ggd"),
