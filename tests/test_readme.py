@@ -169,6 +169,14 @@ def test_code_cites_readme_sections_that_exist():
     assert not stale, f"citations of README sections that do not exist (headings: {headings}): {stale}"
 
 
+def test_makefile_runs_scripts_that_exist():
+    """`make demo` and `make gpu-check` run scripts by path: each exists."""
+    recipes = [line for line in open(os.path.join(ROOT, "Makefile")).read().splitlines() if line.startswith("\t")]
+    scripts = {s for line in recipes for s in re.findall(r"(?<![\w/$(.-])([\w/]+\.(?:py|sh))\b", line)}
+    missing = [s for s in sorted(scripts) if not os.path.isfile(os.path.join(ROOT, s))]
+    assert scripts and not missing, f"the Makefile runs scripts that do not exist: {missing}"
+
+
 def known_options():
     """Every option of every script with a build_parser(), and every train.py setting as --key."""
     options = {f"--{k}" for k in train.config_keys} | {"--key"}  # `--key=value`: the configurator's syntax
