@@ -1,12 +1,17 @@
-"""The README's commands do not drift from the code: every command in its code blocks and tables names a script,
-config, file or make target that exists, and its options parse (argparse scripts through their build_parser(),
-train.py through the configurator). The cheap ones, the demo's evaluation steps, run as written on tiny stand-in
-checkpoints (with a model forward that costs nothing); commands marked GPU or internet are parsed, never run."""
+"""The markdown files' commands do not drift from the code: every command in a bash block, a table or prose of
+README.md, dev/README.md, results/demo/README.md (every markdown file of the repo) names a script, config, file
+or make target that exists, and its options parse (argparse scripts through their build_parser(), train.py
+through the configurator). The cheap ones, the demo's evaluation steps, run as written on tiny stand-in
+checkpoints (with a model forward that costs nothing); commands marked GPU or internet are parsed, never run.
+Every relative link and image points to a file that exists."""
 import importlib
+import importlib.util
 import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,13 +22,29 @@ from configurator import ConfigError, configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS = ("python ", "torchrun ", "bash ", "make ", "OMP_NUM_THREADS=", "TRITON_INTERPRET=")
-RUN = ("eval_passkey.py", "plot_prior.py", "demo_table.py")  # cheap on tiny checkpoints: run as written
+RUN = ("eval_passkey.py", "plot_prior.py")  # cheap on tiny checkpoints: run as written
+WITH_COMMANDS = ("README.md", "dev/README.md", "results/demo/README.md")  # each must hold commands
 
 
-def readme_commands():
-    """[(command, note)]: each command of a bash block (continuation lines joined) with its trailing comment, and
-    each inline command (in a table or in prose) with its line as its note."""
-    text = open(os.path.join(ROOT, "README.md")).read()
+def repo_files(*suffixes):
+    """The repo's files ending in one of `suffixes` (git's tracked and not-ignored files, or a walk without git)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        out = [os.path.relpath(os.path.join(d, n), ROOT) for d, dirs, names in os.walk(ROOT)
+               if not re.search(r"/(\.git|\.venv|data|out)(/|$)", d) for n in names]
+    return sorted(f for f in out if f.endswith(suffixes) and os.path.isfile(os.path.join(ROOT, f)))
+
+
+def markdown_files():
+    return repo_files(".md")
+
+
+def commands(path):
+    """[(command, note)] of one markdown file: each command of a bash block (continuation lines joined) with its
+    trailing comment, and each inline command (in a table or in prose) with its line as its note."""
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -34,6 +55,9 @@ def readme_commands():
         out += [(c, line) for c in re.findall(r"`([^`]+)`", line)
                 if c.startswith(STARTS) and not re.fullmatch(r"[A-Z_]+=\S*", c)]  # not a bare VAR=value
     return out
+
+
+ALL = [(path, c, note) for path in markdown_files() for c, note in commands(path)]
 
 
 def split(command):
@@ -54,6 +78,18 @@ def script_and_args(argv):
         i = next(i for i, a in enumerate(argv) if a.endswith(".py"))
         return argv[i], argv[i + 1:]
     return None, None
+
+
+def load_script(script):
+    """The module of a script given by its path from the repo root (dev/bench.py, eval_passkey.py)."""
+    if "/" not in script:
+        return importlib.import_module(script[:-3])
+    name = script[:-3].replace("/", "_")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def check_parses(command):
@@ -79,32 +115,86 @@ def check_parses(command):
         except ConfigError as e:
             pytest.fail(f"{command}: {e}")
     else:
-        assert script and os.path.isfile(os.path.join(ROOT, script)), f"{command}: no script"
-        parser = importlib.import_module(script[:-3]).build_parser()
+        assert script and os.path.isfile(os.path.join(ROOT, script)), f"{command}: no script {script}"
         try:
-            parser.parse_args(args)
+            load_script(script).build_parser().parse_args(args)
         except SystemExit:
             pytest.fail(f"{command}: its options do not parse (see the usage message above)")
     return env, script, args
 
 
 def needs_gpu_or_internet(note):
-    return bool(re.search(r"\bGPU\b|\binternet\b", note))
+    return bool(re.search(r"(?<!no )\b(GPU|internet)\b", note))  # "no internet" is not a need
 
 
-def test_readme_has_commands():
-    commands = readme_commands()
-    assert len(commands) > 20
-    assert not [c for c, _ in commands if "..." in c or "<" in c], "placeholders in README commands"
+@pytest.mark.parametrize("path", WITH_COMMANDS)
+def test_markdown_has_commands(path):
+    found = [c for p, c, _ in ALL if p == path]
+    assert len(found) >= (20 if path == "README.md" else 5), f"{path}: {len(found)} commands"
+    assert not [c for c in found if "..." in c or "<" in c], f"{path}: placeholders in commands"
 
 
-@pytest.mark.parametrize("command, note", readme_commands())
-def test_readme_command_parses(command, note):
+@pytest.mark.parametrize("path, command, note", ALL)
+def test_command_parses(path, command, note):
     check_parses(command)
     if needs_gpu_or_internet(note):
         return
-    assert not re.search(r"--max_length 262144|bam_120m|fineweb10B", command), \
-        f"{command}: needs a GPU or internet but is not marked so"
+    assert not re.search(r"--max_length 262144|bam_120m|bam_1b|--preset|--compile(=True)?(?![=\w])|--long_forward=131072",
+                         command), f"{path}: {command}: needs a GPU or internet but is not marked so"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target) and ![alt](target)
+
+
+@pytest.mark.parametrize("path", markdown_files())
+def test_links_point_to_files(path):
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    here = os.path.dirname(path)
+    missing = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)
+               and not os.path.exists(os.path.join(ROOT, here, t))]
+    assert not missing, f"{path} links to files that do not exist: {missing}"
+
+
+def test_code_cites_readme_sections_that_exist():
+    """A comment or docstring that cites `README, "Section"` names a heading of README.md (its first words)."""
+    readme = re.sub(r"```.*?```", "", open(os.path.join(ROOT, "README.md")).read(), flags=re.S)  # not code
+    headings = [h.strip() for h in re.findall(r"^#+ (.*)$", readme, re.M)]
+    stale = []
+    for path in (f for f in repo_files(".py", ".sh") if not f.startswith("tests/")):
+        text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+        for cited in re.findall(r'README(?:\.md)?, "([^"]+)"', text):
+            cited = " ".join(re.sub(r"^\s*#", " ", cited, flags=re.M).split())
+            if not any(h.startswith(cited) for h in headings):
+                stale.append(f"{path}: README, {cited!r}")
+    assert not stale, f"citations of README sections that do not exist (headings: {headings}): {stale}"
+
+
+def test_makefile_runs_scripts_that_exist():
+    """`make demo` and `make gpu-check` run scripts by path: each exists."""
+    recipes = [line for line in open(os.path.join(ROOT, "Makefile")).read().splitlines() if line.startswith("\t")]
+    scripts = {s for line in recipes for s in re.findall(r"(?<![\w/$(.-])([\w/]+\.(?:py|sh))\b", line)}
+    missing = [s for s in sorted(scripts) if not os.path.isfile(os.path.join(ROOT, s))]
+    assert scripts and not missing, f"the Makefile runs scripts that do not exist: {missing}"
+
+
+def known_options():
+    """Every option of every script with a build_parser(), and every train.py setting as --key."""
+    options = {f"--{k}" for k in train.config_keys} | {"--key"}  # `--key=value`: the configurator's syntax
+    for path in repo_files(".py"):
+        if not path.startswith("tests/") and "def build_parser" in open(os.path.join(ROOT, path)).read():
+            options |= set(load_script(path).build_parser()._option_string_actions)
+    return options
+
+
+def test_inline_options_exist():
+    """An option quoted in prose (`--allow_data_repeat=True`, `--preset paper`) is one that some script accepts."""
+    options = known_options()
+    unknown = []
+    for path in markdown_files():
+        for span in re.findall(r"`([^`\n]+)`", open(os.path.join(ROOT, path), encoding="utf-8").read()):
+            if not span.startswith(STARTS):  # whole commands are parsed by test_command_parses
+                unknown += [f"{path}: {o}" for o in re.findall(r"(?<![\w-])--\w+", span) if o not in options]
+    assert not unknown, f"options no script accepts: {unknown}"
 
 
 def stand_ins(tmp_path):
@@ -118,24 +208,25 @@ def stand_ins(tmp_path):
 
 
 def blank_forward(self, idx, targets=None, *, logits_at=None, **kwargs):
-    """Stands in for GPT.forward so that the demo's 64x-length passkey prompts cost nothing to score."""
+    """Stands in for GPT.forward so that the demo's long passkey prompts cost nothing to score."""
     return torch.zeros(idx.shape[0], logits_at, self.config.padded_vocab_size), None
 
 
-def test_cheap_readme_commands_run(tmp_path, monkeypatch):
+def test_cheap_commands_run(tmp_path, monkeypatch):
     """The demo's evaluation steps, as written, in a directory holding stand-ins for the demo's checkpoints
     (the scripts' main() in this process, with a model forward that costs nothing)."""
     stand_ins(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(model.GPT, "forward", blank_forward)
     ran = []
-    for command, note in readme_commands():
+    for path, command, note in ALL:
         env, argv = split(command)
         script, args = script_and_args(argv)
         if script in RUN and not needs_gpu_or_internet(note):
-            importlib.import_module(script[:-3]).main(args)
+            load_script(script).main(args)
             ran.append(script)
     assert sorted(set(ran)) == sorted(RUN)
-    summary = json.loads((tmp_path / "out" / "demo" / "results" / "passkey_summary.json").read_text())
+    results = tmp_path / "out" / "demo" / "results"
+    summary = json.loads((results / "passkey_summary.json").read_text())
     assert len(summary) == 4 * 7 and all(r["n"] == 20 for r in summary)
-    assert (tmp_path / "out" / "demo" / "results" / "demo_table.md").exists()
+    assert (results / "demo_table.md").exists()  # eval_passkey.py writes it for run names with a seed
