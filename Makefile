@@ -30,15 +30,15 @@ gpu-check: deps
 	PYTHON=$(PYTHON) bash dev/gpu_check.sh
 
 # ---- the CPU demo ------------------------------------------------------------------------------------------------
-# Synthetic passkey data (prepare_demo.py), tiny models trained at a 64-token context (config/demo_cpu.py, two
-# trainings at a time on one thread each), passkey retrieval at 1x..64x that length (eval_passkey.py --template
-# demo), the learned BAM prior (plot_prior.py) and the table (demo_table.py). Everything is written under
-# data/demo/ and out/demo/ (ignored by git; the results in out/demo/results/), so the figures committed in
-# results/demo/ are never overwritten.
-#   make demo            one seed, about 10 minutes on 2 CPU cores
-#   make demo SEEDS=3    seeds 1, 2, 3 (data and initialisation), each seed and the median
-# A seed sets everything random (data and initialisation), so the same seed gives the same table. A run is
-# retrained only when its checkpoint is missing or the CONTENT of config/demo_cpu.py or of its data changed
+# Synthetic passkey data (prepare_demo.py), tiny models trained at a 64-token context (config/demo_cpu.py, DEMO_JOBS
+# trainings at a time on one thread each), passkey retrieval at 1x..64x that length with the per-seed table
+# (eval_passkey.py --template demo), the heads that read the needle (inspect_attention.py) and the learned BAM prior
+# (plot_prior.py). Everything is written under data/demo/ and out/demo/ (ignored by git; the results in
+# out/demo/results/), so the figures committed in results/demo/ are never overwritten.
+#   make demo                          one seed, all four variants
+#   make demo SEEDS=12 BASELINE_SEEDS=6  the seed study: BAM + SSMax on seeds 1-12, the baselines on 1-6
+# A seed sets everything random (data and initialisation), so the same seed on the same CPU gives the same table. A
+# run is retrained only when its checkpoint is missing or the CONTENT of config/demo_cpu.py or of its data changed
 # (a sha256 stamp, rewritten only when it differs), not when only a file date did.
 SEEDS ?= 1
 DEMO_VARIANTS ?= bam_ssmax rope alibi nope
