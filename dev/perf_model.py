@@ -3,7 +3,7 @@ A performance model of the Triton attention kernel, from its compiled code: no G
 
     python dev/perf_model.py                      # compile every variant for sm_90 and sm_80, print the table
     python dev/perf_model.py --out dev/results/perf_model # also write perf_model.json, .csv and .md there
-    python dev/perf_model.py --before a9f1e05     # add the kernels of another git revision (rows "... @a9f1e05")
+    python dev/perf_model.py --before main        # add the kernels of another git revision (rows "... @main")
     python dev/perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
                                                   # prediction next to bench_attention.py's measured ratios
 
