@@ -1,18 +1,17 @@
 """
-RULER's needle-in-a-haystack family: the 8 NIAH subtasks of NVIDIA/RULER @ c3f5e3b (scripts/data/synthetic/niah.py,
-constants.py, synthetic.yaml), generated here with RULER's strings, keys, random draws and haystack search,
-answered by greedy decoding with the model's KV cache, scored with RULER's string_match_all.
+RULER's 8 needle-in-a-haystack subtasks (NVIDIA/RULER @ c3f5e3b, scripts/data/synthetic/niah.py, constants.py,
+synthetic.yaml) with RULER's strings, keys, random draws and haystack search; greedy decoding with the KV cache,
+scored with RULER's string_match_all. Departures from RULER are explained beside the code that makes them.
 
     python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...] [--lengths 1024,2048]
-        [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir DIR]
     python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json   # RULER's protocol
 
 Writes to --out: ruler_samples.jsonl (per checkpoint x task x length x sample; a rerun resumes it),
 ruler_summary.{json,csv} (score per checkpoint x task x length, and the average over tasks), ruler_scores.png.
-Where it departs from RULER, and why, is said beside the code that does it.
 """
 import argparse
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -54,8 +53,7 @@ MAX_ATTEMPTS = 1000
 
 
 def task_template(cfg):
-    """The full prompt template of a task: the base model template, then the answer prefix, with RULER's
-    singular rewrite when one value is asked for (num_q * num_v == 1). Returns (template, type_needle_v)."""
+    """(template, type_needle_v): the base template + answer prefix, singular when one value is asked for."""
     template = MODEL_TEMPLATE.format(task_template=TEMPLATE) + ANSWER_PREFIX
     type_needle_v = cfg["type_needle_v"]
     if cfg["num_needle_q"] * cfg["num_needle_v"] == 1:
@@ -75,11 +73,9 @@ _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
 
 
 def ends_sentence(word, next_word):
-    """Does a sentence end after `word` (followed by `next_word`)? A rule-based stand-in for NLTK's punkt, RULER's
-    splitter (bam-gpt does not depend on nltk): a word ending in ! or ? (before closing quotes/brackets) ends one;
-    so does a final period, except after a listed abbreviation or an initial; an ellipsis only before a capital.
-    punkt learns its abbreviations and reads the next word's case; on prose the two agree almost everywhere, and a
-    difference only moves where a needle may go, never what is inserted."""
+    """Does a sentence end after `word`? A rule-based stand-in for RULER's NLTK punkt (no nltk dependency): ! or ?
+    end one, so does a period except after an abbreviation or an initial, an ellipsis only before a capital. Where
+    it differs from punkt, only where a needle may go moves, never what is inserted."""
     core = word.rstrip(_CLOSERS)
     if not core or core[-1] not in ".!?":
         return False
@@ -93,11 +89,10 @@ def ends_sentence(word, next_word):
 
 
 class Essay:
-    """An essay haystack: its words (RULER: re.sub(r"\\s+", " ", text).split(" ")) and where sentences end, found
-    once, so that sentences(n) (of the first n words, cycling past the end) costs no re-splitting."""
+    """An essay's words and sentence ends, found once: sentences(n) (the first n words, cycling) re-splits nothing."""
 
     def __init__(self, text, label):
-        self.words = text.split()  # == re.sub(r"\s+", " ", text).split(" ") without the empty ends
+        self.words = text.split()  # RULER's re.sub(r"\s+", " ", text).split(" ") without the empty ends
         if not self.words:
             raise ValueError(f"the essay haystack {label} has no words")
         self.label = label
@@ -116,10 +111,9 @@ class Essay:
 
 # ---- keys and values -------------------------------------------------------------------------------------
 class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RULER's list) draws
-    """RULER's keys, sorted(set(f"{adj}-{noun}")) over wonderwords' 910 adjectives x 6,782 nouns, indexed without
-    building the 6.2M strings. Sorted by adj + "-", adjectives fall into groups (one adjective and those starting
-    with it + "-": "blue", "blue-eyed"); a group's keys sort before the next group's, a one-adjective group's
-    keys are adj + "-" + the sorted nouns, and only the rare larger groups are built and sorted as strings."""
+    """RULER's keys, sorted(set(f"{adj}-{noun}")) over 910 adjectives x 6,782 nouns, indexed without building the
+    6.2M strings: adjectives sorted by adj + "-" form groups ("blue", "blue-eyed") whose keys sort in group order;
+    a one-adjective group is adj + "-" + the sorted nouns, only the rare larger groups are built as strings."""
 
     def __init__(self, adjs, nouns):
         self.nouns = sorted(set(nouns))
@@ -153,7 +147,6 @@ class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RU
         return i < self.length and self[i] == key
 
 
-
 def wonderwords_lists():
     """The adjective and noun lists exactly as RULER's niah.py reads them from the wonderwords package."""
     from wonderwords import random_word
@@ -162,14 +155,9 @@ def wonderwords_lists():
             random_word._get_words_from_text_file("nounlist.txt"))
 
 
-_WORDS = None
-
-
+@functools.lru_cache(maxsize=None)
 def words():
-    global _WORDS
-    if _WORDS is None:
-        _WORDS = PairList(*wonderwords_lists())
-    return _WORDS
+    return PairList(*wonderwords_lists())
 
 
 def words_digest():
@@ -189,8 +177,7 @@ def random_value(kind, rng):
 
 
 def random_key(kind, rng, taken):
-    """A key that is not one of `taken` (the sample's real keys): unlike RULER, a distractor never repeats a real
-    key. With 6.2M keys a redraw practically never happens, so the draws stay RULER's."""
+    """A key not in `taken`: unlike RULER, a distractor never repeats a real key (among 6.2M, practically never)."""
     while True:
         key = random_value(kind, rng)
         if key not in taken:
@@ -199,16 +186,15 @@ def random_key(kind, rng, taken):
 
 # ---- one input, RULER's generate_input_output -------------------------------------------------------------
 def min_haystack(task):
-    """Line haystacks need a line per needle to insert at (random.sample(range(n), #needles))."""
+    """Line haystacks need a line per needle to insert at."""
     cfg = TASKS[task]
     n_needles = max(cfg["num_needle_k"], cfg["num_needle_q"]) * cfg["num_needle_v"]
     return 0 if cfg["type_haystack"] == "essay" else n_needles
 
 
 def build_input(task, num_haystack, rng, essay=None, seed=42):
-    """RULER's generate_input_output(num_haystack) for one task, drawing from `rng` in RULER's order.
-    Returns a dict: input_text (the full prompt, answer prefix included), pieces (input_text cut before every
-    haystack unit, for counting tokens piece by piece), needles, keys, values, queries, answers, depths."""
+    """RULER's generate_input_output, drawing from `rng` in RULER's order: a dict of input_text (answer prefix
+    included), pieces (input_text cut before every haystack unit), needles, keys, values, queries, answers, depths."""
     cfg = TASKS[task]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
     num_v, num_q = cfg["num_needle_v"], cfg["num_needle_q"]
@@ -240,8 +226,7 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
 
 
 def essay_context(essay, num_haystack, needles, rng):
-    """RULER's essay context: the sentences of num_haystack words with the needles at sorted random DEPTHS.
-    Returns (the context cut before every sentence and needle, depths)."""
+    """RULER's essay context, num_haystack words with the needles at sorted random DEPTHS: (pieces, depths)."""
     sents = essay.sentences(num_haystack)
     depths = sorted(rng.sample(DEPTHS, len(needles)))
     positions = [0] + [int(len(sents) * (d / 100)) for d in depths] + [len(sents)]
@@ -263,8 +248,7 @@ def essay_context(essay, num_haystack, needles, rng):
 
 
 def line_context(cfg, num_haystack, needles, keys, rng):
-    """RULER's line haystacks: num_haystack noise lines, or distractor needles with random keys and values, with
-    the needles inserted at random lines. Returns (the context cut before every line, depths)."""
+    """RULER's line haystacks (noise lines, or distractor needles) with the needles at random lines: (pieces, depths)."""
     type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
     if cfg["type_haystack"] == "noise":
         lines = [NOISE] * num_haystack
@@ -280,11 +264,9 @@ def line_context(cfg, num_haystack, needles, keys, rng):
 
 # ---- token counts and the haystack size --------------------------------------------------------------------
 class TokenCounter:
-    """Token counts of prompts, piece by piece with a cache: sentences recur in every probe of the binary search,
-    so a 100K-token prompt costs look-ups, not a tokenization. Pieces are cut before a space or newline, where
-    byte's and gpt2's pre-tokenizer always splits, so the sum is exact there; SentencePiece would give a piece a
-    word boundary of its own, so a later piece is counted behind a word ("a" + piece, less that word). Every
-    final sample is still checked with a full tokenization (generate_sample)."""
+    """Prompt token counts, piece by piece with a cache: pieces recur in every probe of the haystack search. Pieces
+    start at a space or newline, where gpt2 and byte always split; with SentencePiece a piece is counted behind a
+    word ("a" + piece, less "a"). generate_sample checks each final sample with a full tokenization."""
 
     def __init__(self, enc):
         self.enc, self.cache, self.base = enc, {}, len(enc.encode_ordinary("a"))
@@ -302,25 +284,21 @@ class TokenCounter:
 
 
 def haystack_step(task, max_len):
-    """RULER's `incremental`, the per-sample back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens.
-    Below 4096 the essay step here is 100 words (RULER never runs essays below 4K): a sample that misses the
-    budget loses a whole step, and 500 words (~650 gpt2 tokens) would empty a 1K prompt."""
+    """RULER's `incremental` back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens; below 4096, 100 essay
+    words (RULER never runs essays that short; 500 words would empty a 1K prompt)."""
     if TASKS[task]["type_haystack"] == "essay":
         return 500 if max_len >= 4096 else 100
     return 5 if max_len < 4096 else 25
 
 
 def input_budget(max_len):
-    """Tokens the prompt may use: the length, less the answer budget and the document-start token that starts
-    every training document (RULER does not count its BOS)."""
+    """The prompt's tokens: the length less the answer and the document-start token (RULER counts no BOS)."""
     return max_len - TOKENS_TO_GENERATE - 1
 
 
 def fit_haystack(task, max_len, counter, essay=None, seed=42):
-    """RULER's binary search for the largest num_haystack whose (random) probe prompt fits the budget. Unlike
-    RULER (which loops forever when one step does not fit), the haystack may shrink to min_haystack; num_haystack
-    is None when even that does not fit. Returns dict(num_haystack, step, min_haystack, probes,
-    prompt_tokens_at_min)."""
+    """RULER's binary search for the largest num_haystack whose probe prompt fits; unlike RULER's endless loop, the
+    haystack may shrink to min_haystack, else num_haystack is None. Also returns step, probes, prompt_tokens_at_min."""
     step, lo = haystack_step(task, max_len), min_haystack(task)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
     budget, probes, last = input_budget(max_len), 0, {}
@@ -345,11 +323,9 @@ def fit_haystack(task, max_len, counter, essay=None, seed=42):
 
 
 def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, counter=None):
-    """Sample `index` of a task at a length: the fitted haystack size, backed off by one step (RULER) while
-    the real tokenization does not fit. Each attempt draws afresh from Random(seed/task/length/index/attempt),
-    not from one global stream as RULER, so that any --samples N gives the same first N samples.
-    Returns build_input's dict plus input_ids ([doc_start] + tokens), input_tokens, attempts and
-    answer_token_pos (RULER's token_position_answer: where the first answer starts, in input_ids)."""
+    """Sample `index`: the fitted haystack, backed off a step (RULER) while the real tokenization does not fit. Each
+    attempt draws from Random(seed/task/length/index/attempt), not RULER's one stream, so --samples N gives the same
+    first N samples. build_input's dict + input_ids, input_tokens, attempts, answer_token_pos (RULER's)."""
     counter = counter or TokenCounter(enc)
     fit = fit or fit_haystack(task, max_len, counter, essay, seed)
     if fit["num_haystack"] is None:
@@ -381,9 +357,8 @@ def newline_tokens(enc):
 
 
 def decode_output(tokens, enc, newline_ids=None):
-    """Generated ids -> (text, stop): cut before end-of-text ("eot"), or at the first newline ("newline") when
-    newline_ids is given; "budget" when neither came. Ids beyond the tokenizer (the model's padded vocabulary)
-    decode to nothing."""
+    """(text, stop): cut before end-of-text ("eot") or at a newline of newline_ids ("newline"), else "budget".
+    Ids beyond the tokenizer (the padded vocabulary) decode to nothing."""
     j, stop = next(((j, "eot" if t == enc.eot_token else "newline") for j, t in enumerate(tokens)
                     if t == enc.eot_token or t in (newline_ids or ())), (len(tokens), "budget"))
     text = enc.decode([t for t in tokens[:j + (stop == "newline")] if t < enc.n_vocab])
@@ -401,8 +376,7 @@ def sample_score(pred, refs):
 
 
 def string_match_all(preds, refs):
-    """RULER's metric (scripts/eval/synthetic/constants.py): mean over samples of the fraction of references
-    contained in the prediction, case-insensitive, x100, rounded to 2 decimals."""
+    """RULER's metric (scripts/eval/synthetic/constants.py): mean sample_score x 100, rounded to 2 decimals."""
     return round(sum(sample_score(pred, ref) for pred, ref in zip(preds, refs)) / len(preds) * 100, 2)
 
 
@@ -450,9 +424,8 @@ def haystack_label(task, essay):
 
 # ---- summary and figure ----------------------------------------------------------------------------------
 def summarize(records, runs, tasks, lengths, n_samples, skipped):
-    """Rows (label, task, target_length) with RULER's score over this configuration's records, then an "average"
-    row per (label, target_length) over the tasks scored there. `skipped` maps (run label or None, task or None,
-    length) to why."""
+    """Rows (label, task, target_length) with RULER's score, and an "average" row per (label, length) over tasks.
+    `skipped` maps (run label or None, task or None, length) to why."""
     by = {}
     for r in records:
         if r["sample"] < n_samples:
@@ -614,8 +587,7 @@ def main(argv=None):
 
 
 def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newline_ids, stop_rule):
-    """Generate and score every missing sample of one task at one length for these runs, into `log`.
-    Returns why the task was skipped at this length, or None."""
+    """Generate and score every missing sample of one task at one length into `log`; returns why it was skipped."""
     hay = haystack_label(task, essay)
 
     def key(run, i):
@@ -624,7 +596,7 @@ def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newli
     todo = {i: [r for r in runs if key(r, i) not in log.done] for i in range(args.samples)}
     todo = {i: rs for i, rs in todo.items() if rs}
     if not todo:
-        return None
+        return
     fit = fit_haystack(task, L, counter, essay, args.seed)
     if fit["num_haystack"] is None:
         return (f"skipped: the prompt without haystack needs {fit['prompt_tokens_at_min'] + 1} tokens, "
@@ -648,7 +620,6 @@ def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newli
                          seconds=round(time.time() - t0, 3)))
             bar.update(1)
     bar.close()
-    return None
 
 
 if __name__ == "__main__":

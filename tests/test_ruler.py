@@ -205,7 +205,7 @@ def test_essay_context_with_empty_sentence_runs():
 
 def test_keys_are_distinct_and_distractors_avoid_them(monkeypatch):
     """With a small word list a distractor could repeat the queried key; keys are redrawn until they differ."""
-    monkeypatch.setattr(R, "_WORDS", ["red-fox", "tall-tree", "cold-lake", "odd-cat", "big-owl"])
+    monkeypatch.setattr(R, "words", lambda: ["red-fox", "tall-tree", "cold-lake", "odd-cat", "big-owl"])
     for seed in range(5):
         s = R.build_input("niah_multikey_2", 60, random.Random(seed))
         lines = s["input_text"].split("\n")[1:-1]
