@@ -4,7 +4,7 @@ key hidden in filler text at equidistant depths; a sample is correct iff every s
 argmax, teacher-forced on the answer (the same as greedy decoding reproducing the key).
 
     python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...] [--lengths 4096 8192 | --max_length N |
-        --preset paper|extreme] [--samples 20] [--depths equidistant|random|beginning|end] [--template paper]
+        --preset paper|extreme] [--samples 20] [--template paper]
 
 Writes to --out (default results/passkey): passkey_samples.jsonl (one record per sample; a rerun evaluates only
 what is missing), passkey_summary.{json,csv} (checkpoint x length: accuracy, digit_accuracy, ...),
@@ -37,7 +37,6 @@ PRESETS = {
                     samples=10, template=dict(digits=6, given_digits=1), dtype="float32"),  # their 500K run
 }
 DEFAULT_SAMPLES = 20
-DEPTH_MODES = ("equidistant", "random", "beginning", "end")
 DEPTH_BINS = 10  # of the by-depth table and heatmap
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
@@ -48,9 +47,8 @@ def template_hash(template):
 
 
 def _pieces(enc, template):
-    """Token lists of the key-independent pieces, each tokenized on its own without special tokens, as the authors
-    do. Their SentencePiece tokenizer starts every piece with a word boundary; tiktoken does not, so with gpt2 and
-    byte a piece after the task is tokenized as sep + piece (without it a byte model would read "there.The grass")."""
+    """Token lists of the key-independent pieces, each tokenized on its own as the authors do. SentencePiece starts
+    every piece with a word boundary, tiktoken does not: with gpt2 and byte a later piece is sep + piece."""
     sep = template.get("sep", "" if enc.word_boundary else PIECE_SEP)
     return dict(task=enc.encode_ordinary(template["task"]), filler=enc.encode_ordinary(sep + template["filler"]),
                 question=enc.encode_ordinary(sep + template["question"])), sep
@@ -61,10 +59,9 @@ def _needle(enc, template, sep, key):
 
 
 def answer_tokens(enc, key, given_digits=0):
-    """(tokens of " " + str(key), n_given): the leading tokens that decode to whitespace, and those of the first
-    given_digits digits as far as they are whole tokens, are given, not scored. With the authors' Mistral tokenizer
-    that is their scoring (the "▁" token given, one token per digit scored), and byte scores the same digits; gpt2
-    merges digits and the space (" 123" + "45"), so every answer token is scored there."""
+    """(tokens of " " + str(key), n_given): leading whitespace tokens and whole tokens of the first given_digits
+    digits are given, not scored: the authors' scoring with Mistral ("▁" given, one token per digit), the same
+    digits with byte; gpt2 merges the space into digits (" 123" + "45"), so all its answer tokens are scored."""
     answer = enc.encode_ordinary(" " + str(key))
     given = str(key)[:given_digits]
     n_given = 0
@@ -87,10 +84,9 @@ def filler_units(enc, template, target_length):
 
 
 def build_prompt(enc, template, target_length, key, k):
-    """The prompt for one sample, k filler units before the needle and N - k after it: (prompt tokens, answer
-    tokens, info). It never exceeds target_length: where some key tokenizes longer than the widest, filler units
-    are dropped after the needle (then before it). info: target_length, length (realised), n_filler, k, depth
-    (k / n_filler), key, needle_start, needle_end (tokens[needle_start:needle_end]), n_given, answer_text."""
+    """(prompt tokens, answer tokens, info) with k filler units before the needle and N - k after it, never longer
+    than target_length (a key longer than the widest drops units after the needle, then before). info: target_length,
+    length, n_filler, k, depth (k / n_filler), key, needle_start, needle_end, n_given, answer_text."""
     pieces, sep = _pieces(enc, template)
     key = int(key)
     if len(str(key)) != template["digits"]:
@@ -116,33 +112,19 @@ def build_prompt(enc, template, target_length, key, k):
     return tokens, answer, info
 
 
-def depth_indices(n, samples, mode, rng):
-    """k (filler units before the needle) per sample. equidistant = linspace(0, N, samples).long() as the authors."""
-    if mode == "random":
-        return [int(x) for x in rng.integers(0, n + 1, size=samples)]
-    return dict(equidistant=torch.linspace(0, n, samples).long().tolist(), beginning=[0] * samples,
-                end=[n] * samples)[mode]
-
-
-def make_samples(enc, template, target_length, samples, depths="equidistant", seed=1234):
-    """All samples of one target length: a list of (prompt, answer, info), info["sample"] = index. The keys (and
-    random depths) come from default_rng([seed, target_length]) alone, so they do not depend on the other lengths."""
-    rng = np.random.default_rng([seed, target_length])
+def make_samples(enc, template, target_length, samples, seed=1234):
+    """[(prompt, answer, info)] of one length at the authors' equidistant depths, k = linspace(0, N, samples).long();
+    the keys come from default_rng([seed, target_length]) alone, so they do not depend on the other lengths."""
     d = template["digits"]
-    keys = rng.integers(10 ** (d - 1), 10 ** d, size=samples)  # uniform over the d-digit numbers
-    ks = depth_indices(filler_units(enc, template, target_length), samples, depths, rng)
-    out = [build_prompt(enc, template, target_length, int(keys[i]), int(ks[i])) for i in range(samples)]
-    for i, (_, _, info) in enumerate(out):
-        info["sample"] = i
-    return out
+    keys = np.random.default_rng([seed, target_length]).integers(10 ** (d - 1), 10 ** d, size=samples)
+    ks = torch.linspace(0, filler_units(enc, template, target_length), samples).long().tolist()
+    return [build_prompt(enc, template, target_length, int(keys[i]), ks[i]) for i in range(samples)]
 
 
 # ---- Scoring ---------------------------------------------------------------------------------------------------
 def score_batch(model, prompts, answers, n_given=0):
-    """Teacher-forced exact match for prompts of one token length with answers of one length.
-
-    The model reads prompt + answer[:-1] and returns logits only at the positions that predict the scored answer
-    tokens (answer[n_given:]). Returns [(correct, predicted tokens)] per sample."""
+    """Teacher-forced exact match of prompts (one length) + answers (one length): [(correct, predicted tokens)].
+    The model reads prompt + answer[:-1]; logits only at the positions that predict answer[n_given:]."""
     m = len(answers[0]) - n_given
     idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=ec.model_device(model))
     with torch.inference_mode():
@@ -186,8 +168,8 @@ def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
     return skipped
 
 
-def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="equidistant", seed=1234,
-             device="cpu", dtype="auto", log, batch_tokens=65536, memory_fraction=0.9, skipped=(), progress=True):
+def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, seed=1234, device="cpu", dtype="auto", log,
+             batch_tokens=65536, memory_fraction=0.9, skipped=(), progress=True):
     """Score every missing (run, length, sample) into `log` (an eval_common.ResultLog keyed on KEY_FIELDS).
     Every run sees the same prompts. Returns the number of samples scored in this call."""
     skip = {(s["label"], s["target_length"]) for s in skipped}
@@ -206,7 +188,7 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="e
     for L in lengths:
         if not any((r["label"], L) in todo for r in runs):
             continue
-        prompts = make_samples(enc, template, L, samples, depths, seed)  # shared by every run
+        prompts = make_samples(enc, template, L, samples, seed)  # shared by every run
         for r in runs:
             missing = todo.get((r["label"], L))
             if not missing:
@@ -250,10 +232,8 @@ def bin_label(b, n_bins=DEPTH_BINS):
 
 
 def digits_right(rec, given_text):
-    """[is the k-th digit right, k = 1..digits] for one record; None for a digit that was given, not scored. The
-    answer the model produced is given_text (the answer's given tokens, e.g. the leading space) + predicted_text
-    (its argmax at every scored answer position, teacher-forced, so digit k is read knowing the key's digits
-    before it); digit k is right iff that text's k-th character after the leading space is the key's k-th digit."""
+    """[is digit k right] for one record (None: given, not scored). The answer produced is given_text + its
+    teacher-forced predicted_text; digit k is right iff its k-th character after the space is the key's."""
     key, text = str(rec["key"]), (given_text + rec["predicted_text"])[1:]
     return [None if k < len(given_text) - 1 else k < len(text) and text[k] == d for k, d in enumerate(key)]
 
@@ -406,7 +386,6 @@ def build_parser():
                         "10K, 200K..500K step 100K, 10 samples, 6 digits with the first given, float32")
     ap.add_argument("--samples", type=int, default=None,
                     help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)")
-    ap.add_argument("--depths", choices=DEPTH_MODES, default="equidistant")
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument("--batch_tokens", type=int, default=65536,
                     help="stack samples of one length into a forward while batch x length stays under this")
@@ -433,18 +412,18 @@ def main(argv=None):
     else:
         lengths = preset.get("lengths") or default_lengths([r["block_size"] for r in runs], args.max_length)
 
-    # Prompts depend only on (seed, length, template, samples, depths), so a rerun with the same settings resumes
-    # the JSONL; one with other settings is refused, and a checkpoint whose weights changed is evaluated again.
+    # Prompts depend only on (seed, length, template, samples), so a rerun with the same settings resumes the
+    # JSONL; one with other settings is refused, and a checkpoint whose weights changed is evaluated again.
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "passkey_samples.jsonl")
     settings = dict(seed=args.seed, template=args.template, template_hash=template_hash(template), samples=samples,
-                    depths=args.depths, tokenizer=runs[0]["tokenizer"], dtype=dtype)
+                    depths="equidistant", tokenizer=runs[0]["tokenizer"], dtype=dtype)
     ec.check_settings(jsonl, settings)
     log = ec.ResultLog(jsonl, KEY_FIELDS, runs)
     skipped = plan(runs, enc, template, lengths, device, args.memory_fraction)
     for s in skipped:
         print(f"skipping length {s['target_length']} for {s['label']}: {s['reason']}", file=sys.stderr)
-    scored = evaluate(runs, enc, lengths, template=template, samples=samples, depths=args.depths, seed=args.seed,
+    scored = evaluate(runs, enc, lengths, template=template, samples=samples, seed=args.seed,
                       device=device, dtype=dtype, log=log, batch_tokens=args.batch_tokens,
                       memory_fraction=args.memory_fraction, skipped=skipped, progress=not args.no_progress)
     summary, by_depth = summarize(log.records, runs, lengths, enc, skipped)

@@ -107,7 +107,7 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
     """Rows (one per layer x head, means over the samples) and the first-answer-token accuracy at one length."""
     model = run["model"]
     sums, n_correct = None, 0
-    for prompt, answer, info in ep.make_samples(enc, template, length, samples, "equidistant", seed):
+    for prompt, answer, info in ep.make_samples(enc, template, length, samples, seed):
         n_given = info["n_given"]
         tokens = prompt + answer[:n_given]  # the given whitespace answer token is read, then a digit is predicted
         i = len(tokens) - 1
