@@ -66,8 +66,7 @@ def resolve_dtype(device, dtype="auto"):
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def model_device(model):
-    """The device of a model's parameters (CPU for a model without any)."""
+def model_device(model):  # CPU for a model without parameters
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
@@ -79,8 +78,7 @@ def run_label(path):
 
 
 def checkpoint_digest(ckpt):
-    """sha256 (16 hex digits) of a checkpoint's model settings and weights, what decides an evaluation's numbers:
-    a bit-identical retraining keeps it, another model at the same path does not."""
+    """sha256 (16 hex digits) of a checkpoint's model settings and weights: what decides an evaluation's numbers."""
     h = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
     for name in sorted(ckpt["model"]):
         t = ckpt["model"][name].detach().cpu().contiguous().reshape(-1)
@@ -90,9 +88,8 @@ def checkpoint_digest(ckpt):
 
 
 def load_runs(paths, device, attn_impl="auto"):
-    """Load every checkpoint, its attention computed by attn_impl; all must share one
-    tokenizer, so that they see identical prompts. Returns (runs, tokenizer); a run is a dict: label, model,
-    ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (recorded, or None)."""
+    """(runs, tokenizer): every checkpoint, all with one tokenizer so that they see identical prompts. A run is a
+    dict: label, model, ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (or None)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device, attn_impl=attn_impl)
@@ -160,8 +157,7 @@ def fits_in_memory(model, length, device, fraction=0.9, batch=1, kv_cache=False)
     return need <= fraction * free, need, free
 
 
-def reset_peak_memory(device):
-    """Start a new peak-memory window (CUDA only: the CPU's peak RSS cannot be reset)."""
+def reset_peak_memory(device):  # CUDA only: the CPU's peak RSS cannot be reset
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(torch.device(device))
 
@@ -175,9 +171,8 @@ def peak_memory_bytes(device):
 
 
 def return_freed_memory_to_os(threshold_bytes=1 << 20):
-    """CPU, Linux/glibc: serve every allocation of >= threshold_bytes with its own mmap, so that a freed activation
-    goes straight back to the OS. Otherwise glibc's adaptive threshold moves multi-MiB tensors onto the heap, where
-    they fragment and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS instead of ~2 GiB)."""
+    """glibc: every allocation of >= threshold_bytes gets its own mmap, returned to the OS when freed; else multi-MiB
+    tensors fragment the heap and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS instead of ~2 GiB)."""
     import ctypes
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(threshold_bytes)))  # -3 = M_MMAP_THRESHOLD, fixed
@@ -187,8 +182,8 @@ def return_freed_memory_to_os(threshold_bytes=1 << 20):
 
 # ---- results ---------------------------------------------------------------------------------------------
 class ResultLog:
-    """Append-only per-sample JSONL. Reopening it resumes: `done` holds the keys of the records already written.
-    Given the runs being evaluated, it drops the records of a checkpoint path whose weights changed (drop_stale)."""
+    """Append-only per-sample JSONL; reopening it resumes (`done`: the keys already written). Given the runs, the
+    records of a checkpoint path whose weights changed are dropped (drop_stale)."""
 
     def __init__(self, path, key_fields, runs=()):
         self.path, self.key_fields = path, key_fields
@@ -218,8 +213,7 @@ class ResultLog:
         os.replace(tmp, self.path)
 
     def drop_stale(self, runs):
-        """The records of a path that now holds another checkpoint (another checkpoint_digest) are removed, with
-        a note on stderr, so that it is evaluated again instead of being reported with old numbers."""
+        """Remove (with a note) the records of a path that now holds another checkpoint: it is evaluated again."""
         now = {r["ckpt_path"]: r for r in runs}
 
         def is_stale(rec):
@@ -262,8 +256,7 @@ def write_table(rows, path_prefix):
 
 
 def check_settings(jsonl_path, settings):
-    """Refuse to resume a JSONL made with other settings (seed, template, ...), stored beside it in
-    <jsonl>.settings.json: EvalError names the differences. Otherwise (re)write the settings file."""
+    """Refuse to resume a JSONL made with other settings (kept in <jsonl>.settings.json), else (re)write them."""
     side = jsonl_path + ".settings.json"
     settings = json.loads(json.dumps(settings))  # normalise (tuples -> lists) so that the comparison is exact
     if os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0:
@@ -307,8 +300,7 @@ LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 
 
 
 def curve_styles(names):
-    """{name: matplotlib line style}: one colour per variant, one line style and marker per seed (seed_split), so
-    that 12 curves of 4 variants x 3 seeds stay distinguishable."""
+    """{name: matplotlib style}: one colour per variant, one line style and marker per seed (seed_split)."""
     keys = {name: seed_split(name) for name in names}
     variants = list(dict.fromkeys(v for v, _ in keys.values()))
     seeds = sorted({s for _, s in keys.values() if s is not None})
@@ -321,8 +313,7 @@ def curve_styles(names):
 
 
 def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, ylim=None):
-    """One line per name: series = {name: (xs, ys)}; x on a log axis, each training length marked, the legend
-    outside the axes (curve_styles: colour per variant, line style per seed)."""
+    """One line per name of series = {name: (xs, ys)}, x on a log axis, each training length marked."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     styles = curve_styles(series)
@@ -332,7 +323,7 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
                     va="top", ha="right", fontsize=8, color="gray")
-    ax.set(xscale="log", yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set(yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
