@@ -5,12 +5,11 @@ Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or ma
     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py     # one node, 8 GPUs (--nnodes=...)
     ... --resume=True                                                        # continue a run where it stopped
 
-Settings are the module-level variables below (the defaults are the paper's recipe), overridden by a config file
-and --key=value arguments (configurator.py). The run directory out_dir/ holds config.json (the resolved settings),
-env.json (versions, GPUs, git commit and command line of every launch), metrics.jsonl (one JSON object per logged
-step: train_loss, lr, grad_norm, tokens_per_s, ms_per_step, mfu on CUDA; val_loss and the learned prior at
-evaluations) and ckpt_{step:07d}.pt. "Step N" means "after N optimizer updates": ckpt_0000100.pt holds the model
-after update 100; the record of step 100 holds the training loss of update 100 and the val loss after it.
+Settings are the variables below (the paper's recipe), overridden by a config file and --key=value arguments
+(configurator.py). out_dir/ holds config.json (the resolved settings), env.json (versions, GPUs, git commit and
+command line of every launch), metrics.jsonl (a record per logged step: train_loss, lr, grad_norm, tokens_per_s,
+ms_per_step, mfu on CUDA; val_loss and the learned prior at evaluations) and ckpt_{step:07d}.pt. "Step N" is
+"after N optimizer updates": ckpt_0000100.pt and the record of step 100 hold the model after update 100.
 """
 import importlib.util
 import json
@@ -18,7 +17,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -94,7 +92,7 @@ MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_si
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, a checkpoint that does not fit, torch.compile failure, ...)."""
+    """The run cannot go on (non-finite loss, a checkpoint that does not fit, a torch.compile failure, ...)."""
 
 
 def get_lr(step, c):
@@ -160,28 +158,25 @@ def config_errors(c, world_size):
 
 def check_device(c, ddp):
     """The device, precision and attention impl the settings ask for, against the hardware (raises ConfigError)."""
-    if errors := device_errors(c, ddp):
-        raise ConfigError("invalid settings: " + "; ".join(errors))
-
-
-def device_errors(c, ddp):
+    def fail(msg):
+        raise ConfigError("invalid settings: " + msg)
     cuda = torch.cuda.is_available()
     if c["device"] == "auto" and not cuda and (ddp or (c["dtype"] == "bfloat16" and c["compile"])):
         # a GPU launch that finds no GPU is a mistake: stop rather than train a large model for days on the CPU
         why = "under torchrun" if ddp else "with the GPU recipe's dtype=bfloat16 and compile=True"
-        return [f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass --device=cpu (e.g. "
-                "python train.py <config> --device=cpu --compile=False --dtype=float32)"]
+        fail(f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass --device=cpu (e.g. "
+             "python train.py <config> --device=cpu --compile=False --dtype=float32)")
     try:
         device = torch.device(c["device"] if c["device"] != "auto" else "cuda" if cuda else "cpu")
     except RuntimeError as e:
-        return [f"device={c['device']!r} is not a device torch knows ({e})"]
+        fail(f"device={c['device']!r} is not a device torch knows ({e})")
     if device.type == "cuda" and not cuda:
-        return [f"device={c['device']!r} but no CUDA GPU is available; use --device=cpu"]
+        fail(f"device={c['device']!r} but no CUDA GPU is available; use --device=cpu")
     if device.type == "cpu" and c["dtype"] == "float16":
-        return ["dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU use bfloat16 or float32"]
+        fail("dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU use bfloat16 or float32")
     prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
-    error = impl_error(c["attn_impl"], PRIORS.get(prior), device, grad=True)
-    return [f"attn_impl={c['attn_impl']!r}: {error}"] if error else []
+    if error := impl_error(c["attn_impl"], PRIORS.get(prior), device, grad=True):
+        fail(f"attn_impl={c['attn_impl']!r}: {error}")
 
 
 def open_data(c, rank, world_size, tokens_per_update, log):
@@ -216,8 +211,8 @@ def check_data_budget(c, train_windows, tokens_per_update):
 
 # ---- Setup -----------------------------------------------------------------------------------------------
 def setup_device(c, ddp, local_rank, log):
-    """Resolve c["device"] (torchrun: one GPU per process) and start the process group. Where the hardware cannot
-    do what c asks (a GPU without bfloat16, torch.compile on a CPU without a C++ compiler), fall back and say so."""
+    """Resolve c["device"] (torchrun: one GPU per process) and start the process group; a GPU without bfloat16
+    falls back to float16, saying so."""
     c["device"] = c["device"] if c["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if ddp and c["device"].startswith("cuda"):
         c["device"] = f"cuda:{local_rank}"
@@ -228,9 +223,6 @@ def setup_device(c, ddp, local_rank, log):
         if c["dtype"] == "bfloat16" and not torch.cuda.is_bf16_supported():
             log("warning: this GPU has no bfloat16; using float16 with a GradScaler")
             c["dtype"] = "float16"
-    if c["compile"] and device.type == "cpu" and not any(map(shutil.which, (os.environ.get("CXX", "g++"), "c++"))):
-        log("warning: compile=True but no C++ compiler was found for torch.compile on CPU; running uncompiled")
-        c["compile"] = False
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return device
