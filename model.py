@@ -1,11 +1,9 @@
 """
 The bam-gpt model: the paper's LLaMA-style decoder (as in the authors' models/) with one attention path and a
 switch for the positional encoding, nope | sinusoidal | rope | alibi | bam, each with or without Scalable-Softmax.
-Positions enter in three places: sinusoidal is added to the token embeddings; rope rotates q and k (absolute
-positions, not reset at document boundaries, as the authors did); alibi and bam add a log-prior to the logits
-inside attention() (priors.py: alibi's fixed slopes, or bam's learned `prior`, GGD by default). SSMax multiplies
-each query row's logits by s_h * log(n_i), n_i = the keys visible to query i in its document.
-Also here: the size presets, the optimizer groups, and checkpoint save/load (the one place).
+sinusoidal is added to the token embeddings; rope rotates q and k (absolute positions, as the authors); alibi and
+bam add a log-prior (priors.py) to the logits inside attention(). SSMax multiplies each query row's logits by
+s_h * log(n_i), n_i = the keys visible to query i in its document. Also: size presets, optimizer groups, checkpoints.
 """
 import os
 import re
@@ -68,13 +66,6 @@ class GPTConfig:
     @property
     def padded_vocab_size(self):
         return -(-self.vocab_size // 64) * 64
-
-    @classmethod
-    def from_size(cls, size, **kwargs):
-        if size not in MODEL_SIZES:
-            raise ValueError(f"unknown model_size {size!r}; choose one of {list(MODEL_SIZES)}")
-        n_layer, n_embd, n_head = MODEL_SIZES[size]
-        return cls(n_layer=n_layer, n_embd=n_embd, n_head=n_head, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
