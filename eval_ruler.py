@@ -248,7 +248,7 @@ def essay_context(essay, num_haystack, needles, rng):
 
 
 def line_context(cfg, num_haystack, needles, keys, rng):
-    """RULER's line haystacks (noise lines, or distractor needles) with the needles at random lines: (pieces, depths)."""
+    """RULER's line haystacks (noise lines or distractor needles), needles at random lines: (pieces, depths)."""
     type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
     if cfg["type_haystack"] == "noise":
         lines = [NOISE] * num_haystack

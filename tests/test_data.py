@@ -413,6 +413,6 @@ def test_loader_tokenizer_checks(corpus, tmp_path):
         TokenLoader(corpus["dir"], "train", 16, 2, tokenizer="gpt2")
     d = tmp_path / "mixed"
     shutil.copytree(corpus["dir"], d)
-    write_shard(str(d / "docs_val_000000.bin"), [50256, 1, 2], "gpt2")
+    write_shard(str(d / "docs_train_000099.bin"), [50256, 1, 2], "gpt2")
     with pytest.raises(ValueError, match="different tokenizers"):
         TokenLoader(str(d), "train", 16, 2)
