@@ -1,15 +1,13 @@
 """
-Perplexity along the position axis (the paper's protocol): where a model stops extrapolating, next to the single
-number that hides it.
+Perplexity along the position axis (the paper's protocol): where a model stops extrapolating.
 
     python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 [--mode full sliding] [--window 1024]
         [--data val | hf:wikimedia/wikipedia:20231101.en] [--num_seqs 64]
 
-Each sequence of seq_len + 1 tokens gets one cross-entropy per target, from one forward over the whole sequence
-(full, the paper's) or from strided windows of the training length (sliding). The curve pools the targets of
-each --window positions over all sequences: ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per
-checkpoint x mode x sequence; a rerun resumes it), ppl_summary.{json,csv} (per checkpoint x mode x window, and
-an "overall" row) and ppl_vs_position.png.
+Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the whole sequence
+(full, the paper's) or from strided windows of the training length (sliding); the curve pools each --window
+positions over all sequences, ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per checkpoint x mode x
+sequence; a rerun resumes it), ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png.
 """
 import argparse
 import hashlib
@@ -40,19 +38,15 @@ def _as_tensor(seq, device):
 
 @torch.no_grad()
 def full_token_losses(model, seq):
-    """Full mode: CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], so the prediction
-    of y[t] sees all t + 1 tokens before it. float32 CPU tensor (seq_len,); the chunked loss head never builds a
-    T x vocab tensor."""
+    """Full mode: the CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,) fp32."""
     seq = _as_tensor(seq, model_device(model))
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
 
 def sliding_windows(n, window, stride):
-    """The strided evaluation (as in the Hugging Face perplexity guide) over n targets: (begin, end, score_from)
-    per window; the forward sees x[begin:end], a fresh one from position 0, and scores targets [score_from, end).
-    The first window scores all its targets, each later one those the previous did not reach: every target is
-    scored once, with W - S + 1 ... W tokens of context."""
+    """The Hugging Face perplexity guide's strided windows over n targets: (begin, end, score_from) per window, a
+    fresh forward over x[begin:end] scoring targets [score_from, end): each target once, with >= W - S + 1 context."""
     out, prev_end, begin = [], 0, 0
     while True:
         end = min(begin + window, n)
@@ -64,8 +58,7 @@ def sliding_windows(n, window, stride):
 
 @torch.no_grad()
 def sliding_losses(model, seq, window, stride, batch_size=16):
-    """Sliding mode: CE of each target of seq, scored in the window sliding_windows() assigns it; full-length
-    windows run batch_size at a time. float32 CPU tensor (seq_len,)."""
+    """Sliding mode: each target's CE in its sliding_windows() window, batch_size windows a forward; (seq_len,) fp32."""
     seq = _as_tensor(seq, model_device(model))
     x, y = seq[:-1], seq[1:]
     out = torch.empty(x.numel(), dtype=torch.float32)
@@ -82,8 +75,7 @@ def sliding_losses(model, seq, window, stride, batch_size=16):
 
 
 def window_sums(losses, window):
-    """Per-target losses grouped by position into windows of `window` targets (the last may be shorter):
-    (window_ends, loss_sums in float64, counts) as lists."""
+    """(window_ends, loss_sums in float64, counts) of the losses in windows of `window` positions."""
     losses = torch.as_tensor(losses).double()
     starts = range(0, losses.numel(), window)
     chunks = [losses[a:a + window] for a in starts]
@@ -93,9 +85,8 @@ def window_sums(losses, window):
 
 # ---- Data ------------------------------------------------------------------------------------------------------
 def val_sequences(data_dir, tokenizer_name, seq_len):
-    """Rows of seq_len + 1 tokens from the first VAL_TOKENS tokens of the validation split, the document tokens
-    removed so that documents run together with no document mask, as the authors did on FineWeb.
-    Returns (rows (N, seq_len + 1) int64, description, notes)."""
+    """(rows (N, seq_len + 1), description, notes) from the validation split's first VAL_TOKENS tokens, document
+    tokens removed so that documents run together with no document mask, as the authors did on FineWeb."""
     available = sum(len(open_shard(p, tokenizer_name)) for p in shard_paths(data_dir, "val"))
     notes = [] if available >= VAL_TOKENS else [
         f"the validation split in {data_dir} holds {available} tokens, fewer than the {VAL_TOKENS} of the "
@@ -138,8 +129,7 @@ def hf_texts(name, config, split="train", text_column="text"):
 
 
 def hf_sequences(texts, tokenizer, seq_len, num_seqs):
-    """The first num_seqs texts that tokenize ([doc_start] + text, the document-start token first as the authors'
-    BOS) to at least seq_len + 1 tokens, each truncated to seq_len + 1. Returns (rows, number of texts read)."""
+    """(rows, texts read): the first num_seqs texts with >= seq_len + 1 tokens ([doc_start] + text), truncated."""
     rows, read = [], 0
     for text in texts:
         read += 1
@@ -176,8 +166,8 @@ def load_sequences(args, runs):
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------
 def fitting_batch(args, run, mode, device, context):
-    """(batch, ok, needed bytes, free bytes): sliding mode halves --batch_size until a forward fits. The chunked
-    loss head (fp32 logits, log-softmax, autocast copy over <= 8192 positions) comes on top of the forward."""
+    """(batch, ok, needed bytes, free bytes): sliding mode halves --batch_size until a forward and the chunked loss
+    head (fp32 logits, log-softmax, autocast copy over <= 8192 positions) fit."""
     batch = 1 if mode == "full" else args.batch_size
     while True:
         ok, need, free = fits_in_memory(run["model"], context, device, args.memory_fraction, batch=batch)
@@ -234,8 +224,7 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
 
 
 def summarize(records, base):
-    """Pool per-sequence window sums into summary rows: one per window (ppl = exp(mean CE over every target of
-    that window in every sequence)), then 'overall'."""
+    """Summary rows: per window, ppl = exp(mean CE over that window in every sequence), then 'overall'."""
     ends = records[0]["window_ends"]
     sums = np.sum([r["loss_sums"] for r in records], axis=0)
     counts = np.sum([r["counts"] for r in records], axis=0)
@@ -251,19 +240,19 @@ def summarize(records, base):
 def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
     add_common_args(p, default_out="results/ppl")
-    p.add_argument("--seq_len", type=int, default=32768, help="targets per sequence (each row has seq_len + 1 tokens)")
+    p.add_argument("--seq_len", type=int, default=32768, help="targets per sequence (a row has seq_len + 1 tokens)")
     p.add_argument("--num_seqs", type=int, default=None,
                    help=f"sequences to score; default: all of the validation region, {HF_DEFAULT_SEQS} for hf:")
     p.add_argument("--window", type=int, default=1024, help="averaging window along the position axis (the curve)")
     p.add_argument("--mode", nargs="+", choices=MODES, default=["full"], help="full, sliding, or both")
     p.add_argument("--sliding_window", type=int, default=None,
-                   help="sliding mode: the context window (tokens per forward); default the checkpoint's training length")
+                   help="sliding mode: tokens per forward; default the checkpoint's training length")
     p.add_argument("--stride", type=int, default=None, help="sliding mode: the stride; default sliding_window // 2")
     p.add_argument("--batch_size", type=int, default=16,
                    help="sliding mode: windows per forward (halved until it fits in memory)")
     p.add_argument("--data", default="val",
-                   help="val (the prepared validation split, document tokens removed), or hf:NAME[:CONFIG] (streamed: "
-                        "the first texts with seq_len + 1 tokens, e.g. hf:wikimedia/wikipedia:20231101.en, the paper's)")
+                   help="val (the prepared validation split, document tokens removed), or hf:NAME[:CONFIG] (streamed, "
+                        "the first texts with seq_len + 1 tokens; the paper's: hf:wikimedia/wikipedia:20231101.en)")
     p.add_argument("--data_dir", default=None,
                    help="prepared shards for --data val; default: the training data the checkpoint records")
     p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
@@ -277,7 +266,7 @@ def parse_args(argv=None):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k} must be at least 1, got {getattr(args, k)}")
     if args.stride is not None and args.sliding_window is not None and args.stride > args.sliding_window:
-        p.error(f"--stride {args.stride} is larger than --sliding_window {args.sliding_window}: tokens would be skipped")
+        p.error(f"--stride {args.stride} is larger than --sliding_window {args.sliding_window}: tokens are skipped")
     args.mode = list(dict.fromkeys(args.mode))
     return args
 
