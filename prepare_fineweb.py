@@ -114,13 +114,8 @@ def source_rows(args):
 
 
 def tokenize(tokenizer_name, text):
-    """The tokens of one document (Tokenizer.document) as uint16 (empty for a document without text)."""
-    if not text:
-        return np.zeros(0, dtype=np.uint16)
-    toks = np.array(get_tokenizer(tokenizer_name).document(text), dtype=np.int64)
-    if toks.max() >= 65536:
-        raise DataError(f"token id {toks.max()} does not fit the uint16 shards (tokenizer {tokenizer_name})")
-    return toks.astype(np.uint16)
+    """The tokens of one document (Tokenizer.document) as uint16 (every vocabulary in data.VOCAB_SIZE fits)."""
+    return np.array(get_tokenizer(tokenizer_name).document(text) if text else [], dtype=np.uint16)
 
 
 def planned_size(args, index):
@@ -134,10 +129,9 @@ def write_json(path, obj):
 
 
 def reusable_shards(args, settings, meta_path):
-    """meta.json is a ledger of the finished shards and where in the source each one ends. The entries of a
-    previous run that can be kept: a prefix of full, valid shards, ending no later than --max_tokens (a finished
-    run's shorter last shard only with the same --max_tokens). A rerun skips the source documents they cover and
-    continues, byte-identical to an uninterrupted run; a larger --max_tokens extends a finished preparation."""
+    """The ledger meta.json's shards that a rerun keeps: a prefix of full, valid shards ending by --max_tokens (a
+    finished run's shorter last shard only with the same --max_tokens). The rerun skips the source rows they cover,
+    byte-identical to an uninterrupted run; a larger --max_tokens extends a finished preparation."""
     if not os.path.exists(meta_path):
         stray = [f for f in os.listdir(args.out_dir) if SHARD_RE.match(f)]
         if stray:
@@ -169,8 +163,8 @@ def reusable_shards(args, settings, meta_path):
 
 
 class ShardWriter:
-    """Fills the shards in order (val, then train, each of its planned size) and records every finished one in
-    the ledger with where in the source stream the next one starts."""
+    """Fills the shards in order (val, then train) and records each finished one in the ledger, with where in the
+    source the next one starts."""
 
     def __init__(self, args, meta, meta_path):
         self.args, self.meta, self.meta_path = args, meta, meta_path
@@ -182,7 +176,7 @@ class ShardWriter:
         self.skip = self.args.gap_tokens if self.index == 1 else 0  # the gap follows the validation shard
 
     def drop(self, n):
-        """Skip up to n tokens of the gap between validation and training (in no split). Returns the count skipped."""
+        """Skip up to n tokens of the gap between validation and training. Returns the count skipped."""
         n = min(n, self.skip)
         self.skip -= n
         return n
