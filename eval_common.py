@@ -52,11 +52,13 @@ def add_common_args(parser, default_out):
 
 
 def pick_device(name="auto"):
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    """The device of --device; on the CPU, freed memory goes back to the OS from now on (return_freed_memory_to_os)."""
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise EvalError(f"--device {name} was asked for, but torch finds no CUDA GPU; use --device cpu")
-    return name
+    device = name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cpu":
+        return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
+    return device
 
 
 def resolve_dtype(device, dtype="auto"):
@@ -150,11 +152,11 @@ def estimate_forward_bytes(model, length, batch=1, kv_cache=False):
     return int(per_token * length * batch + 256 * 2**20 + weights + cache)
 
 
-def fits_in_memory(model, length, device, fraction=0.9, batch=1, kv_cache=False):
-    """(ok, needed_bytes, free_bytes) for a forward at this length; evaluations skip what does not fit."""
-    need = estimate_forward_bytes(model, length, batch, kv_cache)
-    free = free_memory_bytes(device)
-    return need <= fraction * free, need, free
+def memory_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False, extra_bytes=0):
+    """Why a forward at this length would not fit in `fraction` of the free memory, or None if it would."""
+    need, free = estimate_forward_bytes(model, length, batch, kv_cache) + extra_bytes, free_memory_bytes(device)
+    if need > fraction * free:
+        return f"needs ~{fmt_bytes(need)}, more than {fraction:.0%} of the {fmt_bytes(free)} free on {device}"
 
 
 def reset_peak_memory(device):  # CUDA only: the CPU's peak RSS cannot be reset

@@ -143,7 +143,7 @@ def default_lengths(train_lengths, max_length=None):
 
 def _batch_size(model, n_tokens, group, device, batch_tokens, fraction):
     b = max(1, min(group, batch_tokens // n_tokens if batch_tokens else 1))
-    while b > 1 and not ec.fits_in_memory(model, n_tokens, device, fraction, batch=b)[0]:
+    while b > 1 and ec.memory_shortfall(model, n_tokens, device, fraction, batch=b):
         b //= 2
     return b
 
@@ -156,15 +156,10 @@ def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
     answer_len = len(answer_tokens(enc, 10 ** template["digits"] - 1)[0])  # the widest key
     for L in lengths:
         for r in runs:
-            if L < shortest:
-                reason = f"shorter than the prompt without filler ({shortest} tokens)"
-            else:
-                ok, need, free = ec.fits_in_memory(r["model"], L + answer_len, device, memory_fraction)
-                if ok:
-                    continue
-                reason = (f"needs ~{ec.fmt_bytes(need)}, more than {memory_fraction:.0%} of the "
-                          f"{ec.fmt_bytes(free)} free on {device}")
-            skipped.append(dict(label=r["label"], target_length=L, reason=reason))
+            reason = (f"shorter than the prompt without filler ({shortest} tokens)" if L < shortest else
+                      ec.memory_shortfall(r["model"], L + answer_len, device, memory_fraction))
+            if reason:
+                skipped.append(dict(label=r["label"], target_length=L, reason=reason))
     return skipped
 
 
@@ -402,8 +397,6 @@ def main(argv=None):
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, preset.get("dtype", "auto") if args.dtype == "auto" else args.dtype)
-    if torch.device(device).type == "cpu":
-        ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
     torch.manual_seed(args.seed)
     runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))

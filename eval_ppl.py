@@ -20,9 +20,9 @@ import torch
 from tqdm import tqdm
 
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, identity, load_runs,
-                         markdown_table, model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory,
-                         resolve_dtype, return_freed_memory_to_os, run_script, training_data_dir, write_table)
+from eval_common import (EvalError, ResultLog, add_common_args, identity, load_runs, markdown_table, memory_shortfall,
+                         model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
+                         run_script, training_data_dir, write_table)
 from model import autocast
 
 MODES = ("full", "sliding")
@@ -166,15 +166,14 @@ def load_sequences(args, runs):
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------
 def fitting_batch(args, run, mode, device, context):
-    """(batch, ok, needed bytes, free bytes): sliding mode halves --batch_size until a forward and the chunked loss
-    head (fp32 logits, log-softmax, autocast copy over <= 8192 positions) fit."""
+    """(batch, why not): sliding mode halves --batch_size until a forward and the chunked loss head (fp32 logits,
+    log-softmax, autocast copy over <= 8192 positions) fit; why not: memory_shortfall's reason, or None."""
     batch = 1 if mode == "full" else args.batch_size
     while True:
-        ok, need, free = fits_in_memory(run["model"], context, device, args.memory_fraction, batch=batch)
-        need += 3 * 4 * batch * min(context, 8192) * run["model"].config.padded_vocab_size
-        ok = need <= args.memory_fraction * free
-        if ok or batch == 1:
-            return batch, ok, need, free
+        head = 3 * 4 * batch * min(context, 8192) * run["model"].config.padded_vocab_size
+        why = memory_shortfall(run["model"], context, device, args.memory_fraction, batch=batch, extra_bytes=head)
+        if not why or batch == 1:
+            return batch, why
         batch //= 2
 
 
@@ -185,10 +184,9 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
     name = f"{run['label']} full" if mode == "full" else f"{run['label']} sliding (W={context}, S={stride})"
     base = dict(label=run["label"], **identity(run), mode=mode, context=context, stride=stride, window=args.window,
                 data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
-    batch, ok, need, free = fitting_batch(args, run, mode, device, context)
-    if not ok:
-        msg = (f"skipped: a forward over {context} tokens needs ~{fmt_bytes(need)}, "
-               f"{args.memory_fraction:.0%} of free memory is {fmt_bytes(args.memory_fraction * free)}")
+    batch, why = fitting_batch(args, run, mode, device, context)
+    if why:
+        msg = f"skipped: a forward over {context} tokens {why}"
         print(f"{name}: {msg}")
         return [dict(base, scope="skipped", note=msg)], name
     key = dict(identity(run), mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
@@ -275,8 +273,6 @@ def main(argv=None):
     args = parse_args(argv)
     device = pick_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
-    if torch.device(device).type == "cpu":
-        return_freed_memory_to_os()  # keeps a long CPU forward's resident memory linear in the length
     runs, _ = load_runs(args.ckpt, device, args.attn_impl)
     seqs, data_desc, notes = load_sequences(args, runs)
     for note in notes:

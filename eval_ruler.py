@@ -28,9 +28,8 @@ from tqdm import tqdm
 from data import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
                   RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR, RULER_TEMPLATE as TEMPLATE,
                   VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer)
-from eval_common import (EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
-                         fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, training_data_dir,
-                         run_script, write_table)
+from eval_common import (EvalError, ResultLog, _plt, add_common_args, check_settings, geometric_lengths, load_runs,
+                         memory_shortfall, pick_device, resolve_dtype, run_script, training_data_dir, write_table)
 from model import autocast
 
 TOKENS_TO_GENERATE = 128
@@ -562,9 +561,8 @@ def main(argv=None):
     skipped = {}
     for run in runs:
         for L in lengths:
-            ok, need, free = fits_in_memory(run["model"], L, device, args.memory_fraction, kv_cache=True)
-            if not ok:
-                skipped[(run["label"], None, L)] = f"skipped: needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free"
+            if why := memory_shortfall(run["model"], L, device, args.memory_fraction, kv_cache=True):
+                skipped[(run["label"], None, L)] = f"skipped: {why}"
                 print(f"[{run['label']}] skipping length {L}: {skipped[(run['label'], None, L)]}")
     counter = TokenCounter(enc)
     for task in args.tasks:

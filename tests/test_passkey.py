@@ -413,13 +413,12 @@ def test_batched_equals_one_by_one(tmp_path, ckpts):
 
 
 def test_lengths_that_cannot_run_are_skipped(tmp_path, ckpts, monkeypatch, capsys):
-    real = eval_common.fits_in_memory
+    real = eval_common.memory_shortfall
 
-    def fake_fits(model, length, device, fraction=0.9, batch=1, kv_cache=False):
-        ok, need, free = real(model, length, device, fraction, batch, kv_cache)
-        return (length * batch < 1000, need, free)
+    def fake_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False):
+        return None if length * batch < 1000 else real(model, length, device, fraction=0.0)
 
-    monkeypatch.setattr(eval_common, "fits_in_memory", fake_fits)
+    monkeypatch.setattr(eval_common, "memory_shortfall", fake_shortfall)
     res = run_main(tmp_path / "res", ckpts[:1], "--lengths", "100", "500", "2000", "--samples", "2")
     err = capsys.readouterr().err
     assert "skipping length 100" in err and "shorter than the prompt" in err
