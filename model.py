@@ -69,9 +69,8 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Positions. Computed from the position indices on every call (no tables), so any length works and
-# KV-cache decoding just passes later positions. Angles are formed in float64 so that position 500,000
-# keeps its phase (fp32 would lose ~0.03 rad at the highest frequency).
+# Positions, from the position indices on every call (no tables): any length works, KV-cache decoding passes later
+# positions. Angles in float64, so that position 500,000 keeps its phase (fp32 loses ~0.03 rad).
 # ----------------------------------------------------------------------------------------------------------
 def sinusoidal_embedding(pos, dim):
     """Vaswani et al.: PE[p, 2k] = sin(p / 10000^(2k/D)), PE[p, 2k+1] = cos(p / 10000^(2k/D)).
@@ -221,12 +220,9 @@ class GPT(nn.Module):
         return n - self.wte.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None, *, doc_start=None, kv_cache=None, logits_at=None, reduction="mean"):
-        """idx (B, T) tokens. doc_start (B, T): first position of each token's document (None = one document).
-
-        Returns (logits, loss). logits_at = k (an int) keeps only the last k positions' logits, or a 1-D tensor of
-        positions; with reduction="none" the loss is per token (B, T) and logits are None, computed in chunks so
-        no (T x vocab) tensor ever exists: that is how a 100K-token sequence is scored.
-        """
+        """(logits, loss) of idx (B, T); doc_start (B, T): each token's document start (None = one document).
+        logits_at: an int k keeps the last k positions' logits, or a 1-D tensor of positions. reduction="none": the
+        loss per token (B, T), no logits, in chunks so that no (T x vocab) tensor exists (100K-token sequences)."""
         B, T = idx.shape
         cfg = self.config
         if kv_cache is not None and doc_start is not None:
@@ -290,8 +286,7 @@ class GPT(nn.Module):
 
     # ---- optimizer -------------------------------------------------------------------------------------
     def param_groups(self):
-        """Name -> params for the four optimizer groups: weight-decayed matrices, norms, prior, SSMax
-        (as the authors' train.py)."""
+        """The four optimizer groups of the authors' train.py: weight-decayed matrices, norms, prior, SSMax."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
         prior_params = {id(p) for b in self.blocks if b.attn.prior_def is not None for p in b.attn.prior().params}
         for name, p in self.named_parameters():
@@ -360,8 +355,8 @@ def peak_flops(device_name):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Checkpoints: the one place that writes and reads them. A checkpoint is a dict with "model_args" (the
-# GPTConfig as a dict), "model" (a clean state_dict) and whatever the trainer adds (optimizer, step, RNG, ...).
+# Checkpoints, the one place that writes and reads them: a dict of "model_args" (the GPTConfig as a dict),
+# "model" (a clean state_dict) and whatever the trainer adds (optimizer, step, RNG, ...).
 # ----------------------------------------------------------------------------------------------------------
 CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
 RUNTIME_KEYS = ("attn_impl",)  # how to compute, not what: the caller's choice, never the checkpoint's
@@ -417,9 +412,8 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def checkpoint_model_args(ckpt):
-    """A checkpoint's GPTConfig as a dict: settings it predates (a checkpoint without `prior` is ggd) and
-    RUNTIME_KEYS at their defaults. Raises CheckpointError for settings this code does not know and for an
-    unregistered prior."""
+    """A checkpoint's GPTConfig as a dict, settings it predates and RUNTIME_KEYS at their defaults; CheckpointError
+    for settings this code does not know and for an unregistered prior."""
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     if unknown := set(ckpt["model_args"]) - set(defaults):
         raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} has model settings this code does not know: "
@@ -439,14 +433,11 @@ def load_state(model, ckpt):
     if diff:
         raise ValueError(f"checkpoint {ckpt.get('path', '')!r} is from another model (checkpoint vs this model):\n  "
                          + "\n  ".join(diff))
-    own, saved = raw.state_dict(), ckpt["model"]
-    missing, unexpected = [k for k in own if k not in saved], [k for k in saved if k not in own]
-    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in saved.items()
-              if k in own and v.shape != own[k].shape]
-    if missing or unexpected or shapes:
-        raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}, shape mismatches {shapes[:8]}")
-    raw.load_state_dict(saved)
+    try:
+        raw.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # missing or unexpected keys, other shapes
+        raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: "
+                              + " ".join(str(e).split())) from None
 
 
 def load_model(path, device="cpu", attn_impl="auto"):
