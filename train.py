@@ -114,21 +114,6 @@ def resolve_config(c, world_size):
     c = dict(c)
     if c["model_size"] in MODEL_SIZES:
         c["n_layer"], c["n_embd"], c["n_head"] = MODEL_SIZES[c["model_size"]]
-    errors = config_errors(c, world_size)
-    if not errors and c["tokens_per_step"] > 0:
-        c["gradient_accumulation_steps"] = c["tokens_per_step"] // (c["batch_size"] * c["block_size"])
-    if not errors:
-        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
-            GPTConfig(**model_args(c, vocab_size=1, tokenizer=""))
-        except ValueError as e:
-            errors.append(str(e))
-    if errors:
-        raise ConfigError("invalid settings: " + "; ".join(errors))
-    return c
-
-
-def config_errors(c, world_size):
-    """Every problem with the settings c, as a list of messages."""
     per_micro = c["batch_size"] * c["block_size"] * world_size
     checks = [
         (c["model_size"] not in ("", *MODEL_SIZES), f"model_size must be '' or one of {list(MODEL_SIZES)}, got "
@@ -153,7 +138,17 @@ def config_errors(c, world_size):
         (c["tokens_per_step"] == 0 and c["gradient_accumulation_steps"] % world_size,
          f"gradient_accumulation_steps={c['gradient_accumulation_steps']} is not divisible by the world size "
          f"{world_size} (it counts micro-batches over all processes)")]
-    return [msg for bad, msg in checks if bad]
+    errors = [msg for bad, msg in checks if bad]
+    if not errors and c["tokens_per_step"] > 0:
+        c["gradient_accumulation_steps"] = c["tokens_per_step"] // (c["batch_size"] * c["block_size"])
+    if not errors:
+        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
+            GPTConfig(**model_args(c, vocab_size=1, tokenizer=""))
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("invalid settings: " + "; ".join(errors))
+    return c
 
 
 def check_device(c, ddp):
@@ -180,8 +175,7 @@ def check_device(c, ddp):
 
 
 def open_data(c, rank, world_size, tokens_per_update, log):
-    """The train and val loaders and the validation batches per evaluation; c's tokenizer, vocab_size and
-    world_size come from the data. A run that would read its training data twice is refused."""
+    """(train loader, val loader, val batches per evaluation); c's tokenizer, vocab_size, world_size are set."""
     try:
         train_loader = TokenLoader(c["data_dir"], "train", c["block_size"], c["batch_size"], rank, world_size)
         val_loader = TokenLoader(c["data_dir"], "val", c["block_size"], c["batch_size"], tokenizer=train_loader.tokenizer)
@@ -240,8 +234,7 @@ def check_run_dir(out_dir, resuming):
 
 
 def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
-    """Load model, optimizer, scaler and this process's RNG from a checkpoint; hyperparameters stay those of c.
-    Returns (step, checkpoint path, val_loss)."""
+    """(step, path, val_loss) of a checkpoint whose model, optimizer, scaler and RNG are loaded (settings: c's)."""
     ckpt = load_checkpoint(path, map_location="cpu")
     try:
         load_state(raw_model, ckpt)
@@ -295,8 +288,7 @@ def environment(argv, world_size):
 
 
 def write_run_files(c, tokens_per_update, argv, start_step):
-    """config.json, env.json (this launch, and the earlier launches of a resumed run) and metrics.jsonl cut back
-    to start_step (records after it were lost with the crash). Returns the metrics path."""
+    """config.json, env.json (with a resumed run's earlier launches) and metrics.jsonl cut back to start_step."""
     os.makedirs(c["out_dir"], exist_ok=True)
     env_path, metrics_path = (os.path.join(c["out_dir"], f) for f in ("env.json", "metrics.jsonl"))
     earlier, kept = [], []
@@ -337,8 +329,7 @@ def metrics_writer(c, path):
 
 # ---- The loop --------------------------------------------------------------------------------------------
 def train_step(model, raw_model, optimizer, scaler, loader, ctx, step, accum, lr, c, last_ckpt):
-    """Optimizer update step + 1 at learning rate lr (each group scaled by its own base_lr), over `accum`
-    micro-batches per process. Returns (mean train loss, grad norm)."""
+    """(mean train loss, grad norm) of update step + 1 at lr (scaled per group by base_lr), `accum` micro-batches."""
     for g in optimizer.param_groups:
         g["lr"] = g["base_lr"] * lr / c["learning_rate"]
     device = next(raw_model.parameters()).device
@@ -393,8 +384,8 @@ def evaluate(raw_model, loader, eval_iters, ctx):
 
 
 def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
-    """Add the validation loss and (bam) the learned prior to `record`: its shape parameter per layer as [min,
-    median, max] and how many heads its highlight rule picks (ggd: theta_beta < 0). Prints them, returns the loss."""
+    """Add to `record` and print the val loss and (bam) the prior's shape parameter per layer as [min, median,
+    max] and the heads its highlight rule picks (ggd: theta_beta < 0). Returns the loss."""
     record["val_loss"] = val_loss = evaluate(raw_model, loader, eval_iters, ctx)
     msg = f"step {step}: val loss {val_loss:.4f}"
     prior_def = raw_model.blocks[0].attn.prior_def
@@ -412,8 +403,7 @@ def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
 
 
 def progress_record(step, train_loss, lr, grad_norm, dt, tokens_per_update, flops, c, log):
-    """The metrics record of a logged step (dt: seconds per step), printed as one line. flops: (model FLOPs per
-    step, peak FLOP/s of all processes) for MFU, or None where the GPU's peak is unknown."""
+    """The metrics record of a logged step (dt: seconds per step), printed; flops: (FLOPs per step, peak) or None."""
     record = dict(step=step, train_loss=train_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_update / dt,
                   ms_per_step=1000 * dt)
     if flops:
@@ -426,8 +416,7 @@ def progress_record(step, train_loss, lr, grad_norm, dt, tokens_per_update, flop
 
 
 def save(step, raw_model, optimizer, scaler, c, val_loss, tokens_per_update, master):
-    """Write ckpt_<step>.pt (rank 0, with every process's RNG state) and delete all but the newest keep_last.
-    Returns its path."""
+    """Write ckpt_<step>.pt (rank 0, every process's RNG state), keep the newest keep_last; returns its path."""
     own = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
     rng = [own]
     if dist.is_initialized():
