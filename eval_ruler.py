@@ -170,9 +170,7 @@ def random_value(kind, rng):
         return str(rng.randint(10 ** 6, 10 ** 7 - 1))
     if kind == "words":
         return rng.choice(words())
-    if kind == "uuids":
-        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    raise ValueError(f"unknown needle type {kind!r}")
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))  # uuids
 
 
 def random_key(kind, rng, taken):
@@ -326,9 +324,7 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, 
     attempt draws from Random(seed/task/length/index/attempt), not RULER's one stream, so --samples N gives the same
     first N samples. build_input's dict + input_ids, input_tokens, attempts, answer_token_pos (RULER's)."""
     counter = counter or TokenCounter(enc)
-    fit = fit or fit_haystack(task, max_len, counter, essay, seed)
-    if fit["num_haystack"] is None:
-        raise ValueError(f"{task} does not fit in {max_len} tokens even without a haystack")
+    fit = fit or fit_haystack(task, max_len, counter, essay, seed)  # evaluate() skips a length where it is None
     used = fit["num_haystack"]
     for attempt in range(MAX_ATTEMPTS):
         s = build_input(task, used, random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}"), essay, seed)
