@@ -191,7 +191,7 @@ def min_haystack(task):
 
 def build_input(task, num_haystack, rng, essay=None, seed=42):
     """RULER's generate_input_output, drawing from `rng` in RULER's order: a dict of input_text (answer prefix
-    included), pieces (input_text cut before every haystack unit), needles, keys, values, queries, answers, depths."""
+    included), needles, keys, values, queries, answers, depths, num_haystack."""
     cfg = TASKS[task]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
     num_v, num_q = cfg["num_needle_v"], cfg["num_needle_q"]
@@ -206,46 +206,35 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
         values.append(value)
     random.Random(seed).shuffle(needles)  # RULER: a fresh Random(seed), the same permutation for every sample
     if cfg["type_haystack"] == "essay":
-        ctx_pieces, depths = essay_context(essay, num_haystack, needles, rng)
+        context, depths = essay_context(essay, num_haystack, needles, rng)
     else:
-        ctx_pieces, depths = line_context(cfg, num_haystack, needles, keys, rng)
+        context, depths = line_context(cfg, num_haystack, needles, keys, rng)
 
     indices = rng.sample(range(num_k), num_q)
     queries = [keys[i] for i in indices]
     answers = [a for i in indices for a in values[i]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
     template, type_needle_v = task_template(cfg)
-    head, tail = template.split("{context}")
-    pieces = [head.format(type_needle_v=type_needle_v)] + ctx_pieces + \
-             [tail.format(type_needle_v=type_needle_v, query=query)]
-    return dict(input_text="".join(pieces), pieces=pieces, needles=needles, keys=keys, values=values,
-                queries=queries, answers=answers, depths=depths, num_haystack=num_haystack)
+    return dict(input_text=template.format(type_needle_v=type_needle_v, context=context, query=query),
+                needles=needles, keys=keys, values=values, queries=queries, answers=answers, depths=depths,
+                num_haystack=num_haystack)
 
 
 def essay_context(essay, num_haystack, needles, rng):
-    """RULER's essay context, num_haystack words with the needles at sorted random DEPTHS: (pieces, depths)."""
+    """RULER's essay context, num_haystack words with the needles at sorted random DEPTHS: (context, depths)."""
     sents = essay.sentences(num_haystack)
     depths = sorted(rng.sample(DEPTHS, len(needles)))
     positions = [0] + [int(len(sents) * (d / 100)) for d in depths] + [len(sents)]
-    parts = []  # RULER's document_sents_list: sentence runs and needles, joined with " "
+    parts = []  # RULER's document_sents_list: sentence runs and needles
     for i in range(1, len(positions)):
-        parts.append(sents[positions[i - 1]:positions[i]])
+        parts.append(" ".join(sents[positions[i - 1]:positions[i]]))
         if i - 1 < len(needles):
             parts.append(needles[i - 1])
-    pieces = []
-    for j, part in enumerate(parts):
-        sep = " " if j else ""
-        if isinstance(part, str):
-            pieces.append(sep + part)
-        elif not part:
-            pieces.append(sep)  # an empty run still adds its separator, as RULER's " ".join does
-        else:
-            pieces.extend([sep + part[0]] + [" " + s for s in part[1:]])
-    return pieces, depths
+    return " ".join(parts), depths
 
 
 def line_context(cfg, num_haystack, needles, keys, rng):
-    """RULER's line haystacks (noise lines or distractor needles), needles at random lines: (pieces, depths)."""
+    """RULER's line haystacks (noise lines or distractor needles), needles at random lines: (context, depths)."""
     type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
     if cfg["type_haystack"] == "noise":
         lines = [NOISE] * num_haystack
@@ -256,30 +245,10 @@ def line_context(cfg, num_haystack, needles, keys, rng):
     for index, element in zip(indexes, needles):
         lines.insert(index, element)
     depths = [round(100 * i / num_haystack) for i in indexes]  # needle i went in at line indexes[i]
-    return lines[:1] + ["\n" + s for s in lines[1:]], depths
+    return "\n".join(lines), depths
 
 
-# ---- token counts and the haystack size --------------------------------------------------------------------
-class TokenCounter:
-    """Prompt token counts, piece by piece with a cache: pieces recur in every probe of the haystack search. Pieces
-    start at a space or newline, where gpt2 and byte always split; with SentencePiece a piece is counted behind a
-    word ("a" + piece, less "a"). generate_sample checks each final sample with a full tokenization."""
-
-    def __init__(self, enc):
-        self.enc, self.cache, self.base = enc, {}, len(enc.encode_ordinary("a"))
-
-    def count(self, text):
-        if self.enc.word_boundary and text[:1].isspace():
-            return len(self.enc.encode_ordinary("a" + text)) - self.base
-        return len(self.enc.encode_ordinary(text))
-
-    def count_pieces(self, pieces):
-        for p in pieces:
-            if p not in self.cache:
-                self.cache[p] = self.count(p)
-        return sum(self.cache[p] for p in pieces)
-
-
+# ---- the haystack size ---------------------------------------------------------------------------------------
 def haystack_step(task, max_len):
     """RULER's `incremental` back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens; below 4096, 100 essay
     words (RULER never runs essays that short; 500 words would empty a 1K prompt)."""
@@ -293,9 +262,10 @@ def input_budget(max_len):
     return max_len - TOKENS_TO_GENERATE - 1
 
 
-def fit_haystack(task, max_len, counter, essay=None, seed=42):
-    """RULER's binary search for the largest num_haystack whose probe prompt fits; unlike RULER's endless loop, the
-    haystack may shrink to min_haystack, else num_haystack is None. Also returns step, probes, prompt_tokens_at_min."""
+def fit_haystack(task, max_len, enc, essay=None, seed=42):
+    """RULER's binary search for the largest num_haystack whose probe prompt fits (its ~20 tokenizations cost little
+    beside the samples'); unlike RULER's endless loop, the haystack may shrink to min_haystack, else num_haystack
+    is None. Also returns step, probes, prompt_tokens_at_min."""
     step, lo = haystack_step(task, max_len), min_haystack(task)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
     budget, probes, last = input_budget(max_len), 0, {}
@@ -303,7 +273,7 @@ def fit_haystack(task, max_len, counter, essay=None, seed=42):
     def tokens(n):
         nonlocal probes
         probes += 1
-        last[n] = counter.count_pieces(build_input(task, n, rng, essay, seed)["pieces"])
+        last[n] = len(enc.encode_ordinary(build_input(task, n, rng, essay, seed)["input_text"]))
         return last[n]
 
     per_unit = tokens(step) / step  # RULER: estimate, then search up to 3x the estimated maximum
@@ -319,12 +289,11 @@ def fit_haystack(task, max_len, counter, essay=None, seed=42):
                 prompt_tokens_at_min=last.get(min_haystack(task)))
 
 
-def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, counter=None):
+def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
     """Sample `index`: the fitted haystack, backed off a step (RULER) while the real tokenization does not fit. Each
     attempt draws from Random(seed/task/length/index/attempt), not RULER's one stream, so --samples N gives the same
     first N samples. build_input's dict + input_ids, input_tokens, attempts, answer_token_pos (RULER's)."""
-    counter = counter or TokenCounter(enc)
-    fit = fit or fit_haystack(task, max_len, counter, essay, seed)  # evaluate() skips a length where it is None
+    fit = fit or fit_haystack(task, max_len, enc, essay, seed)  # evaluate() skips a length where it is None
     used = fit["num_haystack"]
     for attempt in range(MAX_ATTEMPTS):
         s = build_input(task, used, random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}"), essay, seed)
@@ -334,7 +303,6 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, 
         used = max(fit["min_haystack"], used - fit["step"])
     else:
         raise RuntimeError(f"{task} at {max_len}: no sample fit after {MAX_ATTEMPTS} attempts")
-    s.pop("pieces")
     pos = s["input_text"].find(s["answers"][0])
     return dict(s, input_ids=ids, input_tokens=len(ids), attempts=attempt + 1,
                 answer_token_pos=1 + len(enc.encode_ordinary(s["input_text"][:pos])))
@@ -560,11 +528,10 @@ def main(argv=None):
             if why := memory_shortfall(run["model"], L, device, args.memory_fraction, kv_cache=True):
                 skipped[(run["label"], None, L)] = f"skipped: {why}"
                 print(f"[{run['label']}] skipping length {L}: {skipped[(run['label'], None, L)]}")
-    counter = TokenCounter(enc)
     for task in args.tasks:
         for L in lengths:
             active = [r for r in runs if (r["label"], None, L) not in skipped]
-            why = evaluate(task, L, active, enc, essay, args, log, counter, device, dtype, newline_ids, stop_rule)
+            why = evaluate(task, L, active, enc, essay, args, log, device, dtype, newline_ids, stop_rule)
             if why:
                 skipped[(None, task, L)] = why
                 print(f"{task} @ {L}: {why}")
@@ -580,7 +547,7 @@ def main(argv=None):
     return rows
 
 
-def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newline_ids, stop_rule):
+def evaluate(task, L, runs, enc, essay, args, log, device, dtype, newline_ids, stop_rule):
     """Generate and score every missing sample of one task at one length into `log`; returns why it was skipped."""
     hay = haystack_label(task, essay)
 
@@ -591,14 +558,14 @@ def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newli
     todo = {i: rs for i, rs in todo.items() if rs}
     if not todo:
         return
-    fit = fit_haystack(task, L, counter, essay, args.seed)
+    fit = fit_haystack(task, L, enc, essay, args.seed)
     if fit["num_haystack"] is None:
         return (f"skipped: the prompt without haystack needs {fit['prompt_tokens_at_min'] + 1} tokens, "
                 f"> {L} - {TOKENS_TO_GENERATE}")
     stop_ids = {enc.eot_token} | (newline_ids or set())
     bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {L}", dynamic_ncols=True)
     for i, pending in todo.items():
-        s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit, counter=counter)
+        s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit)
         idx = torch.tensor([s["input_ids"]], dtype=torch.long, device=device)
         for run in pending:
             t0 = time.time()
