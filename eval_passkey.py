@@ -168,15 +168,9 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, seed=1234
     """Score every missing (run, length, sample) into `log` (an eval_common.ResultLog keyed on KEY_FIELDS).
     Every run sees the same prompts. Returns the number of samples scored in this call."""
     skip = {(s["label"], s["target_length"]) for s in skipped}
-    todo = {}
-    for L in lengths:
-        for r in runs:
-            if (r["label"], L) in skip:
-                continue
-            missing = [i for i in range(samples)
-                       if (r["label"], r["ckpt_path"], r["ckpt_sha256"], L, i) not in log.done]
-            if missing:
-                todo[(r["label"], L)] = missing
+    todo = {(r["label"], L): [i for i in range(samples) if (r["label"], r["ckpt_path"], r["ckpt_sha256"], L, i)
+                              not in log.done] for L in lengths for r in runs if (r["label"], L) not in skip}
+    todo = {k: v for k, v in todo.items() if v}
     bar = tqdm(total=sum(len(v) for v in todo.values()), desc="passkey", unit="sample", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
     scored = 0
@@ -278,15 +272,6 @@ def depth_rows(run, length, recs, depth_bins):
                  n=len(vals), correct=sum(vals), accuracy=sum(vals) / len(vals)) for b, vals in sorted(bins.items())]
 
 
-def _safe(label):
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
-
-
-def train_col(lengths, train_length):
-    """Column coordinate of the training length on a heatmap whose columns are `lengths` (log interpolation)."""
-    return float(np.interp(np.log(train_length), np.log(lengths), np.arange(len(lengths))))
-
-
 def make_figures(summary, by_depth, runs, out, depth_bins=DEPTH_BINS):
     """passkey_accuracy.png (a curve per checkpoint) and a depth x length heatmap per checkpoint."""
     paths, series = [], {}
@@ -308,10 +293,11 @@ def make_figures(summary, by_depth, runs, out, depth_bins=DEPTH_BINS):
         for d in by_depth:
             if d["label"] == r["label"]:
                 m[round(d["depth_lo"] * depth_bins), cols.index(d["target_length"])] = d["accuracy"]
-        p = os.path.join(out, f"passkey_heatmap_{_safe(r['label'])}.png")
+        p = os.path.join(out, f"passkey_heatmap_{re.sub(r'[^A-Za-z0-9._-]+', '_', r['label'])}.png")
+        col = float(np.interp(np.log(r["block_size"]), np.log(cols), np.arange(len(cols))))  # the training length
         ec.plot_heatmap(m, [bin_label(b, depth_bins) for b in range(depth_bins)], cols, p,
                         f"passkey: {r['label']}\ntrain length {r['block_size']} (dashed)",
-                        "context length (tokens)", "needle depth", train_col=train_col(cols, r["block_size"]))
+                        "context length (tokens)", "needle depth", train_col=col)
         paths.append(p)
     return paths
 
