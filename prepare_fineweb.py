@@ -175,21 +175,12 @@ class ShardWriter:
         self.buf, self.fill = np.empty(planned_size(self.args, self.index), dtype=np.uint16), 0
         self.skip = self.args.gap_tokens if self.index == 1 else 0  # the gap follows the validation shard
 
-    def drop(self, n):
-        """Skip up to n tokens of the gap between validation and training. Returns the count skipped."""
-        n = min(n, self.skip)
-        self.skip -= n
-        return n
-
     def add(self, toks, limit):
         """Copy as much of toks as fits the current shard and `limit` more tokens. Returns the count copied."""
         take = min(len(toks), len(self.buf) - self.fill, limit)
         self.buf[self.fill:self.fill + take] = toks[:take]
         self.fill += take
         return take
-
-    def full(self):
-        return self.fill == len(self.buf)
 
     def flush(self, next_doc, next_offset):
         args, start = self.args, DOC_START[self.args.tokenizer]
@@ -224,14 +215,15 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
             docs += 1
             pos = 0
             while pos < len(toks) and total != args.max_tokens:
-                if writer.skip:
-                    pos += writer.drop(len(toks) - pos)
+                if writer.skip:  # the gap between validation and training, in no split
+                    n = min(len(toks) - pos, writer.skip)
+                    pos, writer.skip = pos + n, writer.skip - n
                     continue
                 take = writer.add(toks[pos:], (args.max_tokens or np.inf) - total)
                 pos, total = pos + take, total + take
                 bar.update(take)
                 nxt = (row, pos) if pos < len(toks) else (row + 1, 0)  # where the stream continues
-                if writer.full():
+                if writer.fill == len(writer.buf):
                     writer.flush(*nxt)
             if docs % 1000 == 0:
                 bar.set_postfix(docs=f"{docs:,}", refresh=False)
