@@ -109,11 +109,11 @@ def parse_hf(spec):
     return parts[0], (parts[1] if len(parts) == 2 and parts[1] else None)
 
 
-def hf_texts(name, config, split="train", text_column="text"):
-    """The texts of a streamed Hugging Face dataset, in dataset order."""
+def hf_texts(name, config):
+    """The "text" column of a streamed Hugging Face dataset's train split, in dataset order."""
     try:
         from datasets import load_dataset
-        it = iter(load_dataset(name, config, split=split, streaming=True))
+        it = iter(load_dataset(name, config, split="train", streaming=True))
         first = next(it, None)
     except Exception as e:
         raise EvalError(f"could not stream the Hugging Face dataset {name!r} (config {config!r}): "
@@ -121,11 +121,11 @@ def hf_texts(name, config, split="train", text_column="text"):
                         "--data val (the prepared validation split)") from e
     if first is None:
         return
-    if text_column not in first:
-        raise EvalError(f"{name!r} has no column {text_column!r} (columns: {sorted(first)}); use --text_column")
-    yield first[text_column]
+    if "text" not in first:
+        raise EvalError(f"{name!r} has no column 'text' (columns: {sorted(first)})")
+    yield first["text"]
     for row in it:
-        yield row[text_column]
+        yield row["text"]
 
 
 def hf_sequences(texts, tokenizer, seq_len, num_seqs):
@@ -150,8 +150,7 @@ def load_sequences(args, runs):
     elif args.data.startswith("hf:"):
         name, config = parse_hf(args.data)
         wanted = args.num_seqs or HF_DEFAULT_SEQS
-        rows, read = hf_sequences(hf_texts(name, config, text_column=args.text_column),
-                                  get_tokenizer(tokenizer_name), args.seq_len, wanted)
+        rows, read = hf_sequences(hf_texts(name, config), get_tokenizer(tokenizer_name), args.seq_len, wanted)
         desc, notes = f"hf:{name}:{config}", []
         if len(rows) == 0:
             raise EvalError(f"none of the {read} texts of {name} ({config}) has seq_len + 1 = {args.seq_len + 1} "
@@ -253,7 +252,6 @@ def build_parser():
                         "the first texts with seq_len + 1 tokens; the paper's: hf:wikimedia/wikipedia:20231101.en)")
     p.add_argument("--data_dir", default=None,
                    help="prepared shards for --data val; default: the training data the checkpoint records")
-    p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
     return p
 
 
