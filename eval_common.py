@@ -4,6 +4,7 @@ options, device and precision, loading checkpoints with their tokenizer, a memor
 resumable per-sample JSONL, summary JSON/CSV, and the figures.
 """
 import csv
+import ctypes
 import hashlib
 import json
 import math
@@ -52,12 +53,17 @@ def add_common_args(parser, default_out):
 
 
 def pick_device(name="auto"):
-    """The device of --device; on the CPU, freed memory goes back to the OS from now on (return_freed_memory_to_os)."""
+    """The device of --device. On the CPU (glibc) every allocation of >= 1 MiB gets its own mmap from now on, given
+    back to the OS when freed: else multi-MiB tensors fragment the heap and stay resident (an l6 forward at 32K
+    tokens: > 7 GiB RSS instead of ~2 GiB)."""
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise EvalError(f"--device {name} was asked for, but torch finds no CUDA GPU; use --device cpu")
     device = name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if torch.device(device).type == "cpu":
-        return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 = M_MMAP_THRESHOLD, fixed
+        except (OSError, AttributeError):  # not glibc (macOS, musl)
+            pass
     return device
 
 
@@ -142,19 +148,16 @@ def free_memory_bytes(device):
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def estimate_forward_bytes(model, length, batch=1, kv_cache=False):
-    """Peak bytes of a no-grad forward over `length` tokens: one block's fp32 activations, the reference's score
-    chunk (<= 256 MiB by construction), the weights, and every layer's K/V if a KV cache is kept."""
+def memory_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False, extra_bytes=0):
+    """Why a no-grad forward over `length` tokens would not fit in `fraction` of the free memory, or None. Its
+    estimated peak: one block's fp32 activations, the reference's score chunk (<= 256 MiB by construction), the
+    weights, every layer's K/V with a KV cache, and extra_bytes."""
     cfg = model.config
     per_token = 4 * cfg.n_embd * (2 + 4 + 3 * 2)  # residual + norm out, q/k/v/y, SwiGLU (w1, w3, product) at 2D
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cache = 2 * cfg.n_layer * cfg.n_embd * 4 * length * batch if kv_cache else 0
-    return int(per_token * length * batch + 256 * 2**20 + weights + cache)
-
-
-def memory_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False, extra_bytes=0):
-    """Why a forward at this length would not fit in `fraction` of the free memory, or None if it would."""
-    need, free = estimate_forward_bytes(model, length, batch, kv_cache) + extra_bytes, free_memory_bytes(device)
+    need = int(per_token * length * batch + 256 * 2**20 + weights + cache) + extra_bytes
+    free = free_memory_bytes(device)
     if need > fraction * free:
         return f"needs ~{fmt_bytes(need)}, more than {fraction:.0%} of the {fmt_bytes(free)} free on {device}"
 
@@ -170,16 +173,6 @@ def peak_memory_bytes(device):
         return torch.cuda.max_memory_allocated(torch.device(device))
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def return_freed_memory_to_os(threshold_bytes=1 << 20):
-    """glibc: every allocation of >= threshold_bytes gets its own mmap, returned to the OS when freed; else multi-MiB
-    tensors fragment the heap and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS instead of ~2 GiB)."""
-    import ctypes
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(threshold_bytes)))  # -3 = M_MMAP_THRESHOLD, fixed
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        return False
 
 
 # ---- results ---------------------------------------------------------------------------------------------
