@@ -159,8 +159,7 @@ def pick_impl(impl, prior, device, grad):
         cuda = torch.device(device).type == "cuda"
         order = ("triton", "torch") if cuda else ("torch",) if grad else ("sdpa", "torch")
         return next(i for i in order if impl_error(i, prior, device, grad) is None)
-    error = impl_error(impl, prior, device, grad)
-    if error:
+    if error := impl_error(impl, prior, device, grad):
         raise ValueError(error)
     return impl
 

@@ -383,17 +383,12 @@ def main(argv=None):
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, preset.get("dtype", "auto") if args.dtype == "auto" else args.dtype)
-    torch.manual_seed(args.seed)
     runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
-    if args.lengths:
-        lengths = _int_list(args.lengths)
-    else:
-        lengths = preset.get("lengths") or default_lengths([r["block_size"] for r in runs], args.max_length)
-
+    lengths = _int_list(args.lengths) if args.lengths else (
+        preset.get("lengths") or default_lengths([r["block_size"] for r in runs], args.max_length))
     # Prompts depend only on (seed, length, template, samples), so a rerun with the same settings resumes the
     # JSONL; one with other settings is refused, and a checkpoint whose weights changed is evaluated again.
-    os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "passkey_samples.jsonl")
     settings = dict(seed=args.seed, template=args.template, template_hash=template_hash(template), samples=samples,
                     depths="equidistant", tokenizer=runs[0]["tokenizer"], dtype=dtype)

@@ -277,10 +277,8 @@ def main(argv=None):
         print(f"note: {note}")
     print(f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of {args.window} tokens; "
           f"device {device}, {dtype}")
-    os.makedirs(args.out, exist_ok=True)
-    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"),
-                    ("ckpt", "ckpt_sha256", "mode", "data", "seq_len", "window", "context", "stride", "dtype", "seq"),
-                    runs)
+    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), ("ckpt", "ckpt_sha256", "mode", "data", "seq_len",
+                                                                  "window", "context", "stride", "dtype", "seq"), runs)
     rows, series, table = [], {}, {}  # table: window end -> {series name: ppl}
     for run in runs:
         for mode in args.mode:

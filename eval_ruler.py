@@ -141,10 +141,6 @@ class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RU
         block, j = self.blocks[b], i - self.starts[b]
         return f"{block}-{self.nouns[j]}" if isinstance(block, str) else block[j]
 
-    def __contains__(self, key):  # a binary search: the keys are sorted
-        i = bisect.bisect_left(self, key)
-        return i < self.length and self[i] == key
-
 
 def wonderwords_lists():
     """The adjective and noun lists exactly as RULER's niah.py reads them from the wonderwords package."""

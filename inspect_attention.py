@@ -118,16 +118,12 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
             bar.update(1)
     m, extra = sums[0] / samples, sums[1] / samples
     priors = head_priors(model)
-    rows = []
-    for layer in range(m.shape[0]):
-        for h in range(m.shape[1]):
-            rows.append(dict(label=run["label"], pos_encoding=model.config.pos_encoding, ssmax=model.config.ssmax,
-                             train_length=run["block_size"], target_length=length, length=round(float(extra[0]), 1),
-                             samples=samples, layer=layer, head=h, needle_mass=float(m[layer, h, 0]),
-                             mean_distance=float(m[layer, h, 1]), needle_distance=float(extra[1]),
-                             entropy=float(m[layer, h, 2]), uniform_mass=float(extra[2]),
-                             **(priors[layer][h] if layer in priors else {})))
-    return rows, n_correct / samples
+    return [dict(label=run["label"], pos_encoding=model.config.pos_encoding, ssmax=model.config.ssmax,
+                 train_length=run["block_size"], target_length=length, length=round(float(extra[0]), 1),
+                 samples=samples, layer=layer, head=h, needle_mass=float(m[layer, h, 0]),
+                 mean_distance=float(m[layer, h, 1]), needle_distance=float(extra[1]), entropy=float(m[layer, h, 2]),
+                 uniform_mass=float(extra[2]), **(priors[layer][h] if layer in priors else {}))
+            for layer in range(m.shape[0]) for h in range(m.shape[1])], n_correct / samples
 
 
 def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
@@ -268,7 +264,6 @@ def run(args):
     bar.close()
     summary = summarize(rows, accuracy, runs, lengths, length)
 
-    os.makedirs(args.out, exist_ok=True)
     ec.write_table(rows, os.path.join(args.out, "attention_heads"))
     figures = [os.path.join(args.out, "attention_heads.png"), os.path.join(args.out, "attention_needle_vs_length.png")]
     plot_heads(rows, runs, length, figures[0])
