@@ -86,7 +86,7 @@ def run_label(path):
 
 
 def checkpoint_digest(ckpt):
-    """sha256 (16 hex digits) of a checkpoint's model settings and weights: what decides an evaluation's numbers."""
+    """sha256 (16 hex digits) of a checkpoint's model settings and weights, what decides an evaluation's numbers."""
     h = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
     for name in sorted(ckpt["model"]):
         t = ckpt["model"][name].detach().cpu().contiguous().reshape(-1)
@@ -177,8 +177,7 @@ def peak_memory_bytes(device):
 
 # ---- results ---------------------------------------------------------------------------------------------
 class ResultLog:
-    """Append-only per-sample JSONL; reopening it resumes (`done`: the keys already written). Given the runs, the
-    records of a checkpoint path whose weights changed are dropped (drop_stale)."""
+    """Append-only per-sample JSONL; reopening it resumes (`done`: the keys already written; see drop_stale)."""
 
     def __init__(self, path, key_fields, runs=()):
         self.path, self.key_fields = path, key_fields

@@ -135,8 +135,7 @@ def score_batch(model, prompts, answers, n_given=0):
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------
 def default_lengths(train_lengths, max_length=None):
-    """Union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest): every
-    checkpoint is evaluated at every length, so that the curves share their x values."""
+    """The union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest)."""
     max_length = max_length or 32 * max(train_lengths)
     return sorted({L for t in train_lengths for L in ec.geometric_lengths(t, max_length) if L <= max_length})
 
@@ -149,8 +148,7 @@ def _batch_size(model, n_tokens, group, device, batch_tokens, fraction):
 
 
 def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
-    """Which (run, length) pairs to skip (shorter than the prompt without filler, or estimated not to fit in
-    memory), and why, decided and announced before anything runs."""
+    """The (run, length) pairs to skip, and why: shorter than the prompt without filler, or too big for memory."""
     skipped = []
     shortest = min_prompt_length(enc, template)
     answer_len = len(answer_tokens(enc, 10 ** template["digits"] - 1)[0])  # the widest key
@@ -165,8 +163,7 @@ def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
 
 def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, seed=1234, device="cpu", dtype="auto", log,
              batch_tokens=65536, memory_fraction=0.9, skipped=(), progress=True):
-    """Score every missing (run, length, sample) into `log` (an eval_common.ResultLog keyed on KEY_FIELDS).
-    Every run sees the same prompts. Returns the number of samples scored in this call."""
+    """Score every missing (run, length, sample) into `log`, the same prompts for every run; returns how many."""
     skip = {(s["label"], s["target_length"]) for s in skipped}
     todo = {(r["label"], L): [i for i in range(samples) if (r["label"], r["ckpt_path"], r["ckpt_sha256"], L, i)
                               not in log.done] for L in lengths for r in runs if (r["label"], L) not in skip}

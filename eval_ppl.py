@@ -165,8 +165,8 @@ def load_sequences(args, runs):
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------
 def fitting_batch(args, run, mode, device, context):
-    """(batch, why not): sliding mode halves --batch_size until a forward and the chunked loss head (fp32 logits,
-    log-softmax, autocast copy over <= 8192 positions) fit; why not: memory_shortfall's reason, or None."""
+    """(batch, memory_shortfall's reason or None): sliding mode halves --batch_size until a forward and the loss head
+    (fp32 logits, log-softmax, autocast copy over <= 8192 positions) fit."""
     batch = 1 if mode == "full" else args.batch_size
     while True:
         head = 3 * 4 * batch * min(context, 8192) * run["model"].config.padded_vocab_size

@@ -19,8 +19,7 @@ from priors import PRIORS, BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 
-# (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM).
-# l12 is the paper's "120M" model, l24 its "1.1B".
+# (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM); l12 is the paper's "120M", l24 "1.1B"
 MODEL_SIZES = {"l6": (6, 512, 16), "l8": (8, 768, 16), "l12": (12, 768, 16), "l15": (15, 1152, 24),
                "l18": (18, 1536, 32), "l24": (24, 2048, 64)}
 
@@ -136,8 +135,7 @@ class Attention(nn.Module):
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.config, self.pos_encoding, self.ssmax_prior = cfg, cfg.pos_encoding, cfg.ssmax_prior
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.n_embd, cfg.n_embd, bias=False) for _ in range(4))
-        # the positional prior: bam learns one per layer ("local"), with one value of each parameter per head,
-        # stored under the prior's parameter names; alibi's slopes are fixed and not saved (they never change)
+        # bam learns a prior per layer, a value of each parameter per head; alibi's fixed slopes are not saved
         self.prior_def = get_prior(cfg.prior if cfg.pos_encoding == "bam" else "alibi") \
             if cfg.pos_encoding in ("bam", "alibi") else None
         if self.prior_def is not None:
@@ -303,8 +301,7 @@ class GPT(nn.Module):
         return groups
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, prior_lr=None, ssmax_lr=None):
-        """RAdam with decoupled (AdamW-style) weight decay on >=2-D weights only (as the authors). Each group records
-        its own base_lr so that train.py applies one schedule to all of them."""
+        """RAdam, decoupled weight decay on >= 2-D weights (as the authors); train.py schedules each group's base_lr."""
         g = self.param_groups()
         spec = [(g["decay"], weight_decay, learning_rate), (g["no_decay"], 0.0, learning_rate),
                 (g["prior"], 0.0, prior_lr or learning_rate), (g["ssmax"], 0.0, ssmax_lr or learning_rate)]
@@ -319,8 +316,7 @@ class GPT(nn.Module):
     # ---- inspection --------------------------------------------------------------------------------------
     @torch.no_grad()
     def prior_summary(self):
-        """Per layer: the prior's name, each of its parameters per head (lists of floats; ggd also mu) and SSMax
-        s per head. ALiBi layers report their fixed slopes. Empty for nope/rope/sinusoidal without SSMax."""
+        """Per layer with a prior or SSMax: the prior's name, its parameters per head (ggd also mu), SSMax's s."""
         rows = []
         for i, attn in enumerate(block.attn for block in self.blocks):
             row, prior = {"layer": i}, attn.prior()
@@ -393,8 +389,7 @@ def checkpoints(run_dir):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """Load a checkpoint dict (a .pt file, or the newest ckpt_<step>.pt of a run directory) with weights_only=True:
-    no code from the file is executed."""
+    """The checkpoint dict of a .pt file or a run directory's newest ckpt_<step>.pt, loaded with weights_only=True."""
     if os.path.isdir(path):
         if not (found := checkpoints(path)):
             raise FileNotFoundError(f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?")
@@ -441,8 +436,7 @@ def load_state(model, ckpt):
 
 
 def load_model(path, device="cpu", attn_impl="auto"):
-    """Build a GPT from a checkpoint file or run directory, computing attention with attn_impl (auto | torch |
-    sdpa | triton). Returns (model in eval mode, checkpoint dict)."""
+    """(GPT in eval mode, checkpoint dict) from a checkpoint file or run directory, attention computed by attn_impl."""
     ckpt = load_checkpoint(path)
     model = GPT(GPTConfig(**dict(checkpoint_model_args(ckpt), attn_impl=attn_impl or "auto")))
     load_state(model, ckpt)

@@ -163,8 +163,7 @@ def reusable_shards(args, settings, meta_path):
 
 
 class ShardWriter:
-    """Fills the shards in order (val, then train) and records each finished one in the ledger, with where in the
-    source the next one starts."""
+    """Fills the shards in order, recording each in the ledger with where in the source the next one starts."""
 
     def __init__(self, args, meta, meta_path):
         self.args, self.meta, self.meta_path = args, meta, meta_path

@@ -205,8 +205,7 @@ def check_data_budget(c, train_windows, tokens_per_update):
 
 # ---- Setup -----------------------------------------------------------------------------------------------
 def setup_device(c, ddp, local_rank, log):
-    """Resolve c["device"] (torchrun: one GPU per process) and start the process group; a GPU without bfloat16
-    falls back to float16, saying so."""
+    """Resolve c["device"] (torchrun: a GPU per process), start the process group; no bfloat16 GPU: float16."""
     c["device"] = c["device"] if c["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if ddp and c["device"].startswith("cuda"):
         c["device"] = f"cuda:{local_rank}"
