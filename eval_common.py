@@ -208,23 +208,17 @@ class ResultLog:
 
     def drop_stale(self, runs):
         """Remove (with a note) the records of a path that now holds another checkpoint: it is evaluated again."""
-        now = {r["ckpt_path"]: r for r in runs}
-
-        def is_stale(rec):
-            run = now.get(rec.get("ckpt"))
-            return run is not None and rec.get("ckpt_sha256") != run["ckpt_sha256"]
-
-        stale = [r for r in self.records if is_stale(r)]
+        now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
+        stale = [r for r in self.records if now.get(r.get("ckpt"), r.get("ckpt_sha256")) != r.get("ckpt_sha256")]
         if not stale:
             return
-        self.records = [r for r in self.records if not is_stale(r)]
+        self.records = [r for r in self.records if now.get(r.get("ckpt"), r.get("ckpt_sha256")) == r.get("ckpt_sha256")]
         self._rewrite([json.dumps(r) + "\n" for r in self.records])
         self.done = {self.key(r) for r in self.records}
         for path in dict.fromkeys(r["ckpt"] for r in stale):
-            old, new, n = next(r for r in stale if r["ckpt"] == path), now[path], sum(r["ckpt"] == path for r in stale)
-            print(f"note: {path} changed since {self.path} was written (step {old.get('ckpt_step')}, "
-                  f"{old.get('ckpt_sha256') or 'no digest'} -> step {new['ckpt_step']}, {new['ckpt_sha256']}): "
-                  f"its {n} old results are dropped and it is evaluated again", file=sys.stderr)
+            print(f"note: {path} changed since {self.path} was written (sha256 now {now[path]}): its "
+                  f"{sum(r['ckpt'] == path for r in stale)} old results are dropped and it is evaluated again",
+                  file=sys.stderr)
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)

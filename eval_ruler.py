@@ -28,8 +28,9 @@ from tqdm import tqdm
 from data import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
                   RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR, RULER_TEMPLATE as TEMPLATE,
                   VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer)
-from eval_common import (EvalError, ResultLog, _plt, add_common_args, check_settings, geometric_lengths, load_runs,
-                         memory_shortfall, pick_device, resolve_dtype, run_script, training_data_dir, write_table)
+from eval_common import (EvalError, ResultLog, add_common_args, check_settings, geometric_lengths, load_runs,
+                         memory_shortfall, pick_device, plot_curves, resolve_dtype, run_script, training_data_dir,
+                         write_table)
 from model import autocast
 
 TOKENS_TO_GENERATE = 128
@@ -140,6 +141,10 @@ class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RU
         b = bisect.bisect_right(self.starts, i) - 1
         block, j = self.blocks[b], i - self.starts[b]
         return f"{block}-{self.nouns[j]}" if isinstance(block, str) else block[j]
+
+    def __contains__(self, key):  # a binary search: the keys are sorted
+        i = bisect.bisect_left(self, key)
+        return i < self.length and self[i] == key
 
 
 def wonderwords_lists():
@@ -413,34 +418,17 @@ def summarize(records, runs, tasks, lengths, n_samples, skipped):
     return rows
 
 
-def plot_scores(rows, runs, tasks, path):
-    """One panel per checkpoint: score vs length for each task, and the average over tasks in bold."""
-    plt, n = _plt(), len(runs)
-    cols, rows_ = min(n, 3), -(-n // 3)
-    fig, axes = plt.subplots(rows_, cols, figsize=(6 * cols, 4.2 * rows_), squeeze=False)
-    for ax, run in zip(axes.ravel(), runs):
-        for task in tasks + ["average"]:
-            pts = sorted((r["target_length"], r["score"]) for r in rows
-                         if r["label"] == run["label"] and r["task"] == task and r["score"] is not None)
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            style = dict(color="black", linewidth=2.8, marker="s", zorder=5) if task == "average" else \
-                dict(linewidth=1.2, marker="o", markersize=3, alpha=0.85)
-            ax.plot(xs, ys, label=task, **style)
-        ax.axvline(run["block_size"], color="gray", linestyle="--", linewidth=1)
-        ax.annotate(f"train length {run['block_size']}", (run["block_size"], 1), xycoords=("data", "axes fraction"),
-                    rotation=90, va="top", ha="right", fontsize=8, color="gray")
-        ax.set(ylim=(-3, 103), xlabel="sequence length (tokens)", ylabel="string_match_all (%)")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"RULER NIAH: {run['label']}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in axes.ravel()[n:]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def plot_scores(rows, runs, path):
+    """RULER's average over the tasks against the length, a curve per checkpoint (each task: ruler_summary.csv)."""
+    series = {}
+    for run in runs:
+        pts = sorted((r["target_length"], r["score"]) for r in rows
+                     if r["label"] == run["label"] and r["task"] == "average" and r["score"] is not None)
+        if pts:
+            series[run["label"]] = tuple(zip(*pts))
+    if series:
+        plot_curves(series, [r["block_size"] for r in runs], path, "sequence length (tokens)",
+                    "string_match_all (%), mean over the tasks", "RULER NIAH", ylim=(-3, 103))
 
 
 def print_table(rows, runs, tasks, lengths):
@@ -536,7 +524,7 @@ def main(argv=None):
             and any(r["label"] == x["label"] and r["ckpt"] == x["ckpt_path"] for x in runs)]
     rows = summarize(mine, runs, args.tasks, lengths, args.samples, skipped)
     write_table(rows, os.path.join(args.out, "ruler_summary"))
-    plot_scores(rows, runs, args.tasks, os.path.join(args.out, "ruler_scores.png"))
+    plot_scores(rows, runs, os.path.join(args.out, "ruler_scores.png"))
     print_table(rows, runs, args.tasks, lengths)
     print(f"\nwrote {log.path}, {os.path.join(args.out, 'ruler_summary')}.{{json,csv}} and "
           f"{os.path.join(args.out, 'ruler_scores.png')} in {time.time() - t_start:.1f}s")
