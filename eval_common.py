@@ -41,10 +41,8 @@ def add_common_args(parser, default_out):
                         help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn_impl", default="auto", choices=list(IMPLS),
-                        help="attention implementation (attention_kernel.py); one that cannot compute the model's "
-                             "prior on this device stops with an error")
+                        help="autocast precision; auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn_impl", default="auto", choices=list(IMPLS), help="attention_kernel.py's impl")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,

@@ -352,18 +352,15 @@ def _int_list(values):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths (the paper's headline "
-                                             "experiment).")
+    ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths.")
     ec.add_common_args(ap, default_out="results/passkey")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--lengths", nargs="+", help="target lengths in tokens (space or comma separated)")
-    g.add_argument("--max_length", type=int, help="default grid: training length x 1, 2, 4, ... up to this "
-                                                  "(default 32 x the largest training length)")
+    g.add_argument("--max_length", type=int, help="training length x 1, 2, 4, ... up to this (default 32 x)")
     g.add_argument("--preset", choices=sorted(PRESETS),
                    help="paper: int(linspace(0, 32768, 10))[1:], 20 samples; extreme: 10K..100K step "
                         "10K, 200K..500K step 100K, 10 samples, 6 digits with the first given, float32")
-    ap.add_argument("--samples", type=int, default=None,
-                    help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)")
+    ap.add_argument("--samples", type=int, help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)")
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument("--batch_tokens", type=int, default=65536,
                     help="stack samples of one length into a forward while batch x length stays under this")

@@ -242,16 +242,13 @@ def build_parser():
                    help=f"sequences to score; default: all of the validation region, {HF_DEFAULT_SEQS} for hf:")
     p.add_argument("--window", type=int, default=1024, help="averaging window along the position axis (the curve)")
     p.add_argument("--mode", nargs="+", choices=MODES, default=["full"], help="full, sliding, or both")
-    p.add_argument("--sliding_window", type=int, default=None,
-                   help="sliding mode: tokens per forward; default the checkpoint's training length")
+    p.add_argument("--sliding_window", type=int, help="sliding mode: tokens per forward (default: training length)")
     p.add_argument("--stride", type=int, default=None, help="sliding mode: the stride; default sliding_window // 2")
-    p.add_argument("--batch_size", type=int, default=16,
-                   help="sliding mode: windows per forward (halved until it fits in memory)")
+    p.add_argument("--batch_size", type=int, default=16, help="sliding mode: windows per forward (halved to fit)")
     p.add_argument("--data", default="val",
                    help="val (the prepared validation split, document tokens removed), or hf:NAME[:CONFIG] (streamed, "
                         "the first texts with seq_len + 1 tokens; the paper's: hf:wikimedia/wikipedia:20231101.en)")
-    p.add_argument("--data_dir", default=None,
-                   help="prepared shards for --data val; default: the training data the checkpoint records")
+    p.add_argument("--data_dir", help="prepared shards for --data val; default: the checkpoint's training data")
     return p
 
 

@@ -449,16 +449,12 @@ def build_parser():
     p.add_argument("--preset", choices=["paper"], default=None,
                    help="paper: RULER's protocol: Paul Graham's essays (--haystack_file required), no newline stop, "
                         "500 samples, lengths 4K-128K")
-    p.add_argument("--lengths", default=None,
-                   help="comma list of total lengths (prompt + 128 answer tokens); default: train length x 1, 2, "
-                        "4, ... up to --max_length")
+    p.add_argument("--lengths", help="comma list of total lengths (prompt + 128 answer tokens); default: train "
+                                     "length x 1, 2, 4, ... up to --max_length")
     p.add_argument("--max_length", type=int, default=32768)
     p.add_argument("--samples", type=int, default=500, help="samples per task and length (RULER: 500)")
-    p.add_argument("--haystack_file", default=None,
-                   help="essay haystack: RULER's PaulGrahamEssays.json, or plain text; "
-                        "default: text decoded from the validation shard in --data_dir")
-    p.add_argument("--data_dir", default=None, help="prepared data for the essay haystack (when no --haystack_file); "
-                                                    "default: the training data the checkpoint records")
+    p.add_argument("--haystack_file", help="RULER's PaulGrahamEssays.json, or plain text (default: --data_dir's val)")
+    p.add_argument("--data_dir", help="prepared data for the essay haystack; default: the checkpoint's training data")
     p.add_argument("--no_newline_stop", action="store_true",
                    help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)")
     return p

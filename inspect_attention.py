@@ -217,8 +217,7 @@ def build_parser():
     ap = argparse.ArgumentParser(description="Per-head attention on the passkey needle: mass, distance, entropy.")
     ec.add_common_args(ap, default_out="results/inspect")
     ap.add_argument("--template", choices=sorted(ep.TEMPLATES), default="paper")
-    ap.add_argument("--length", type=int, help="prompt length of the heatmap, where the best head is chosen "
-                                               "(default: the largest of --lengths)")
+    ap.add_argument("--length", type=int, help="the heatmap's length, where the best head is chosen (default: max)")
     ap.add_argument("--lengths", type=int, nargs="+", help="prompt lengths of the needle-vs-length curve "
                                                            "(default: training length x 1, 2, 4, ... up to --length)")
     ap.add_argument("--samples", type=int, default=ep.DEFAULT_SAMPLES, help="prompts per length (equidistant depths)")

@@ -89,10 +89,8 @@ def plot(layers, dist, block_size, prior, title, path):
 def build_parser():
     ap = argparse.ArgumentParser(description="Plot the positional prior of every layer and head of a checkpoint.")
     ap.add_argument("--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)")
-    ap.add_argument("--out", default=None, help="PNG path (default: prior.png in the run directory); "
-                                                 "the numbers go to the same path with .json")
-    ap.add_argument("--max_distance", type=int, default=None, help="largest distance shown (default 64 x the "
-                                                                    "training length)")
+    ap.add_argument("--out", help="PNG path (default: prior.png in the run directory), its numbers beside in .json")
+    ap.add_argument("--max_distance", type=int, help="largest distance shown (default 64 x the training length)")
     return ap
 
 

@@ -253,10 +253,6 @@ def main(argv=None):
     meta = dict(settings=settings, tokenizer=args.tokenizer, vocab_size=VOCAB_SIZE[args.tokenizer],
                 eot=EOT[args.tokenizer], doc_start=DOC_START[args.tokenizer], complete=False, shards=shards)
     write_json(meta_path, meta)  # first, so that shards never exist without the ledger that vouches for them
-    for f in os.listdir(args.out_dir):  # leftovers of an interrupted write
-        if f.startswith(args.prefix + "_") and f.endswith(".bin.tmp"):
-            os.remove(os.path.join(args.out_dir, f))
-
     done = sum(e["tokens"] for e in shards)
     start_doc, start_offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     if shards:
@@ -267,8 +263,8 @@ def main(argv=None):
         raise DataError(f"the source has no text: no tokens were written ({source}); check the input and "
                         "--text_column")
     ours = {s["file"] for s in shards}
-    for f in os.listdir(args.out_dir):  # shards of an earlier, longer preparation that this one no longer reaches
-        if SHARD_RE.match(f) and f.startswith(args.prefix + "_") and f not in ours:
+    for f in os.listdir(args.out_dir):  # an interrupted write's leftovers, shards of a longer earlier preparation
+        if f.startswith(args.prefix + "_") and (f.endswith(".bin.tmp") or (SHARD_RE.match(f) and f not in ours)):
             os.remove(os.path.join(args.out_dir, f))
     dt = time.time() - t0
     new = total - done
