@@ -30,16 +30,10 @@ HF_DEFAULT_SEQS = 128  # the authors' public CLI
 
 
 # ---- Scoring: per-target cross-entropy of one sequence ---------------------------------------------------------
-def _as_tensor(seq, device):
-    if isinstance(seq, np.ndarray):
-        seq = torch.from_numpy(seq.astype(np.int64))
-    return seq.to(device=device, dtype=torch.long)
-
-
 @torch.no_grad()
 def full_token_losses(model, seq):
     """Full mode: the CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,) fp32."""
-    seq = _as_tensor(seq, model_device(model))
+    seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
@@ -59,7 +53,7 @@ def sliding_windows(n, window, stride):
 @torch.no_grad()
 def sliding_losses(model, seq, window, stride, batch_size=16):
     """Sliding mode: each target's CE in its sliding_windows() window, batch_size windows a forward; (seq_len,) fp32."""
-    seq = _as_tensor(seq, model_device(model))
+    seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
     x, y = seq[:-1], seq[1:]
     out = torch.empty(x.numel(), dtype=torch.float32)
     wins = sliding_windows(x.numel(), window, stride)
