@@ -73,7 +73,7 @@ class GPTConfig:
 # ----------------------------------------------------------------------------------------------------------
 def sinusoidal_embedding(pos, dim):
     """Vaswani et al.: PE[p, 2k] = sin(p / 10000^(2k/D)), PE[p, 2k+1] = cos(p / 10000^(2k/D)).
-    (The authors' code uses the exponent (2k+1)/D for the cosine; we keep the standard form: README, "Where this repo departs".)"""
+    The authors' code uses (2k+1)/D for the cosine; this is the standard form (README, "Where this repo departs")."""
     inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim)
     ang = pos.double()[:, None] * inv_freq[None, :]
     pe = torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1)  # interleave: sin, cos, sin, cos, ...
