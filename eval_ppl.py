@@ -232,8 +232,7 @@ def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
     add_common_args(p, default_out="results/ppl")
     p.add_argument("--seq_len", type=int, default=32768, help="targets per sequence (a row has seq_len + 1 tokens)")
-    p.add_argument("--num_seqs", type=int, default=None,
-                   help=f"sequences to score; default: all of the validation region, {HF_DEFAULT_SEQS} for hf:")
+    p.add_argument("--num_seqs", type=int, help=f"sequences to score (default: all of val, {HF_DEFAULT_SEQS} for hf:)")
     p.add_argument("--window", type=int, default=1024, help="averaging window along the position axis (the curve)")
     p.add_argument("--mode", nargs="+", choices=MODES, default=["full"], help="full, sliding, or both")
     p.add_argument("--sliding_window", type=int, help="sliding mode: tokens per forward (default: training length)")

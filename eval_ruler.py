@@ -258,18 +258,13 @@ def haystack_step(task, max_len):
     return 5 if max_len < 4096 else 25
 
 
-def input_budget(max_len):
-    """The prompt's tokens: the length less the answer and the document-start token (RULER counts no BOS)."""
-    return max_len - TOKENS_TO_GENERATE - 1
-
-
 def fit_haystack(task, max_len, enc, essay=None, seed=42):
     """RULER's binary search for the largest num_haystack whose probe prompt fits (its ~20 tokenizations cost little
     beside the samples'); unlike RULER's endless loop, the haystack may shrink to min_haystack, else num_haystack
     is None. Also returns step, probes, prompt_tokens_at_min."""
     step, lo = haystack_step(task, max_len), min_haystack(task)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
-    budget, probes, last = input_budget(max_len), 0, {}
+    budget, probes, last = max_len - TOKENS_TO_GENERATE - 1, 0, {}  # less the document-start token (RULER: no BOS)
 
     def tokens(n):
         nonlocal probes
