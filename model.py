@@ -107,25 +107,20 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding: prefill a prompt, then one token at a time."""
+    """Keys and values of every layer for incremental decoding (prefill a prompt, then one token at a time), in
+    buffers of `capacity` positions allocated once: no copy of the cache as it grows."""
 
-    def __init__(self, n_layer):
-        self.k, self.v = [None] * n_layer, [None] * n_layer  # (B, H, capacity, D) buffers, `length` of them valid
+    def __init__(self, n_layer, capacity):
+        self.k, self.v, self.capacity = [None] * n_layer, [None] * n_layer, capacity
         self.length = 0  # positions already cached (GPT.forward advances it after all layers ran)
 
     def update(self, layer, k, v):
-        """Append this step's k, v (B, H, T, D) and return views of everything cached so far. Capacity doubles
-        when full, so decoding N tokens after a long prompt copies the cache O(log N) times, not N times."""
+        """Append this step's k, v (B, H, T, D) and return views of everything cached so far."""
         end = self.length + k.shape[2]
-        buf_k, buf_v = self.k[layer], self.v[layer]
-        if buf_k is None or buf_k.shape[2] < end:
-            cap = max(end, 2 * (buf_k.shape[2] if buf_k is not None else 0))
-            new_k, new_v = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
-            if buf_k is not None:
-                new_k[:, :, :self.length], new_v[:, :, :self.length] = buf_k[:, :, :self.length], buf_v[:, :, :self.length]
-            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
-        buf_k[:, :, self.length:end], buf_v[:, :, self.length:end] = k, v
-        return buf_k[:, :, :end], buf_v[:, :, :end]
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = (t.new_empty(*t.shape[:2], self.capacity, t.shape[3]) for t in (k, v))
+        self.k[layer][:, :, self.length:end], self.v[layer][:, :, self.length:end] = k, v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class Attention(nn.Module):
@@ -263,7 +258,7 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, stop_tokens=(), temperature=0.0, top_k=None, stop=None):
         """Greedy (temperature 0) or sampled continuation (from the top_k most likely tokens, if given) with a KV
         cache. idx (1, T). stop(tokens so far) -> True ends it early (stop strings). Returns new tokens (list)."""
-        cache = KVCache(self.config.n_layer)
+        cache = KVCache(self.config.n_layer, idx.shape[1] + max_new_tokens)
         logits, _ = self(idx, kv_cache=cache, logits_at=1)
         out = []
         for _ in range(max_new_tokens):

@@ -329,7 +329,7 @@ def test_kv_cache_decoding_equals_full_forward(pe, ssmax):
     idx = torch.randint(0, 257, (1, 21))
     with torch.no_grad():
         full, _ = model(idx)
-        cache = KVCache(model.config.n_layer)
+        cache = KVCache(model.config.n_layer, 21)
         steps = [model(idx[:, :13], kv_cache=cache)[0]]  # prefill, then one token at a time
         steps += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(13, 21)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
