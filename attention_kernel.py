@@ -4,17 +4,14 @@ The attention of bam-gpt: one function, one formula, several implementations of 
     out = attention(q, k, v, *, doc_start=None, prior=None, row_scale=None,
                     scale_prior=False, q_offset=None, softmax_scale=None, impl="auto")
 
-q is (B, H, Tq, D), k and v (B, H, Tk, D) with Tq <= Tk; query t sits at position i = q_offset + t (default
-Tk - Tq: the queries are the last positions). For query position i and key position j:
+q is (B, H, Tq, D), k and v (B, H, Tk, D), Tq <= Tk; query t sits at position i = q_offset + t (default Tk - Tq).
     l_ij = softmax_scale * q_i . k_j                           the content score (softmax_scale: 1/sqrt(D))
     s_ij = (l_ij + B(j - i)) r_i   if scale_prior (BAM + SSMax),   else  l_ij r_i + B(j - i)
     out_i = sum_j softmax_j(s_ij) v_j   over the visible keys doc_start[i] <= j <= i (causal, same document)
-B is the prior's log-prior of the distance (priors.py): prior is None (NoPE), a BoundPrior, or a bare GGD triple
-(theta_alpha, theta_beta, theta_mu) of (H,) tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1.
-doc_start (B, Tk) holds the first position of each position's document. Gradients reach q, k, v, the prior's
-parameters and row_scale.
-Impls: "torch" the chunked reference (any prior, any device), "sdpa" the CPU evaluation path, "triton" the fused
-kernel (CUDA); "auto" the fastest that can. impl_error is the one place that says which impl can do what.
+B: the log-prior of the distance (priors.py); prior is None (NoPE), a BoundPrior, or a bare GGD triple of (H,)
+tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1. doc_start (B, Tk): each position's document
+start. Impls: "torch" the chunked reference (any prior, any device), "sdpa" the CPU evaluation path, "triton" the
+fused kernel (CUDA); "auto" the fastest that can. impl_error is the one place that says which impl can do what.
 """
 import contextlib
 import math
@@ -64,13 +61,10 @@ def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
 
 
 def _query_chunks(Tq, doc_start, q_offset, chunk):
-    """[(a, b, lo)]: query rows a..b-1, and lo, the first key any of them can see (their earliest document start)."""
-    chunks = []
+    """(a, b, lo) per chunk: query rows a..b-1, and lo, the first key any of them can see."""
     for a in range(0, Tq, chunk):
         b = min(a + chunk, Tq)
-        lo = int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
-        chunks.append((a, b, lo))
-    return chunks
+        yield a, b, int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
 
 
 def _neg_inf_where(hidden):
@@ -95,31 +89,32 @@ def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scal
     return s + _neg_inf_where(~visible)
 
 
-def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                    q_offset=None, softmax_scale=None, chunk_size=None):
-    """The reference implementation of attention() (impl "torch")."""
+def _chunked_probs(q, k, *, doc_start, prior, q_offset, softmax_scale, chunk_size=None, **kw):
+    """(a, b, lo, end, softmax_j(s_ij)) per chunk of query rows a..b-1, over their keys lo..end-1."""
     prior = bind(prior)
     q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
     chunk = chunk_size or _chunk_rows(q.shape[0], q.shape[1], k.shape[2])
-    outs = []
     for a, b, lo in _query_chunks(q.shape[2], doc_start, q_offset, chunk):
-        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                          scale_prior=scale_prior, softmax_scale=softmax_scale)
-        outs.append(torch.softmax(s, dim=-1) @ v[:, :, lo:q_offset + b].float())
+        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, softmax_scale=softmax_scale, **kw)
+        yield a, b, lo, q_offset + b, torch.softmax(s, dim=-1)
+
+
+def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
+                    q_offset=None, softmax_scale=None, chunk_size=None):
+    """The reference implementation of attention() (impl "torch")."""
+    outs = [p @ v[:, :, lo:end].float() for _, _, lo, end, p in _chunked_probs(
+        q, k, doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
+        softmax_scale=softmax_scale, chunk_size=chunk_size)]
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
 def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
                     softmax_scale=None):
-    """The attention weights softmax_j(s_ij): (B, H, Tq, Tk) float32, 0 on hidden keys. For inspecting a few
-    query rows (the result is Tq x Tk); the same arguments as attention()."""
-    prior = bind(prior)
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    """The attention weights softmax_j(s_ij), (B, H, Tq, Tk) float32, 0 on hidden keys: for inspecting a few rows."""
     probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
-    for a, b, lo in _query_chunks(q.shape[2], doc_start, q_offset, _chunk_rows(q.shape[0], q.shape[1], k.shape[2])):
-        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                          scale_prior=scale_prior, softmax_scale=softmax_scale)
-        probs[:, :, a:b, lo:q_offset + b] = torch.softmax(s, dim=-1)
+    for a, b, lo, end, p in _chunked_probs(q, k, doc_start=doc_start, prior=prior, row_scale=row_scale,
+                                           scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale):
+        probs[:, :, a:b, lo:end] = p
     return probs
 
 
@@ -164,8 +159,7 @@ def pick_impl(impl, prior, device, grad):
         cuda = torch.device(device).type == "cuda"
         order = ("triton", "torch") if cuda else ("torch",) if grad else ("sdpa", "torch")
         return next(i for i in order if impl_error(i, prior, device, grad) is None)
-    error = impl_error(impl, prior, device, grad)
-    if error:
+    if error := impl_error(impl, prior, device, grad):
         raise ValueError(error)
     return impl
 
@@ -191,15 +185,11 @@ def _triton_available():
 
 # ----------------------------------------------------------------------------------------------------------
 # CPU evaluation (impl "sdpa"): PyTorch's fused CPU attention kernel with the prior as a float attn_mask.
-#
-# Per query chunk, SSMax's row scale r_i moves into the queries, l_ij r_i = ((q_i r_i) . k_j) * softmax_scale, so
-#     s_ij = l_ij r_i + M_ij,   M_ij = B(j - i) r_i  if scale_prior  else  B(j - i),   M_ij = -inf where invisible,
-# which is scaled_dot_product_attention(q r, k, v, attn_mask=M). The keys are read in reverse order (softmax does
-# not care): then B(j - i) = rtable[i' + j'] for the chunk's row i' and reversed key j', a Hankel matrix, i.e. a
-# strided *view* of the reversed (H, rows + keys - 1) prior table that the kernel reads without a copy; causality
-# is -inf table entries. Only a mask that depends on more than the distance (SSMax scaling the prior, documents)
-# is written, into one buffer that every chunk reuses (a fresh allocation per chunk costs more in page faults
-# than the kernel itself). The buffer bounds the chunk, so memory stays linear in the length.
+# Per query chunk, r_i moves into the queries: s_ij = ((q_i r_i) . k_j) * softmax_scale + M_ij, M_ij = B(j - i) r_i
+# if scale_prior else B(j - i), -inf where invisible. With the keys reversed, M is a Hankel matrix: a strided
+# view of the reversed prior table, no copy. Only a mask that depends on more than the distance (SSMax scaling
+# the prior, documents) is written, into one buffer every chunk reuses (fresh ones cost more in page faults
+# than the kernel); the buffer bounds the chunk, so memory stays linear in the length.
 # ----------------------------------------------------------------------------------------------------------
 def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
     # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows

@@ -1,14 +1,12 @@
 """
-Tokenizers, the token shard format, the batch loader and the evaluations' prompt strings: the one place that knows
-how tokens are stored and what the prompts say.
+Tokenizers, the token shard format, the batch loader and the evaluations' prompt strings.
 
 Tokenizers: "mistral" (the authors' Mistral v3 SentencePiece model, offline from mistral-common), tiktoken "gpt2",
 and "byte" (the 256 byte values plus <|endoftext|> = 256, offline). A document is BOS ... EOS with mistral (as the
-authors store it) and end-of-text + text with gpt2 and byte; its first token (DOC_START) starts the document mask.
-A shard is a 256-byte header (magic, version, token count, tokenizer name) then the tokens as uint16, named
-{prefix}_{split}_{i:06d}.bin (prepare_fineweb.py and prepare_demo.py write them). Batches are consecutive windows
-of the stream in stream order (the authors do not shuffle), a pure function of (step, micro_step, rank), so a
-resumed run sees exactly the batches an uninterrupted one would.
+authors store it), end-of-text + text with gpt2 and byte; its first token (DOC_START) starts the document mask.
+A shard, {prefix}_{split}_{i:06d}.bin, is a 256-byte header (magic, version, token count, tokenizer name) then
+uint16 tokens. Batches are consecutive windows in stream order (the authors do not shuffle), a pure function of
+(step, micro_step, rank), so a resumed run sees exactly the batches an uninterrupted one would.
 """
 import functools
 import os
@@ -38,12 +36,10 @@ SHARD_RE = re.compile(r"^(.+)_(train|val)_(\d{6})\.bin$")  # prefix, split, inde
 
 
 class DataError(ValueError):
-    """A data directory or shard that cannot be used as it is (corrupt, mixed, too short); the message says what
-    to do."""
+    """A data directory or shard that cannot be used (corrupt, mixed, too short); the message says what to do."""
 
 
-def shard_name(prefix, split, index):
-    """The file name of shard `index` of a split; SHARD_RE parses it back."""
+def shard_name(prefix, split, index):  # SHARD_RE parses it back
     return f"{prefix}_{split}_{index:06d}.bin"
 
 
@@ -69,9 +65,8 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str) -> Tokenizer:
-    """gpt2 (tiktoken; needs the network once), byte (offline tiktoken encoding of the 256 byte values plus
-    end-of-text = 256) or mistral (the authors' Mistral v3 SentencePiece model, from the mistral-common package).
-    Decode with tok.decode(tokens), never .decode() on raw bytes: a byte-level window can cut a character."""
+    """gpt2 (tiktoken; needs the network once), byte or mistral (see the module docstring). Decode with
+    tok.decode(tokens), never .decode() on raw bytes: a byte-level window can cut a character."""
     if name == "mistral":
         return _sentencepiece(name)
     import tiktoken
@@ -84,8 +79,7 @@ def get_tokenizer(name: str) -> Tokenizer:
                                "downloaded on first use, so this needs network access once; offline, use "
                                "--tokenizer mistral (the authors') or --tokenizer byte") from e
     elif name == "byte":
-        # Single bytes only and no merges, so the split pattern cannot change the result: any chunking works,
-        # and short chunks are the fastest.
+        # no merges, so the split pattern cannot change the result; short chunks are the fastest
         enc = tiktoken.Encoding("byte", pat_str=r"[\s\S]{1,64}", mergeable_ranks={bytes([i]): i for i in range(256)},
                                 special_tokens={"<|endoftext|>": EOT["byte"]})
     else:
@@ -130,8 +124,7 @@ def _sentencepiece(name):
 
 # ---- Shards ----------------------------------------------------------------------------------------------------
 def write_shard(path, tokens, tokenizer_name):
-    """Write tokens (any integer array) as a shard. Atomic: a crash leaves either the old file or the new one,
-    never a partial shard under the final name."""
+    """Write tokens (any integer array) as a shard, atomically: never a partial shard under the final name."""
     tokens = np.asarray(tokens)
     if tokens.size == 0:
         raise ValueError(f"refusing to write an empty shard: {path}")
@@ -200,7 +193,7 @@ def shard_paths(data_dir, split):
 
 def _split_extents(data_dir, split, tokenizer=None):
     """[(path, tokens used)] for a split, and the tokenizer name all its shards agree on. val is capped at the
-    first VAL_TOKENS tokens, so that every consumer measures on the same tokens whatever --val_tokens wrote."""
+    first VAL_TOKENS tokens: every consumer measures on the same tokens whatever --val_tokens wrote."""
     extents, names = [], {}
     budget = VAL_TOKENS if split == "val" else None
     for path in shard_paths(data_dir, split):
@@ -210,10 +203,6 @@ def _split_extents(data_dir, split, tokenizer=None):
             count = min(count, budget - sum(n for _, n in extents))
         if count > 0:
             extents.append((path, count))
-    other = "val" if split == "train" else "train"  # train and val must agree too: one model sees both
-    for f in sorted(os.listdir(data_dir)):
-        if (m := SHARD_RE.match(f)) and m.group(2) == other:
-            names.setdefault(shard_tokenizer(os.path.join(data_dir, f)), os.path.join(data_dir, f))
     if len(names) > 1:
         raise DataError(f"the shards in {data_dir} were made with different tokenizers: "
                          + ", ".join(f"{n!r} ({os.path.basename(p)})" for n, p in names.items())
@@ -250,16 +239,11 @@ def doc_starts(x, start_token):
 
 
 class TokenLoader:
-    """Windows of block_size + 1 tokens at stride block_size (y is x shifted by one), in stream order.
-
-    There is no seed: the order is the stream order, as in the authors' runs, and determinism is what makes
-    resuming exact. Global window index g = ((step * grad_accum + micro_step) * world_size + rank) * batch_size + b,
-    taken modulo num_windows (an epoch wraps around). Windows never straddle two shards.
-    """
+    """Windows of block_size + 1 tokens at stride block_size (y is x shifted by one), in stream order, no seed:
+    window g = ((step * grad_accum + micro_step) * world_size + rank) * batch_size + b, modulo num_windows (an
+    epoch wraps around). Windows never straddle two shards."""
 
     def __init__(self, data_dir, split, block_size, batch_size, rank=0, world_size=1, tokenizer=None):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         self.block_size, self.batch_size, self.rank, self.world_size = block_size, batch_size, rank, world_size
         self.extents, self.tokenizer = _split_extents(data_dir, split, tokenizer)
         self.doc_start, self.vocab_size = DOC_START[self.tokenizer], VOCAB_SIZE[self.tokenizer]
@@ -303,9 +287,8 @@ class TokenLoader:
 
 
 # ---- Prompt strings (eval_passkey.py, prepare_demo.py, eval_ruler.py) -----------------------------------------
-# The "paper" passkey template and the RULER strings are the authors' and NVIDIA/RULER's text, verbatim: data.
-# Each entry: task, filler, needle (with {pass_key}), question, digits, and optionally sep (the text put in
-# front of every piece after the task; default PIECE_SEP). "paper" is the authors' public protocol (their evaluate.py).
+# "paper" (the authors' evaluate.py) and the RULER strings are their text, verbatim. Each template: task, filler,
+# needle (with {pass_key}), question, digits, and optionally sep (put before every piece after the task).
 PASSKEY_TEMPLATES = {
     "paper": {
         "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "

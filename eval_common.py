@@ -4,6 +4,7 @@ options, device and precision, loading checkpoints with their tokenizer, a memor
 resumable per-sample JSONL, summary JSON/CSV, and the figures.
 """
 import csv
+import ctypes
 import hashlib
 import json
 import math
@@ -40,10 +41,8 @@ def add_common_args(parser, default_out):
                         help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn_impl", default="auto", choices=list(IMPLS),
-                        help="attention implementation (attention_kernel.py); one that cannot compute the model's "
-                             "prior on this device stops with an error")
+                        help="autocast precision; auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attn_impl", default="auto", choices=list(IMPLS), help="attention_kernel.py's impl")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
     parser.add_argument("--memory_fraction", type=float, default=0.9,
@@ -52,11 +51,18 @@ def add_common_args(parser, default_out):
 
 
 def pick_device(name="auto"):
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    """The device of --device. On the CPU (glibc) every allocation of >= 1 MiB gets its own mmap from now on, given
+    back to the OS when freed: else multi-MiB tensors fragment the heap and stay resident (an l6 forward at 32K
+    tokens: > 7 GiB RSS instead of ~2 GiB)."""
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise EvalError(f"--device {name} was asked for, but torch finds no CUDA GPU; use --device cpu")
-    return name
+    device = name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cpu":
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 = M_MMAP_THRESHOLD, fixed
+        except (OSError, AttributeError):  # not glibc (macOS, musl)
+            pass
+    return device
 
 
 def resolve_dtype(device, dtype="auto"):
@@ -66,8 +72,7 @@ def resolve_dtype(device, dtype="auto"):
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def model_device(model):
-    """The device of a model's parameters (CPU for a model without any)."""
+def model_device(model):  # CPU for a model without parameters
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
@@ -79,8 +84,7 @@ def run_label(path):
 
 
 def checkpoint_digest(ckpt):
-    """sha256 (16 hex digits) of a checkpoint's model settings and weights, what decides an evaluation's numbers:
-    a bit-identical retraining keeps it, another model at the same path does not."""
+    """sha256 (16 hex digits) of a checkpoint's model settings and weights, what decides an evaluation's numbers."""
     h = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
     for name in sorted(ckpt["model"]):
         t = ckpt["model"][name].detach().cpu().contiguous().reshape(-1)
@@ -90,9 +94,8 @@ def checkpoint_digest(ckpt):
 
 
 def load_runs(paths, device, attn_impl="auto"):
-    """Load every checkpoint, its attention computed by attn_impl; all must share one
-    tokenizer, so that they see identical prompts. Returns (runs, tokenizer); a run is a dict: label, model,
-    ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (recorded, or None)."""
+    """(runs, tokenizer): every checkpoint, all with one tokenizer so that they see identical prompts. A run is a
+    dict: label, model, ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (or None)."""
     runs = []
     for p in paths:
         model, ckpt = load_model(p, device, attn_impl=attn_impl)
@@ -143,25 +146,21 @@ def free_memory_bytes(device):
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def estimate_forward_bytes(model, length, batch=1, kv_cache=False):
-    """Peak bytes of a no-grad forward over `length` tokens: one block's fp32 activations, the reference's score
-    chunk (<= 256 MiB by construction), the weights, and every layer's K/V if a KV cache is kept."""
+def memory_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False, extra_bytes=0):
+    """Why a no-grad forward over `length` tokens would not fit in `fraction` of the free memory, or None. Its
+    estimated peak: one block's fp32 activations, the reference's score chunk (<= 256 MiB by construction), the
+    weights, every layer's K/V with a KV cache, and extra_bytes."""
     cfg = model.config
     per_token = 4 * cfg.n_embd * (2 + 4 + 3 * 2)  # residual + norm out, q/k/v/y, SwiGLU (w1, w3, product) at 2D
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cache = 2 * cfg.n_layer * cfg.n_embd * 4 * length * batch if kv_cache else 0
-    return int(per_token * length * batch + 256 * 2**20 + weights + cache)
-
-
-def fits_in_memory(model, length, device, fraction=0.9, batch=1, kv_cache=False):
-    """(ok, needed_bytes, free_bytes) for a forward at this length; evaluations skip what does not fit."""
-    need = estimate_forward_bytes(model, length, batch, kv_cache)
+    need = int(per_token * length * batch + 256 * 2**20 + weights + cache) + extra_bytes
     free = free_memory_bytes(device)
-    return need <= fraction * free, need, free
+    if need > fraction * free:
+        return f"needs ~{fmt_bytes(need)}, more than {fraction:.0%} of the {fmt_bytes(free)} free on {device}"
 
 
-def reset_peak_memory(device):
-    """Start a new peak-memory window (CUDA only: the CPU's peak RSS cannot be reset)."""
+def reset_peak_memory(device):  # CUDA only: the CPU's peak RSS cannot be reset
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(torch.device(device))
 
@@ -174,21 +173,9 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def return_freed_memory_to_os(threshold_bytes=1 << 20):
-    """CPU, Linux/glibc: serve every allocation of >= threshold_bytes with its own mmap, so that a freed activation
-    goes straight back to the OS. Otherwise glibc's adaptive threshold moves multi-MiB tensors onto the heap, where
-    they fragment and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS instead of ~2 GiB)."""
-    import ctypes
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(threshold_bytes)))  # -3 = M_MMAP_THRESHOLD, fixed
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        return False
-
-
 # ---- results ---------------------------------------------------------------------------------------------
 class ResultLog:
-    """Append-only per-sample JSONL. Reopening it resumes: `done` holds the keys of the records already written.
-    Given the runs being evaluated, it drops the records of a checkpoint path whose weights changed (drop_stale)."""
+    """Append-only per-sample JSONL; reopening it resumes (`done`: the keys already written; see drop_stale)."""
 
     def __init__(self, path, key_fields, runs=()):
         self.path, self.key_fields = path, key_fields
@@ -218,25 +205,18 @@ class ResultLog:
         os.replace(tmp, self.path)
 
     def drop_stale(self, runs):
-        """The records of a path that now holds another checkpoint (another checkpoint_digest) are removed, with
-        a note on stderr, so that it is evaluated again instead of being reported with old numbers."""
-        now = {r["ckpt_path"]: r for r in runs}
-
-        def is_stale(rec):
-            run = now.get(rec.get("ckpt"))
-            return run is not None and rec.get("ckpt_sha256") != run["ckpt_sha256"]
-
-        stale = [r for r in self.records if is_stale(r)]
+        """Remove (with a note) the records of a path that now holds another checkpoint: it is evaluated again."""
+        now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
+        stale = [r for r in self.records if now.get(r.get("ckpt"), r.get("ckpt_sha256")) != r.get("ckpt_sha256")]
         if not stale:
             return
-        self.records = [r for r in self.records if not is_stale(r)]
+        self.records = [r for r in self.records if now.get(r.get("ckpt"), r.get("ckpt_sha256")) == r.get("ckpt_sha256")]
         self._rewrite([json.dumps(r) + "\n" for r in self.records])
         self.done = {self.key(r) for r in self.records}
         for path in dict.fromkeys(r["ckpt"] for r in stale):
-            old, new, n = next(r for r in stale if r["ckpt"] == path), now[path], sum(r["ckpt"] == path for r in stale)
-            print(f"note: {path} changed since {self.path} was written (step {old.get('ckpt_step')}, "
-                  f"{old.get('ckpt_sha256') or 'no digest'} -> step {new['ckpt_step']}, {new['ckpt_sha256']}): "
-                  f"its {n} old results are dropped and it is evaluated again", file=sys.stderr)
+            print(f"note: {path} changed since {self.path} was written (sha256 now {now[path]}): its "
+                  f"{sum(r['ckpt'] == path for r in stale)} old results are dropped and it is evaluated again",
+                  file=sys.stderr)
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)
@@ -262,8 +242,7 @@ def write_table(rows, path_prefix):
 
 
 def check_settings(jsonl_path, settings):
-    """Refuse to resume a JSONL made with other settings (seed, template, ...), stored beside it in
-    <jsonl>.settings.json: EvalError names the differences. Otherwise (re)write the settings file."""
+    """Refuse to resume a JSONL made with other settings (kept in <jsonl>.settings.json), else (re)write them."""
     side = jsonl_path + ".settings.json"
     settings = json.loads(json.dumps(settings))  # normalise (tuples -> lists) so that the comparison is exact
     if os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0:
@@ -307,8 +286,7 @@ LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 
 
 
 def curve_styles(names):
-    """{name: matplotlib line style}: one colour per variant, one line style and marker per seed (seed_split), so
-    that 12 curves of 4 variants x 3 seeds stay distinguishable."""
+    """{name: matplotlib style}: one colour per variant, one line style and marker per seed (seed_split)."""
     keys = {name: seed_split(name) for name in names}
     variants = list(dict.fromkeys(v for v, _ in keys.values()))
     seeds = sorted({s for _, s in keys.values() if s is not None})
@@ -321,8 +299,7 @@ def curve_styles(names):
 
 
 def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, ylim=None):
-    """One line per name: series = {name: (xs, ys)}; x on a log axis, each training length marked, the legend
-    outside the axes (curve_styles: colour per variant, line style per seed)."""
+    """One line per name of series = {name: (xs, ys)}, x on a log axis, each training length marked."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     styles = curve_styles(series)
@@ -332,7 +309,7 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
                     va="top", ha="right", fontsize=8, color="gray")
-    ax.set(xscale="log", yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set(yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)

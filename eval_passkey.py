@@ -4,7 +4,7 @@ key hidden in filler text at equidistant depths; a sample is correct iff every s
 argmax, teacher-forced on the answer (the same as greedy decoding reproducing the key).
 
     python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...] [--lengths 4096 8192 | --max_length N |
-        --preset paper|extreme] [--samples 20] [--depths equidistant|random|beginning|end] [--template paper]
+        --preset paper|extreme] [--samples 20] [--template paper]
 
 Writes to --out (default results/passkey): passkey_samples.jsonl (one record per sample; a rerun evaluates only
 what is missing), passkey_summary.{json,csv} (checkpoint x length: accuracy, digit_accuracy, ...),
@@ -37,7 +37,6 @@ PRESETS = {
                     samples=10, template=dict(digits=6, given_digits=1), dtype="float32"),  # their 500K run
 }
 DEFAULT_SAMPLES = 20
-DEPTH_MODES = ("equidistant", "random", "beginning", "end")
 DEPTH_BINS = 10  # of the by-depth table and heatmap
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
@@ -48,9 +47,8 @@ def template_hash(template):
 
 
 def _pieces(enc, template):
-    """Token lists of the key-independent pieces, each tokenized on its own without special tokens, as the authors
-    do. Their SentencePiece tokenizer starts every piece with a word boundary; tiktoken does not, so with gpt2 and
-    byte a piece after the task is tokenized as sep + piece (without it a byte model would read "there.The grass")."""
+    """Token lists of the key-independent pieces, each tokenized on its own as the authors do. SentencePiece starts
+    every piece with a word boundary, tiktoken does not: with gpt2 and byte a later piece is sep + piece."""
     sep = template.get("sep", "" if enc.word_boundary else PIECE_SEP)
     return dict(task=enc.encode_ordinary(template["task"]), filler=enc.encode_ordinary(sep + template["filler"]),
                 question=enc.encode_ordinary(sep + template["question"])), sep
@@ -61,10 +59,9 @@ def _needle(enc, template, sep, key):
 
 
 def answer_tokens(enc, key, given_digits=0):
-    """(tokens of " " + str(key), n_given): the leading tokens that decode to whitespace, and those of the first
-    given_digits digits as far as they are whole tokens, are given, not scored. With the authors' Mistral tokenizer
-    that is their scoring (the "▁" token given, one token per digit scored), and byte scores the same digits; gpt2
-    merges digits and the space (" 123" + "45"), so every answer token is scored there."""
+    """(tokens of " " + str(key), n_given): leading whitespace tokens and whole tokens of the first given_digits
+    digits are given, not scored: the authors' scoring with Mistral ("▁" given, one token per digit), the same
+    digits with byte; gpt2 merges the space into digits (" 123" + "45"), so all its answer tokens are scored."""
     answer = enc.encode_ordinary(" " + str(key))
     given = str(key)[:given_digits]
     n_given = 0
@@ -87,10 +84,9 @@ def filler_units(enc, template, target_length):
 
 
 def build_prompt(enc, template, target_length, key, k):
-    """The prompt for one sample, k filler units before the needle and N - k after it: (prompt tokens, answer
-    tokens, info). It never exceeds target_length: where some key tokenizes longer than the widest, filler units
-    are dropped after the needle (then before it). info: target_length, length (realised), n_filler, k, depth
-    (k / n_filler), key, needle_start, needle_end (tokens[needle_start:needle_end]), n_given, answer_text."""
+    """(prompt tokens, answer tokens, info) with k filler units before the needle and N - k after it, never longer
+    than target_length (a key longer than the widest drops units after the needle, then before). info: target_length,
+    length, n_filler, k, depth (k / n_filler), key, needle_start, needle_end, n_given, answer_text."""
     pieces, sep = _pieces(enc, template)
     key = int(key)
     if len(str(key)) != template["digits"]:
@@ -116,33 +112,19 @@ def build_prompt(enc, template, target_length, key, k):
     return tokens, answer, info
 
 
-def depth_indices(n, samples, mode, rng):
-    """k (filler units before the needle) per sample. equidistant = linspace(0, N, samples).long() as the authors."""
-    if mode == "random":
-        return [int(x) for x in rng.integers(0, n + 1, size=samples)]
-    return dict(equidistant=torch.linspace(0, n, samples).long().tolist(), beginning=[0] * samples,
-                end=[n] * samples)[mode]
-
-
-def make_samples(enc, template, target_length, samples, depths="equidistant", seed=1234):
-    """All samples of one target length: a list of (prompt, answer, info), info["sample"] = index. The keys (and
-    random depths) come from default_rng([seed, target_length]) alone, so they do not depend on the other lengths."""
-    rng = np.random.default_rng([seed, target_length])
+def make_samples(enc, template, target_length, samples, seed=1234):
+    """[(prompt, answer, info)] of one length at the authors' equidistant depths, k = linspace(0, N, samples).long();
+    the keys come from default_rng([seed, target_length]) alone, so they do not depend on the other lengths."""
     d = template["digits"]
-    keys = rng.integers(10 ** (d - 1), 10 ** d, size=samples)  # uniform over the d-digit numbers
-    ks = depth_indices(filler_units(enc, template, target_length), samples, depths, rng)
-    out = [build_prompt(enc, template, target_length, int(keys[i]), int(ks[i])) for i in range(samples)]
-    for i, (_, _, info) in enumerate(out):
-        info["sample"] = i
-    return out
+    keys = np.random.default_rng([seed, target_length]).integers(10 ** (d - 1), 10 ** d, size=samples)
+    ks = torch.linspace(0, filler_units(enc, template, target_length), samples).long().tolist()
+    return [build_prompt(enc, template, target_length, int(keys[i]), ks[i]) for i in range(samples)]
 
 
 # ---- Scoring ---------------------------------------------------------------------------------------------------
 def score_batch(model, prompts, answers, n_given=0):
-    """Teacher-forced exact match for prompts of one token length with answers of one length.
-
-    The model reads prompt + answer[:-1] and returns logits only at the positions that predict the scored answer
-    tokens (answer[n_given:]). Returns [(correct, predicted tokens)] per sample."""
+    """Teacher-forced exact match of prompts (one length) + answers (one length): [(correct, predicted tokens)].
+    The model reads prompt + answer[:-1]; logits only at the positions that predict answer[n_given:]."""
     m = len(answers[0]) - n_given
     idx = torch.tensor([p + a[:-1] for p, a in zip(prompts, answers)], dtype=torch.long, device=ec.model_device(model))
     with torch.inference_mode():
@@ -153,60 +135,46 @@ def score_batch(model, prompts, answers, n_given=0):
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------
 def default_lengths(train_lengths, max_length=None):
-    """Union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest): every
-    checkpoint is evaluated at every length, so that the curves share their x values."""
+    """The union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x the largest)."""
     max_length = max_length or 32 * max(train_lengths)
     return sorted({L for t in train_lengths for L in ec.geometric_lengths(t, max_length) if L <= max_length})
 
 
 def _batch_size(model, n_tokens, group, device, batch_tokens, fraction):
     b = max(1, min(group, batch_tokens // n_tokens if batch_tokens else 1))
-    while b > 1 and not ec.fits_in_memory(model, n_tokens, device, fraction, batch=b)[0]:
+    while b > 1 and ec.memory_shortfall(model, n_tokens, device, fraction, batch=b):
         b //= 2
     return b
 
 
 def plan(runs, enc, template, lengths, device, memory_fraction=0.9):
-    """Which (run, length) pairs to skip (shorter than the prompt without filler, or estimated not to fit in
-    memory), and why, decided and announced before anything runs."""
+    """The (run, length) pairs to skip, and why: shorter than the prompt without filler, or too big for memory."""
     skipped = []
     shortest = min_prompt_length(enc, template)
     answer_len = len(answer_tokens(enc, 10 ** template["digits"] - 1)[0])  # the widest key
     for L in lengths:
         for r in runs:
-            if L < shortest:
-                reason = f"shorter than the prompt without filler ({shortest} tokens)"
-            else:
-                ok, need, free = ec.fits_in_memory(r["model"], L + answer_len, device, memory_fraction)
-                if ok:
-                    continue
-                reason = (f"needs ~{ec.fmt_bytes(need)}, more than {memory_fraction:.0%} of the "
-                          f"{ec.fmt_bytes(free)} free on {device}")
-            skipped.append(dict(label=r["label"], target_length=L, reason=reason))
+            reason = (f"shorter than the prompt without filler ({shortest} tokens)" if L < shortest else
+                      ec.memory_shortfall(r["model"], L + answer_len, device, memory_fraction))
+            if reason:
+                skipped.append(dict(label=r["label"], target_length=L, reason=reason))
     return skipped
 
 
-def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, depths="equidistant", seed=1234,
-             device="cpu", dtype="auto", log, batch_tokens=65536, memory_fraction=0.9, skipped=(), progress=True):
-    """Score every missing (run, length, sample) into `log` (an eval_common.ResultLog keyed on KEY_FIELDS).
-    Every run sees the same prompts. Returns the number of samples scored in this call."""
+def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, seed=1234, device="cpu", dtype="auto", log,
+             batch_tokens=65536, memory_fraction=0.9, skipped=(), progress=True):
+    """Score every missing (run, length, sample) into `log`, the same prompts for every run; returns how many."""
     skip = {(s["label"], s["target_length"]) for s in skipped}
-    todo = {}
-    for L in lengths:
-        for r in runs:
-            if (r["label"], L) in skip:
-                continue
-            missing = [i for i in range(samples)
-                       if (r["label"], r["ckpt_path"], r["ckpt_sha256"], L, i) not in log.done]
-            if missing:
-                todo[(r["label"], L)] = missing
+    todo = {(r["label"], L): [i for i in range(samples) if (r["label"], r["ckpt_path"], r["ckpt_sha256"], L, i)
+                              not in log.done] for L in lengths for r in runs if (r["label"], L) not in skip}
+    todo = {k: v for k, v in todo.items() if v}
     bar = tqdm(total=sum(len(v) for v in todo.values()), desc="passkey", unit="sample", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
     scored = 0
     for L in lengths:
         if not any((r["label"], L) in todo for r in runs):
             continue
-        prompts = make_samples(enc, template, L, samples, depths, seed)  # shared by every run
+        prompts = make_samples(enc, template, L, samples, seed)  # shared by every run
         for r in runs:
             missing = todo.get((r["label"], L))
             if not missing:
@@ -250,10 +218,8 @@ def bin_label(b, n_bins=DEPTH_BINS):
 
 
 def digits_right(rec, given_text):
-    """[is the k-th digit right, k = 1..digits] for one record; None for a digit that was given, not scored. The
-    answer the model produced is given_text (the answer's given tokens, e.g. the leading space) + predicted_text
-    (its argmax at every scored answer position, teacher-forced, so digit k is read knowing the key's digits
-    before it); digit k is right iff that text's k-th character after the leading space is the key's k-th digit."""
+    """[is digit k right] for one record (None: given, not scored). The answer produced is given_text + its
+    teacher-forced predicted_text; digit k is right iff its k-th character after the space is the key's."""
     key, text = str(rec["key"]), (given_text + rec["predicted_text"])[1:]
     return [None if k < len(given_text) - 1 else k < len(text) and text[k] == d for k, d in enumerate(key)]
 
@@ -303,15 +269,6 @@ def depth_rows(run, length, recs, depth_bins):
                  n=len(vals), correct=sum(vals), accuracy=sum(vals) / len(vals)) for b, vals in sorted(bins.items())]
 
 
-def _safe(label):
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", label)
-
-
-def train_col(lengths, train_length):
-    """Column coordinate of the training length on a heatmap whose columns are `lengths` (log interpolation)."""
-    return float(np.interp(np.log(train_length), np.log(lengths), np.arange(len(lengths))))
-
-
 def make_figures(summary, by_depth, runs, out, depth_bins=DEPTH_BINS):
     """passkey_accuracy.png (a curve per checkpoint) and a depth x length heatmap per checkpoint."""
     paths, series = [], {}
@@ -333,10 +290,11 @@ def make_figures(summary, by_depth, runs, out, depth_bins=DEPTH_BINS):
         for d in by_depth:
             if d["label"] == r["label"]:
                 m[round(d["depth_lo"] * depth_bins), cols.index(d["target_length"])] = d["accuracy"]
-        p = os.path.join(out, f"passkey_heatmap_{_safe(r['label'])}.png")
+        p = os.path.join(out, f"passkey_heatmap_{re.sub(r'[^A-Za-z0-9._-]+', '_', r['label'])}.png")
+        col = float(np.interp(np.log(r["block_size"]), np.log(cols), np.arange(len(cols))))  # the training length
         ec.plot_heatmap(m, [bin_label(b, depth_bins) for b in range(depth_bins)], cols, p,
                         f"passkey: {r['label']}\ntrain length {r['block_size']} (dashed)",
-                        "context length (tokens)", "needle depth", train_col=train_col(cols, r["block_size"]))
+                        "context length (tokens)", "needle depth", train_col=col)
         paths.append(p)
     return paths
 
@@ -394,19 +352,15 @@ def _int_list(values):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths (the paper's headline "
-                                             "experiment).")
+    ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths.")
     ec.add_common_args(ap, default_out="results/passkey")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--lengths", nargs="+", help="target lengths in tokens (space or comma separated)")
-    g.add_argument("--max_length", type=int, help="default grid: training length x 1, 2, 4, ... up to this "
-                                                  "(default 32 x the largest training length)")
+    g.add_argument("--max_length", type=int, help="training length x 1, 2, 4, ... up to this (default 32 x)")
     g.add_argument("--preset", choices=sorted(PRESETS),
                    help="paper: int(linspace(0, 32768, 10))[1:], 20 samples; extreme: 10K..100K step "
                         "10K, 200K..500K step 100K, 10 samples, 6 digits with the first given, float32")
-    ap.add_argument("--samples", type=int, default=None,
-                    help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)")
-    ap.add_argument("--depths", choices=DEPTH_MODES, default="equidistant")
+    ap.add_argument("--samples", type=int, help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)")
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument("--batch_tokens", type=int, default=65536,
                     help="stack samples of one length into a forward while batch x length stays under this")
@@ -423,28 +377,21 @@ def main(argv=None):
     t_start = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, preset.get("dtype", "auto") if args.dtype == "auto" else args.dtype)
-    if torch.device(device).type == "cpu":
-        ec.return_freed_memory_to_os()  # keeps the RSS of long-context forwards linear in the length
-    torch.manual_seed(args.seed)
     runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
-    if args.lengths:
-        lengths = _int_list(args.lengths)
-    else:
-        lengths = preset.get("lengths") or default_lengths([r["block_size"] for r in runs], args.max_length)
-
-    # Prompts depend only on (seed, length, template, samples, depths), so a rerun with the same settings resumes
-    # the JSONL; one with other settings is refused, and a checkpoint whose weights changed is evaluated again.
-    os.makedirs(args.out, exist_ok=True)
+    lengths = _int_list(args.lengths) if args.lengths else (
+        preset.get("lengths") or default_lengths([r["block_size"] for r in runs], args.max_length))
+    # Prompts depend only on (seed, length, template, samples), so a rerun with the same settings resumes the
+    # JSONL; one with other settings is refused, and a checkpoint whose weights changed is evaluated again.
     jsonl = os.path.join(args.out, "passkey_samples.jsonl")
     settings = dict(seed=args.seed, template=args.template, template_hash=template_hash(template), samples=samples,
-                    depths=args.depths, tokenizer=runs[0]["tokenizer"], dtype=dtype)
+                    depths="equidistant", tokenizer=runs[0]["tokenizer"], dtype=dtype)
     ec.check_settings(jsonl, settings)
     log = ec.ResultLog(jsonl, KEY_FIELDS, runs)
     skipped = plan(runs, enc, template, lengths, device, args.memory_fraction)
     for s in skipped:
         print(f"skipping length {s['target_length']} for {s['label']}: {s['reason']}", file=sys.stderr)
-    scored = evaluate(runs, enc, lengths, template=template, samples=samples, depths=args.depths, seed=args.seed,
+    scored = evaluate(runs, enc, lengths, template=template, samples=samples, seed=args.seed,
                       device=device, dtype=dtype, log=log, batch_tokens=args.batch_tokens,
                       memory_fraction=args.memory_fraction, skipped=skipped, progress=not args.no_progress)
     summary, by_depth = summarize(log.records, runs, lengths, enc, skipped)

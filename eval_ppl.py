@@ -1,15 +1,13 @@
 """
-Perplexity along the position axis (the paper's protocol): where a model stops extrapolating, next to the single
-number that hides it.
+Perplexity along the position axis (the paper's protocol): where a model stops extrapolating.
 
     python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 [--mode full sliding] [--window 1024]
         [--data val | hf:wikimedia/wikipedia:20231101.en] [--num_seqs 64]
 
-Each sequence of seq_len + 1 tokens gets one cross-entropy per target, from one forward over the whole sequence
-(full, the paper's) or from strided windows of the training length (sliding). The curve pools the targets of
-each --window positions over all sequences: ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per
-checkpoint x mode x sequence; a rerun resumes it), ppl_summary.{json,csv} (per checkpoint x mode x window, and
-an "overall" row) and ppl_vs_position.png.
+Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the whole sequence
+(full, the paper's) or from strided windows of the training length (sliding); the curve pools each --window
+positions over all sequences, ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per checkpoint x mode x
+sequence; a rerun resumes it), ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png.
 """
 import argparse
 import hashlib
@@ -22,9 +20,9 @@ import torch
 from tqdm import tqdm
 
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (EvalError, ResultLog, add_common_args, fits_in_memory, fmt_bytes, identity, load_runs,
-                         markdown_table, model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory,
-                         resolve_dtype, return_freed_memory_to_os, run_script, training_data_dir, write_table)
+from eval_common import (EvalError, ResultLog, add_common_args, identity, load_runs, markdown_table, memory_shortfall,
+                         model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
+                         run_script, training_data_dir, write_table)
 from model import autocast
 
 MODES = ("full", "sliding")
@@ -32,27 +30,17 @@ HF_DEFAULT_SEQS = 128  # the authors' public CLI
 
 
 # ---- Scoring: per-target cross-entropy of one sequence ---------------------------------------------------------
-def _as_tensor(seq, device):
-    if isinstance(seq, np.ndarray):
-        seq = torch.from_numpy(seq.astype(np.int64))
-    return seq.to(device=device, dtype=torch.long)
-
-
 @torch.no_grad()
 def full_token_losses(model, seq):
-    """Full mode: CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], so the prediction
-    of y[t] sees all t + 1 tokens before it. float32 CPU tensor (seq_len,); the chunked loss head never builds a
-    T x vocab tensor."""
-    seq = _as_tensor(seq, model_device(model))
+    """Full mode: the CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,) fp32."""
+    seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
 
 def sliding_windows(n, window, stride):
-    """The strided evaluation (as in the Hugging Face perplexity guide) over n targets: (begin, end, score_from)
-    per window; the forward sees x[begin:end], a fresh one from position 0, and scores targets [score_from, end).
-    The first window scores all its targets, each later one those the previous did not reach: every target is
-    scored once, with W - S + 1 ... W tokens of context."""
+    """The Hugging Face perplexity guide's strided windows over n targets: (begin, end, score_from) per window, a
+    fresh forward over x[begin:end] scoring targets [score_from, end): each target once, with >= W - S + 1 context."""
     out, prev_end, begin = [], 0, 0
     while True:
         end = min(begin + window, n)
@@ -64,9 +52,8 @@ def sliding_windows(n, window, stride):
 
 @torch.no_grad()
 def sliding_losses(model, seq, window, stride, batch_size=16):
-    """Sliding mode: CE of each target of seq, scored in the window sliding_windows() assigns it; full-length
-    windows run batch_size at a time. float32 CPU tensor (seq_len,)."""
-    seq = _as_tensor(seq, model_device(model))
+    """Sliding mode: each target's CE in its sliding_windows() window, batch_size windows a forward; (seq_len,) fp32."""
+    seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
     x, y = seq[:-1], seq[1:]
     out = torch.empty(x.numel(), dtype=torch.float32)
     wins = sliding_windows(x.numel(), window, stride)
@@ -82,8 +69,7 @@ def sliding_losses(model, seq, window, stride, batch_size=16):
 
 
 def window_sums(losses, window):
-    """Per-target losses grouped by position into windows of `window` targets (the last may be shorter):
-    (window_ends, loss_sums in float64, counts) as lists."""
+    """(window_ends, loss_sums in float64, counts) of the losses in windows of `window` positions."""
     losses = torch.as_tensor(losses).double()
     starts = range(0, losses.numel(), window)
     chunks = [losses[a:a + window] for a in starts]
@@ -93,9 +79,8 @@ def window_sums(losses, window):
 
 # ---- Data ------------------------------------------------------------------------------------------------------
 def val_sequences(data_dir, tokenizer_name, seq_len):
-    """Rows of seq_len + 1 tokens from the first VAL_TOKENS tokens of the validation split, the document tokens
-    removed so that documents run together with no document mask, as the authors did on FineWeb.
-    Returns (rows (N, seq_len + 1) int64, description, notes)."""
+    """(rows (N, seq_len + 1), description, notes) from the validation split's first VAL_TOKENS tokens, document
+    tokens removed so that documents run together with no document mask, as the authors did on FineWeb."""
     available = sum(len(open_shard(p, tokenizer_name)) for p in shard_paths(data_dir, "val"))
     notes = [] if available >= VAL_TOKENS else [
         f"the validation split in {data_dir} holds {available} tokens, fewer than the {VAL_TOKENS} of the "
@@ -118,11 +103,11 @@ def parse_hf(spec):
     return parts[0], (parts[1] if len(parts) == 2 and parts[1] else None)
 
 
-def hf_texts(name, config, split="train", text_column="text"):
-    """The texts of a streamed Hugging Face dataset, in dataset order."""
+def hf_texts(name, config):
+    """The "text" column of a streamed Hugging Face dataset's train split, in dataset order."""
     try:
         from datasets import load_dataset
-        it = iter(load_dataset(name, config, split=split, streaming=True))
+        it = iter(load_dataset(name, config, split="train", streaming=True))
         first = next(it, None)
     except Exception as e:
         raise EvalError(f"could not stream the Hugging Face dataset {name!r} (config {config!r}): "
@@ -130,16 +115,15 @@ def hf_texts(name, config, split="train", text_column="text"):
                         "--data val (the prepared validation split)") from e
     if first is None:
         return
-    if text_column not in first:
-        raise EvalError(f"{name!r} has no column {text_column!r} (columns: {sorted(first)}); use --text_column")
-    yield first[text_column]
+    if "text" not in first:
+        raise EvalError(f"{name!r} has no column 'text' (columns: {sorted(first)})")
+    yield first["text"]
     for row in it:
-        yield row[text_column]
+        yield row["text"]
 
 
 def hf_sequences(texts, tokenizer, seq_len, num_seqs):
-    """The first num_seqs texts that tokenize ([doc_start] + text, the document-start token first as the authors'
-    BOS) to at least seq_len + 1 tokens, each truncated to seq_len + 1. Returns (rows, number of texts read)."""
+    """(rows, texts read): the first num_seqs texts with >= seq_len + 1 tokens ([doc_start] + text), truncated."""
     rows, read = [], 0
     for text in texts:
         read += 1
@@ -160,8 +144,7 @@ def load_sequences(args, runs):
     elif args.data.startswith("hf:"):
         name, config = parse_hf(args.data)
         wanted = args.num_seqs or HF_DEFAULT_SEQS
-        rows, read = hf_sequences(hf_texts(name, config, text_column=args.text_column),
-                                  get_tokenizer(tokenizer_name), args.seq_len, wanted)
+        rows, read = hf_sequences(hf_texts(name, config), get_tokenizer(tokenizer_name), args.seq_len, wanted)
         desc, notes = f"hf:{name}:{config}", []
         if len(rows) == 0:
             raise EvalError(f"none of the {read} texts of {name} ({config}) has seq_len + 1 = {args.seq_len + 1} "
@@ -176,15 +159,14 @@ def load_sequences(args, runs):
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------
 def fitting_batch(args, run, mode, device, context):
-    """(batch, ok, needed bytes, free bytes): sliding mode halves --batch_size until a forward fits. The chunked
-    loss head (fp32 logits, log-softmax, autocast copy over <= 8192 positions) comes on top of the forward."""
+    """(batch, memory_shortfall's reason or None): sliding mode halves --batch_size until a forward and the loss head
+    (fp32 logits, log-softmax, autocast copy over <= 8192 positions) fit."""
     batch = 1 if mode == "full" else args.batch_size
     while True:
-        ok, need, free = fits_in_memory(run["model"], context, device, args.memory_fraction, batch=batch)
-        need += 3 * 4 * batch * min(context, 8192) * run["model"].config.padded_vocab_size
-        ok = need <= args.memory_fraction * free
-        if ok or batch == 1:
-            return batch, ok, need, free
+        head = 3 * 4 * batch * min(context, 8192) * run["model"].config.padded_vocab_size
+        why = memory_shortfall(run["model"], context, device, args.memory_fraction, batch=batch, extra_bytes=head)
+        if not why or batch == 1:
+            return batch, why
         batch //= 2
 
 
@@ -195,10 +177,9 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
     name = f"{run['label']} full" if mode == "full" else f"{run['label']} sliding (W={context}, S={stride})"
     base = dict(label=run["label"], **identity(run), mode=mode, context=context, stride=stride, window=args.window,
                 data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
-    batch, ok, need, free = fitting_batch(args, run, mode, device, context)
-    if not ok:
-        msg = (f"skipped: a forward over {context} tokens needs ~{fmt_bytes(need)}, "
-               f"{args.memory_fraction:.0%} of free memory is {fmt_bytes(args.memory_fraction * free)}")
+    batch, why = fitting_batch(args, run, mode, device, context)
+    if why:
+        msg = f"skipped: a forward over {context} tokens {why}"
         print(f"{name}: {msg}")
         return [dict(base, scope="skipped", note=msg)], name
     key = dict(identity(run), mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
@@ -234,8 +215,7 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
 
 
 def summarize(records, base):
-    """Pool per-sequence window sums into summary rows: one per window (ppl = exp(mean CE over every target of
-    that window in every sequence)), then 'overall'."""
+    """Summary rows: per window, ppl = exp(mean CE over that window in every sequence), then 'overall'."""
     ends = records[0]["window_ends"]
     sums = np.sum([r["loss_sums"] for r in records], axis=0)
     counts = np.sum([r["counts"] for r in records], axis=0)
@@ -251,22 +231,17 @@ def summarize(records, base):
 def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
     add_common_args(p, default_out="results/ppl")
-    p.add_argument("--seq_len", type=int, default=32768, help="targets per sequence (each row has seq_len + 1 tokens)")
-    p.add_argument("--num_seqs", type=int, default=None,
-                   help=f"sequences to score; default: all of the validation region, {HF_DEFAULT_SEQS} for hf:")
+    p.add_argument("--seq_len", type=int, default=32768, help="targets per sequence (a row has seq_len + 1 tokens)")
+    p.add_argument("--num_seqs", type=int, help=f"sequences to score (default: all of val, {HF_DEFAULT_SEQS} for hf:)")
     p.add_argument("--window", type=int, default=1024, help="averaging window along the position axis (the curve)")
     p.add_argument("--mode", nargs="+", choices=MODES, default=["full"], help="full, sliding, or both")
-    p.add_argument("--sliding_window", type=int, default=None,
-                   help="sliding mode: the context window (tokens per forward); default the checkpoint's training length")
+    p.add_argument("--sliding_window", type=int, help="sliding mode: tokens per forward (default: training length)")
     p.add_argument("--stride", type=int, default=None, help="sliding mode: the stride; default sliding_window // 2")
-    p.add_argument("--batch_size", type=int, default=16,
-                   help="sliding mode: windows per forward (halved until it fits in memory)")
+    p.add_argument("--batch_size", type=int, default=16, help="sliding mode: windows per forward (halved to fit)")
     p.add_argument("--data", default="val",
-                   help="val (the prepared validation split, document tokens removed), or hf:NAME[:CONFIG] (streamed: "
-                        "the first texts with seq_len + 1 tokens, e.g. hf:wikimedia/wikipedia:20231101.en, the paper's)")
-    p.add_argument("--data_dir", default=None,
-                   help="prepared shards for --data val; default: the training data the checkpoint records")
-    p.add_argument("--text_column", default="text", help="--data hf:...: the column holding the text")
+                   help="val (the prepared validation split, document tokens removed), or hf:NAME[:CONFIG] (streamed, "
+                        "the first texts with seq_len + 1 tokens; the paper's: hf:wikimedia/wikipedia:20231101.en)")
+    p.add_argument("--data_dir", help="prepared shards for --data val; default: the checkpoint's training data")
     return p
 
 
@@ -277,7 +252,7 @@ def parse_args(argv=None):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k} must be at least 1, got {getattr(args, k)}")
     if args.stride is not None and args.sliding_window is not None and args.stride > args.sliding_window:
-        p.error(f"--stride {args.stride} is larger than --sliding_window {args.sliding_window}: tokens would be skipped")
+        p.error(f"--stride {args.stride} is larger than --sliding_window {args.sliding_window}: tokens are skipped")
     args.mode = list(dict.fromkeys(args.mode))
     return args
 
@@ -286,18 +261,14 @@ def main(argv=None):
     args = parse_args(argv)
     device = pick_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
-    if torch.device(device).type == "cpu":
-        return_freed_memory_to_os()  # keeps a long CPU forward's resident memory linear in the length
     runs, _ = load_runs(args.ckpt, device, args.attn_impl)
     seqs, data_desc, notes = load_sequences(args, runs)
     for note in notes:
         print(f"note: {note}")
     print(f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of {args.window} tokens; "
           f"device {device}, {dtype}")
-    os.makedirs(args.out, exist_ok=True)
-    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"),
-                    ("ckpt", "ckpt_sha256", "mode", "data", "seq_len", "window", "context", "stride", "dtype", "seq"),
-                    runs)
+    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), ("ckpt", "ckpt_sha256", "mode", "data", "seq_len",
+                                                                  "window", "context", "stride", "dtype", "seq"), runs)
     rows, series, table = [], {}, {}  # table: window end -> {series name: ppl}
     for run in runs:
         for mode in args.mode:

@@ -1,18 +1,17 @@
 """
-RULER's needle-in-a-haystack family: the 8 NIAH subtasks of NVIDIA/RULER @ c3f5e3b (scripts/data/synthetic/niah.py,
-constants.py, synthetic.yaml), generated here with RULER's strings, keys, random draws and haystack search,
-answered by greedy decoding with the model's KV cache, scored with RULER's string_match_all.
+RULER's 8 needle-in-a-haystack subtasks (NVIDIA/RULER @ c3f5e3b, scripts/data/synthetic/niah.py, constants.py,
+synthetic.yaml) with RULER's strings, keys, random draws and haystack search; greedy decoding with the KV cache,
+scored with RULER's string_match_all. Departures from RULER are explained beside the code that makes them.
 
     python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...] [--lengths 1024,2048]
-        [--samples 500] [--haystack_file PaulGrahamEssays.json] [--data_dir DIR]
     python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json   # RULER's protocol
 
 Writes to --out: ruler_samples.jsonl (per checkpoint x task x length x sample; a rerun resumes it),
 ruler_summary.{json,csv} (score per checkpoint x task x length, and the average over tasks), ruler_scores.png.
-Where it departs from RULER, and why, is said beside the code that does it.
 """
 import argparse
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -29,9 +28,9 @@ from tqdm import tqdm
 from data import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as MODEL_TEMPLATE,
                   RULER_NEEDLE as NEEDLE, RULER_NOISE as NOISE, RULER_SINGULAR as SINGULAR, RULER_TEMPLATE as TEMPLATE,
                   VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer)
-from eval_common import (EvalError, ResultLog, _plt, add_common_args, check_settings, fits_in_memory,
-                         fmt_bytes, geometric_lengths, load_runs, pick_device, resolve_dtype, training_data_dir,
-                         run_script, write_table)
+from eval_common import (EvalError, ResultLog, add_common_args, check_settings, geometric_lengths, load_runs,
+                         memory_shortfall, pick_device, plot_curves, resolve_dtype, run_script, training_data_dir,
+                         write_table)
 from model import autocast
 
 TOKENS_TO_GENERATE = 128
@@ -54,8 +53,7 @@ MAX_ATTEMPTS = 1000
 
 
 def task_template(cfg):
-    """The full prompt template of a task: the base model template, then the answer prefix, with RULER's
-    singular rewrite when one value is asked for (num_q * num_v == 1). Returns (template, type_needle_v)."""
+    """(template, type_needle_v): the base template + answer prefix, singular when one value is asked for."""
     template = MODEL_TEMPLATE.format(task_template=TEMPLATE) + ANSWER_PREFIX
     type_needle_v = cfg["type_needle_v"]
     if cfg["num_needle_q"] * cfg["num_needle_v"] == 1:
@@ -75,11 +73,9 @@ _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
 
 
 def ends_sentence(word, next_word):
-    """Does a sentence end after `word` (followed by `next_word`)? A rule-based stand-in for NLTK's punkt, RULER's
-    splitter (bam-gpt does not depend on nltk): a word ending in ! or ? (before closing quotes/brackets) ends one;
-    so does a final period, except after a listed abbreviation or an initial; an ellipsis only before a capital.
-    punkt learns its abbreviations and reads the next word's case; on prose the two agree almost everywhere, and a
-    difference only moves where a needle may go, never what is inserted."""
+    """Does a sentence end after `word`? A rule-based stand-in for RULER's NLTK punkt (no nltk dependency): ! or ?
+    end one, so does a period except after an abbreviation or an initial, an ellipsis only before a capital. Where
+    it differs from punkt, only where a needle may go moves, never what is inserted."""
     core = word.rstrip(_CLOSERS)
     if not core or core[-1] not in ".!?":
         return False
@@ -93,11 +89,10 @@ def ends_sentence(word, next_word):
 
 
 class Essay:
-    """An essay haystack: its words (RULER: re.sub(r"\\s+", " ", text).split(" ")) and where sentences end, found
-    once, so that sentences(n) (of the first n words, cycling past the end) costs no re-splitting."""
+    """An essay's words and sentence ends, found once: sentences(n) (the first n words, cycling) re-splits nothing."""
 
     def __init__(self, text, label):
-        self.words = text.split()  # == re.sub(r"\s+", " ", text).split(" ") without the empty ends
+        self.words = text.split()  # RULER's re.sub(r"\s+", " ", text).split(" ") without the empty ends
         if not self.words:
             raise ValueError(f"the essay haystack {label} has no words")
         self.label = label
@@ -116,10 +111,9 @@ class Essay:
 
 # ---- keys and values -------------------------------------------------------------------------------------
 class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RULER's list) draws
-    """RULER's keys, sorted(set(f"{adj}-{noun}")) over wonderwords' 910 adjectives x 6,782 nouns, indexed without
-    building the 6.2M strings. Sorted by adj + "-", adjectives fall into groups (one adjective and those starting
-    with it + "-": "blue", "blue-eyed"); a group's keys sort before the next group's, a one-adjective group's
-    keys are adj + "-" + the sorted nouns, and only the rare larger groups are built and sorted as strings."""
+    """RULER's keys, sorted(set(f"{adj}-{noun}")) over 910 adjectives x 6,782 nouns, indexed without building the
+    6.2M strings: adjectives sorted by adj + "-" form groups ("blue", "blue-eyed") whose keys sort in group order;
+    a one-adjective group is adj + "-" + the sorted nouns, only the rare larger groups are built as strings."""
 
     def __init__(self, adjs, nouns):
         self.nouns = sorted(set(nouns))
@@ -153,7 +147,6 @@ class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RU
         return i < self.length and self[i] == key
 
 
-
 def wonderwords_lists():
     """The adjective and noun lists exactly as RULER's niah.py reads them from the wonderwords package."""
     from wonderwords import random_word
@@ -162,14 +155,9 @@ def wonderwords_lists():
             random_word._get_words_from_text_file("nounlist.txt"))
 
 
-_WORDS = None
-
-
+@functools.lru_cache(maxsize=None)
 def words():
-    global _WORDS
-    if _WORDS is None:
-        _WORDS = PairList(*wonderwords_lists())
-    return _WORDS
+    return PairList(*wonderwords_lists())
 
 
 def words_digest():
@@ -183,14 +171,11 @@ def random_value(kind, rng):
         return str(rng.randint(10 ** 6, 10 ** 7 - 1))
     if kind == "words":
         return rng.choice(words())
-    if kind == "uuids":
-        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    raise ValueError(f"unknown needle type {kind!r}")
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))  # uuids
 
 
 def random_key(kind, rng, taken):
-    """A key that is not one of `taken` (the sample's real keys): unlike RULER, a distractor never repeats a real
-    key. With 6.2M keys a redraw practically never happens, so the draws stay RULER's."""
+    """A key not in `taken`: unlike RULER, a distractor never repeats a real key (among 6.2M, practically never)."""
     while True:
         key = random_value(kind, rng)
         if key not in taken:
@@ -199,16 +184,15 @@ def random_key(kind, rng, taken):
 
 # ---- one input, RULER's generate_input_output -------------------------------------------------------------
 def min_haystack(task):
-    """Line haystacks need a line per needle to insert at (random.sample(range(n), #needles))."""
+    """Line haystacks need a line per needle to insert at."""
     cfg = TASKS[task]
     n_needles = max(cfg["num_needle_k"], cfg["num_needle_q"]) * cfg["num_needle_v"]
     return 0 if cfg["type_haystack"] == "essay" else n_needles
 
 
 def build_input(task, num_haystack, rng, essay=None, seed=42):
-    """RULER's generate_input_output(num_haystack) for one task, drawing from `rng` in RULER's order.
-    Returns a dict: input_text (the full prompt, answer prefix included), pieces (input_text cut before every
-    haystack unit, for counting tokens piece by piece), needles, keys, values, queries, answers, depths."""
+    """RULER's generate_input_output, drawing from `rng` in RULER's order: a dict of input_text (answer prefix
+    included), needles, keys, values, queries, answers, depths, num_haystack."""
     cfg = TASKS[task]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
     num_v, num_q = cfg["num_needle_v"], cfg["num_needle_q"]
@@ -223,48 +207,35 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
         values.append(value)
     random.Random(seed).shuffle(needles)  # RULER: a fresh Random(seed), the same permutation for every sample
     if cfg["type_haystack"] == "essay":
-        ctx_pieces, depths = essay_context(essay, num_haystack, needles, rng)
+        context, depths = essay_context(essay, num_haystack, needles, rng)
     else:
-        ctx_pieces, depths = line_context(cfg, num_haystack, needles, keys, rng)
+        context, depths = line_context(cfg, num_haystack, needles, keys, rng)
 
     indices = rng.sample(range(num_k), num_q)
     queries = [keys[i] for i in indices]
     answers = [a for i in indices for a in values[i]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
     template, type_needle_v = task_template(cfg)
-    head, tail = template.split("{context}")
-    pieces = [head.format(type_needle_v=type_needle_v)] + ctx_pieces + \
-             [tail.format(type_needle_v=type_needle_v, query=query)]
-    return dict(input_text="".join(pieces), pieces=pieces, needles=needles, keys=keys, values=values,
-                queries=queries, answers=answers, depths=depths, num_haystack=num_haystack)
+    return dict(input_text=template.format(type_needle_v=type_needle_v, context=context, query=query),
+                needles=needles, keys=keys, values=values, queries=queries, answers=answers, depths=depths,
+                num_haystack=num_haystack)
 
 
 def essay_context(essay, num_haystack, needles, rng):
-    """RULER's essay context: the sentences of num_haystack words with the needles at sorted random DEPTHS.
-    Returns (the context cut before every sentence and needle, depths)."""
+    """RULER's essay context, num_haystack words with the needles at sorted random DEPTHS: (context, depths)."""
     sents = essay.sentences(num_haystack)
     depths = sorted(rng.sample(DEPTHS, len(needles)))
     positions = [0] + [int(len(sents) * (d / 100)) for d in depths] + [len(sents)]
-    parts = []  # RULER's document_sents_list: sentence runs and needles, joined with " "
+    parts = []  # RULER's document_sents_list: sentence runs and needles
     for i in range(1, len(positions)):
-        parts.append(sents[positions[i - 1]:positions[i]])
+        parts.append(" ".join(sents[positions[i - 1]:positions[i]]))
         if i - 1 < len(needles):
             parts.append(needles[i - 1])
-    pieces = []
-    for j, part in enumerate(parts):
-        sep = " " if j else ""
-        if isinstance(part, str):
-            pieces.append(sep + part)
-        elif not part:
-            pieces.append(sep)  # an empty run still adds its separator, as RULER's " ".join does
-        else:
-            pieces.extend([sep + part[0]] + [" " + s for s in part[1:]])
-    return pieces, depths
+    return " ".join(parts), depths
 
 
 def line_context(cfg, num_haystack, needles, keys, rng):
-    """RULER's line haystacks: num_haystack noise lines, or distractor needles with random keys and values, with
-    the needles inserted at random lines. Returns (the context cut before every line, depths)."""
+    """RULER's line haystacks (noise lines or distractor needles), needles at random lines: (context, depths)."""
     type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
     if cfg["type_haystack"] == "noise":
         lines = [NOISE] * num_haystack
@@ -275,60 +246,30 @@ def line_context(cfg, num_haystack, needles, keys, rng):
     for index, element in zip(indexes, needles):
         lines.insert(index, element)
     depths = [round(100 * i / num_haystack) for i in indexes]  # needle i went in at line indexes[i]
-    return lines[:1] + ["\n" + s for s in lines[1:]], depths
+    return "\n".join(lines), depths
 
 
-# ---- token counts and the haystack size --------------------------------------------------------------------
-class TokenCounter:
-    """Token counts of prompts, piece by piece with a cache: sentences recur in every probe of the binary search,
-    so a 100K-token prompt costs look-ups, not a tokenization. Pieces are cut before a space or newline, where
-    byte's and gpt2's pre-tokenizer always splits, so the sum is exact there; SentencePiece would give a piece a
-    word boundary of its own, so a later piece is counted behind a word ("a" + piece, less that word). Every
-    final sample is still checked with a full tokenization (generate_sample)."""
-
-    def __init__(self, enc):
-        self.enc, self.cache, self.base = enc, {}, len(enc.encode_ordinary("a"))
-
-    def count(self, text):
-        if self.enc.word_boundary and text[:1].isspace():
-            return len(self.enc.encode_ordinary("a" + text)) - self.base
-        return len(self.enc.encode_ordinary(text))
-
-    def count_pieces(self, pieces):
-        for p in pieces:
-            if p not in self.cache:
-                self.cache[p] = self.count(p)
-        return sum(self.cache[p] for p in pieces)
-
-
+# ---- the haystack size ---------------------------------------------------------------------------------------
 def haystack_step(task, max_len):
-    """RULER's `incremental`, the per-sample back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens.
-    Below 4096 the essay step here is 100 words (RULER never runs essays below 4K): a sample that misses the
-    budget loses a whole step, and 500 words (~650 gpt2 tokens) would empty a 1K prompt."""
+    """RULER's `incremental` back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens; below 4096, 100 essay
+    words (RULER never runs essays that short; 500 words would empty a 1K prompt)."""
     if TASKS[task]["type_haystack"] == "essay":
         return 500 if max_len >= 4096 else 100
     return 5 if max_len < 4096 else 25
 
 
-def input_budget(max_len):
-    """Tokens the prompt may use: the length, less the answer budget and the document-start token that starts
-    every training document (RULER does not count its BOS)."""
-    return max_len - TOKENS_TO_GENERATE - 1
-
-
-def fit_haystack(task, max_len, counter, essay=None, seed=42):
-    """RULER's binary search for the largest num_haystack whose (random) probe prompt fits the budget. Unlike
-    RULER (which loops forever when one step does not fit), the haystack may shrink to min_haystack; num_haystack
-    is None when even that does not fit. Returns dict(num_haystack, step, min_haystack, probes,
-    prompt_tokens_at_min)."""
+def fit_haystack(task, max_len, enc, essay=None, seed=42):
+    """RULER's binary search for the largest num_haystack whose probe prompt fits (its ~20 tokenizations cost little
+    beside the samples'); unlike RULER's endless loop, the haystack may shrink to min_haystack, else num_haystack
+    is None. Also returns step, probes, prompt_tokens_at_min."""
     step, lo = haystack_step(task, max_len), min_haystack(task)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
-    budget, probes, last = input_budget(max_len), 0, {}
+    budget, probes, last = max_len - TOKENS_TO_GENERATE - 1, 0, {}  # less the document-start token (RULER: no BOS)
 
     def tokens(n):
         nonlocal probes
         probes += 1
-        last[n] = counter.count_pieces(build_input(task, n, rng, essay, seed)["pieces"])
+        last[n] = len(enc.encode_ordinary(build_input(task, n, rng, essay, seed)["input_text"]))
         return last[n]
 
     per_unit = tokens(step) / step  # RULER: estimate, then search up to 3x the estimated maximum
@@ -344,16 +285,11 @@ def fit_haystack(task, max_len, counter, essay=None, seed=42):
                 prompt_tokens_at_min=last.get(min_haystack(task)))
 
 
-def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, counter=None):
-    """Sample `index` of a task at a length: the fitted haystack size, backed off by one step (RULER) while
-    the real tokenization does not fit. Each attempt draws afresh from Random(seed/task/length/index/attempt),
-    not from one global stream as RULER, so that any --samples N gives the same first N samples.
-    Returns build_input's dict plus input_ids ([doc_start] + tokens), input_tokens, attempts and
-    answer_token_pos (RULER's token_position_answer: where the first answer starts, in input_ids)."""
-    counter = counter or TokenCounter(enc)
-    fit = fit or fit_haystack(task, max_len, counter, essay, seed)
-    if fit["num_haystack"] is None:
-        raise ValueError(f"{task} does not fit in {max_len} tokens even without a haystack")
+def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
+    """Sample `index`: the fitted haystack, backed off a step (RULER) while the real tokenization does not fit. Each
+    attempt draws from Random(seed/task/length/index/attempt), not RULER's one stream, so --samples N gives the same
+    first N samples. build_input's dict + input_ids, input_tokens, attempts, answer_token_pos (RULER's)."""
+    fit = fit or fit_haystack(task, max_len, enc, essay, seed)  # evaluate() skips a length where it is None
     used = fit["num_haystack"]
     for attempt in range(MAX_ATTEMPTS):
         s = build_input(task, used, random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}"), essay, seed)
@@ -363,7 +299,6 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None, 
         used = max(fit["min_haystack"], used - fit["step"])
     else:
         raise RuntimeError(f"{task} at {max_len}: no sample fit after {MAX_ATTEMPTS} attempts")
-    s.pop("pieces")
     pos = s["input_text"].find(s["answers"][0])
     return dict(s, input_ids=ids, input_tokens=len(ids), attempts=attempt + 1,
                 answer_token_pos=1 + len(enc.encode_ordinary(s["input_text"][:pos])))
@@ -381,9 +316,8 @@ def newline_tokens(enc):
 
 
 def decode_output(tokens, enc, newline_ids=None):
-    """Generated ids -> (text, stop): cut before end-of-text ("eot"), or at the first newline ("newline") when
-    newline_ids is given; "budget" when neither came. Ids beyond the tokenizer (the model's padded vocabulary)
-    decode to nothing."""
+    """(text, stop): cut before end-of-text ("eot") or at a newline of newline_ids ("newline"), else "budget".
+    Ids beyond the tokenizer (the padded vocabulary) decode to nothing."""
     j, stop = next(((j, "eot" if t == enc.eot_token else "newline") for j, t in enumerate(tokens)
                     if t == enc.eot_token or t in (newline_ids or ())), (len(tokens), "budget"))
     text = enc.decode([t for t in tokens[:j + (stop == "newline")] if t < enc.n_vocab])
@@ -401,8 +335,7 @@ def sample_score(pred, refs):
 
 
 def string_match_all(preds, refs):
-    """RULER's metric (scripts/eval/synthetic/constants.py): mean over samples of the fraction of references
-    contained in the prediction, case-insensitive, x100, rounded to 2 decimals."""
+    """RULER's metric (scripts/eval/synthetic/constants.py): mean sample_score x 100, rounded to 2 decimals."""
     return round(sum(sample_score(pred, ref) for pred, ref in zip(preds, refs)) / len(preds) * 100, 2)
 
 
@@ -450,9 +383,8 @@ def haystack_label(task, essay):
 
 # ---- summary and figure ----------------------------------------------------------------------------------
 def summarize(records, runs, tasks, lengths, n_samples, skipped):
-    """Rows (label, task, target_length) with RULER's score over this configuration's records, then an "average"
-    row per (label, target_length) over the tasks scored there. `skipped` maps (run label or None, task or None,
-    length) to why."""
+    """Rows (label, task, target_length) with RULER's score, and an "average" row per (label, length) over tasks.
+    `skipped` maps (run label or None, task or None, length) to why."""
     by = {}
     for r in records:
         if r["sample"] < n_samples:
@@ -481,34 +413,17 @@ def summarize(records, runs, tasks, lengths, n_samples, skipped):
     return rows
 
 
-def plot_scores(rows, runs, tasks, path):
-    """One panel per checkpoint: score vs length for each task, and the average over tasks in bold."""
-    plt, n = _plt(), len(runs)
-    cols, rows_ = min(n, 3), -(-n // 3)
-    fig, axes = plt.subplots(rows_, cols, figsize=(6 * cols, 4.2 * rows_), squeeze=False)
-    for ax, run in zip(axes.ravel(), runs):
-        for task in tasks + ["average"]:
-            pts = sorted((r["target_length"], r["score"]) for r in rows
-                         if r["label"] == run["label"] and r["task"] == task and r["score"] is not None)
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            style = dict(color="black", linewidth=2.8, marker="s", zorder=5) if task == "average" else \
-                dict(linewidth=1.2, marker="o", markersize=3, alpha=0.85)
-            ax.plot(xs, ys, label=task, **style)
-        ax.axvline(run["block_size"], color="gray", linestyle="--", linewidth=1)
-        ax.annotate(f"train length {run['block_size']}", (run["block_size"], 1), xycoords=("data", "axes fraction"),
-                    rotation=90, va="top", ha="right", fontsize=8, color="gray")
-        ax.set(ylim=(-3, 103), xlabel="sequence length (tokens)", ylabel="string_match_all (%)")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"RULER NIAH: {run['label']}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in axes.ravel()[n:]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def plot_scores(rows, runs, path):
+    """RULER's average over the tasks against the length, a curve per checkpoint (each task: ruler_summary.csv)."""
+    series = {}
+    for run in runs:
+        pts = sorted((r["target_length"], r["score"]) for r in rows
+                     if r["label"] == run["label"] and r["task"] == "average" and r["score"] is not None)
+        if pts:
+            series[run["label"]] = tuple(zip(*pts))
+    if series:
+        plot_curves(series, [r["block_size"] for r in runs], path, "sequence length (tokens)",
+                    "string_match_all (%), mean over the tasks", "RULER NIAH", ylim=(-3, 103))
 
 
 def print_table(rows, runs, tasks, lengths):
@@ -529,16 +444,12 @@ def build_parser():
     p.add_argument("--preset", choices=["paper"], default=None,
                    help="paper: RULER's protocol: Paul Graham's essays (--haystack_file required), no newline stop, "
                         "500 samples, lengths 4K-128K")
-    p.add_argument("--lengths", default=None,
-                   help="comma list of total lengths (prompt + 128 answer tokens); default: train length x 1, 2, "
-                        "4, ... up to --max_length")
+    p.add_argument("--lengths", help="comma list of total lengths (prompt + 128 answer tokens); default: train "
+                                     "length x 1, 2, 4, ... up to --max_length")
     p.add_argument("--max_length", type=int, default=32768)
     p.add_argument("--samples", type=int, default=500, help="samples per task and length (RULER: 500)")
-    p.add_argument("--haystack_file", default=None,
-                   help="essay haystack: RULER's PaulGrahamEssays.json, or plain text; "
-                        "default: text decoded from the validation shard in --data_dir")
-    p.add_argument("--data_dir", default=None, help="prepared data for the essay haystack (when no --haystack_file); "
-                                                    "default: the training data the checkpoint records")
+    p.add_argument("--haystack_file", help="RULER's PaulGrahamEssays.json, or plain text (default: --data_dir's val)")
+    p.add_argument("--data_dir", help="prepared data for the essay haystack; default: the checkpoint's training data")
     p.add_argument("--no_newline_stop", action="store_true",
                    help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)")
     return p
@@ -589,15 +500,13 @@ def main(argv=None):
     skipped = {}
     for run in runs:
         for L in lengths:
-            ok, need, free = fits_in_memory(run["model"], L, device, args.memory_fraction, kv_cache=True)
-            if not ok:
-                skipped[(run["label"], None, L)] = f"skipped: needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free"
+            if why := memory_shortfall(run["model"], L, device, args.memory_fraction, kv_cache=True):
+                skipped[(run["label"], None, L)] = f"skipped: {why}"
                 print(f"[{run['label']}] skipping length {L}: {skipped[(run['label'], None, L)]}")
-    counter = TokenCounter(enc)
     for task in args.tasks:
         for L in lengths:
             active = [r for r in runs if (r["label"], None, L) not in skipped]
-            why = evaluate(task, L, active, enc, essay, args, log, counter, device, dtype, newline_ids, stop_rule)
+            why = evaluate(task, L, active, enc, essay, args, log, device, dtype, newline_ids, stop_rule)
             if why:
                 skipped[(None, task, L)] = why
                 print(f"{task} @ {L}: {why}")
@@ -606,16 +515,15 @@ def main(argv=None):
             and any(r["label"] == x["label"] and r["ckpt"] == x["ckpt_path"] for x in runs)]
     rows = summarize(mine, runs, args.tasks, lengths, args.samples, skipped)
     write_table(rows, os.path.join(args.out, "ruler_summary"))
-    plot_scores(rows, runs, args.tasks, os.path.join(args.out, "ruler_scores.png"))
+    plot_scores(rows, runs, os.path.join(args.out, "ruler_scores.png"))
     print_table(rows, runs, args.tasks, lengths)
     print(f"\nwrote {log.path}, {os.path.join(args.out, 'ruler_summary')}.{{json,csv}} and "
           f"{os.path.join(args.out, 'ruler_scores.png')} in {time.time() - t_start:.1f}s")
     return rows
 
 
-def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newline_ids, stop_rule):
-    """Generate and score every missing sample of one task at one length for these runs, into `log`.
-    Returns why the task was skipped at this length, or None."""
+def evaluate(task, L, runs, enc, essay, args, log, device, dtype, newline_ids, stop_rule):
+    """Generate and score every missing sample of one task at one length into `log`; returns why it was skipped."""
     hay = haystack_label(task, essay)
 
     def key(run, i):
@@ -624,15 +532,15 @@ def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newli
     todo = {i: [r for r in runs if key(r, i) not in log.done] for i in range(args.samples)}
     todo = {i: rs for i, rs in todo.items() if rs}
     if not todo:
-        return None
-    fit = fit_haystack(task, L, counter, essay, args.seed)
+        return
+    fit = fit_haystack(task, L, enc, essay, args.seed)
     if fit["num_haystack"] is None:
         return (f"skipped: the prompt without haystack needs {fit['prompt_tokens_at_min'] + 1} tokens, "
                 f"> {L} - {TOKENS_TO_GENERATE}")
     stop_ids = {enc.eot_token} | (newline_ids or set())
     bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {L}", dynamic_ncols=True)
     for i, pending in todo.items():
-        s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit, counter=counter)
+        s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit)
         idx = torch.tensor([s["input_ids"]], dtype=torch.long, device=device)
         for run in pending:
             t0 = time.time()
@@ -648,7 +556,6 @@ def evaluate(task, L, runs, enc, essay, args, log, counter, device, dtype, newli
                          seconds=round(time.time() - t0, 3)))
             bar.update(1)
     bar.close()
-    return None
 
 
 if __name__ == "__main__":

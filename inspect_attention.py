@@ -1,15 +1,13 @@
 """
-Which heads read the passkey needle, and how far each head looks: the mechanism behind length extrapolation,
-measured on eval_passkey.py's own prompts (same template, seed and equidistant depths).
+Which heads read the passkey needle, and how far each head looks, on eval_passkey.py's own prompts.
 
     python inspect_attention.py --ckpt out/demo/bam_ssmax-s1 [--ckpt out/demo/alibi-s1 ...] --template demo
         --length 4096 [--lengths 64 256 1024 4096] [--samples 20] [--out results/inspect]
 
-For every checkpoint, length, layer and head, at the query that predicts the first answer digit: needle_mass (the
-attention weight on the key's tokens in the needle), mean_distance (sum_j p_j (i - j)) and entropy (nats), means
-over the prompts, beside the head's prior parameters. Writes to --out: attention_heads.{json,csv} (checkpoint x
-length x layer x head), attention_summary.json (per checkpoint its top heads and the heads with needle mass >= 0.5
-at --length, and its best head at every length), attention_heads.png, attention_needle_vs_length.png.
+Per checkpoint, length, layer and head, at the query that predicts the first answer digit, means over the prompts:
+needle_mass (attention on the key's tokens), mean_distance (sum_j p_j (i - j)) and entropy (nats), beside the head's
+prior. Writes to --out: attention_heads.{json,csv,png}, attention_summary.json (per checkpoint its top heads and
+those with needle mass >= 0.5 at --length, its best head at every length), attention_needle_vs_length.png.
 """
 import argparse
 import json
@@ -33,8 +31,7 @@ READS = 0.5  # a head "reads the needle" when most of its attention lies on the 
 
 # ---- What is measured ------------------------------------------------------------------------------------------
 def key_positions(enc, tokens, info):
-    """Positions of the tokens that carry the key's digits inside the needle (info from eval_passkey.build_prompt).
-    A token that merges a digit with a neighbouring character (gpt2: " 123", "45.") counts."""
+    """Positions of the needle's tokens that carry the key's digits (also merged ones, gpt2's " 123", "45.")."""
     start, end = info["needle_start"], info["needle_end"]
     pieces = [enc.token_bytes(t) for t in tokens[start:end]]  # byte offsets: the key's digits are ASCII
     text, bounds = b"".join(pieces), np.cumsum([0] + [len(b) for b in pieces]).tolist()
@@ -46,8 +43,8 @@ def key_positions(enc, tokens, info):
 
 
 def row_metrics(p, query_pos, key_pos):
-    """p (..., n_keys): one query's attention weights over the keys 0 .. n_keys-1; the query sits at query_pos.
-    Returns (needle mass, mean attended distance, entropy in nats), each of shape p.shape[:-1], in float64."""
+    """(needle mass, mean attended distance, entropy in nats) in float64 of p (..., n_keys), the attention weights
+    over keys 0 .. n_keys-1 of the query at query_pos."""
     p = p.double()
     dist = query_pos - torch.arange(p.shape[-1], dtype=torch.float64, device=p.device)
     mass = p[..., list(key_pos)].sum(-1)
@@ -56,9 +53,8 @@ def row_metrics(p, query_pos, key_pos):
 
 @torch.no_grad()
 def answer_row_probs(model, idx):
-    """One forward over idx (B, T). Returns ((n_layer, B, H, T) attention weights of the last query in every layer,
-    logits of the last position). A pre-hook on each layer's attention recomputes q and k from the layer's input
-    and asks attention_probs for that row alone, so memory stays linear in the length (no T x T tensor)."""
+    """((n_layer, B, H, T) attention weights of the last query per layer, its logits) from one forward: a pre-hook
+    per layer recomputes q and k and asks attention_probs for that row alone (memory linear in the length)."""
     rows = []
 
     def hook(attn, args):
@@ -80,9 +76,8 @@ def answer_row_probs(model, idx):
 
 
 def head_priors(model):
-    """{layer: [one dict per head]}: the prior's name, its parameters, its shape parameter's name and value, whether
-    the prior's highlight rule picks the head (GGD: theta_beta < 0), and the SSMax scale s. Layers without a prior
-    (nope, rope) give only s, or nothing."""
+    """{layer: [per head: the prior's name, parameters, shape_param and shape, highlight (GGD: theta_beta < 0),
+    ssmax_s]}; layers without a prior give only ssmax_s, or nothing."""
     out = {}
     for row in model.prior_summary():
         heads = [{} for _ in range(model.config.n_head)]
@@ -107,13 +102,13 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
     """Rows (one per layer x head, means over the samples) and the first-answer-token accuracy at one length."""
     model = run["model"]
     sums, n_correct = None, 0
-    for prompt, answer, info in ep.make_samples(enc, template, length, samples, "equidistant", seed):
+    for prompt, answer, info in ep.make_samples(enc, template, length, samples, seed):
         n_given = info["n_given"]
         tokens = prompt + answer[:n_given]  # the given whitespace answer token is read, then a digit is predicted
         i = len(tokens) - 1
         keys = key_positions(enc, prompt, info)
         idx = torch.tensor([tokens], dtype=torch.long, device=device)
-        with autocast(device, ec.resolve_dtype(device, dtype)):
+        with autocast(device, dtype):
             probs, logits = answer_row_probs(model, idx)
         n_correct += int(logits[0, :model.config.vocab_size].argmax()) == answer[n_given]
         m = torch.stack(row_metrics(probs[:, 0], i, keys), -1).cpu()  # (n_layer, H, 3)
@@ -123,22 +118,17 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
             bar.update(1)
     m, extra = sums[0] / samples, sums[1] / samples
     priors = head_priors(model)
-    rows = []
-    for layer in range(m.shape[0]):
-        for h in range(m.shape[1]):
-            rows.append(dict(label=run["label"], pos_encoding=model.config.pos_encoding, ssmax=model.config.ssmax,
-                             train_length=run["block_size"], target_length=length, length=round(float(extra[0]), 1),
-                             samples=samples, layer=layer, head=h, needle_mass=float(m[layer, h, 0]),
-                             mean_distance=float(m[layer, h, 1]), needle_distance=float(extra[1]),
-                             entropy=float(m[layer, h, 2]), uniform_mass=float(extra[2]),
-                             **(priors[layer][h] if layer in priors else {})))
-    return rows, n_correct / samples
+    return [dict(label=run["label"], pos_encoding=model.config.pos_encoding, ssmax=model.config.ssmax,
+                 train_length=run["block_size"], target_length=length, length=round(float(extra[0]), 1),
+                 samples=samples, layer=layer, head=h, needle_mass=float(m[layer, h, 0]),
+                 mean_distance=float(m[layer, h, 1]), needle_distance=float(extra[1]), entropy=float(m[layer, h, 2]),
+                 uniform_mass=float(extra[2]), **(priors[layer][h] if layer in priors else {}))
+            for layer in range(m.shape[0]) for h in range(m.shape[1])], n_correct / samples
 
 
 def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
-    """Per checkpoint: the top heads at `length`, the heads that read the needle there (needle mass >= `reads`)
-    and, at every length, the best head's needle mass, the largest needle mass of any head, the uniform-attention
-    mass and the first-answer-token accuracy."""
+    """Per checkpoint: the top heads at `length`, those that read the needle (needle mass >= `reads`) and, at every
+    length, the best head's and the largest needle mass, the uniform mass and the first-answer-token accuracy."""
     out = []
     for r in runs:
         mine = [x for x in rows if x["label"] == r["label"]]
@@ -172,8 +162,8 @@ def head_label(row):
 
 
 def plot_heads(rows, runs, length, path):
-    """Figure 1: one panel per checkpoint, layers x heads, colour = needle mass at `length`; each cell shows the
-    head's shape parameter (top) and its needle mass (bottom); heads that the prior highlights are framed red."""
+    """Per checkpoint, layers x heads coloured by needle mass at `length`, labelled with shape parameter and mass;
+    highlighted heads framed red."""
     plt = ec._plt()
     panels = [(r, [x for x in rows if x["label"] == r["label"] and x["target_length"] == length]) for r in runs]
     panels = [(r, cell) for r, cell in panels if cell]
@@ -208,7 +198,7 @@ def plot_heads(rows, runs, length, path):
 
 
 def plot_needle_vs_length(summary, path):
-    """Figure 2: the needle mass of each checkpoint's best head against the prompt length, with uniform attention."""
+    """The needle mass of each checkpoint's best head against the prompt length, with uniform attention."""
     series = {}
     for s in summary:
         b = s["top_heads"][0]
@@ -227,8 +217,7 @@ def build_parser():
     ap = argparse.ArgumentParser(description="Per-head attention on the passkey needle: mass, distance, entropy.")
     ec.add_common_args(ap, default_out="results/inspect")
     ap.add_argument("--template", choices=sorted(ep.TEMPLATES), default="paper")
-    ap.add_argument("--length", type=int, help="prompt length of the heatmap, where the best head is chosen "
-                                               "(default: the largest of --lengths)")
+    ap.add_argument("--length", type=int, help="the heatmap's length, where the best head is chosen (default: max)")
     ap.add_argument("--lengths", type=int, nargs="+", help="prompt lengths of the needle-vs-length curve "
                                                            "(default: training length x 1, 2, 4, ... up to --length)")
     ap.add_argument("--samples", type=int, default=ep.DEFAULT_SAMPLES, help="prompts per length (equidistant depths)")
@@ -255,17 +244,13 @@ def run(args):
     t0 = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, args.dtype)
-    if torch.device(device).type == "cpu":
-        ec.return_freed_memory_to_os()  # keeps the RSS of long forwards linear in the length
     runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
     template = ep.TEMPLATES[args.template]
     length, lengths = choose_lengths(args, runs, enc, template)
     for L in lengths:
         for r in runs:
-            ok, need, free = ec.fits_in_memory(r["model"], L, device, args.memory_fraction)
-            if not ok:
-                raise ValueError(f"{r['label']} at {L} tokens needs ~{ec.fmt_bytes(need)}, more than "
-                                 f"{args.memory_fraction:.0%} of the {ec.fmt_bytes(free)} free; drop that length")
+            if why := ec.memory_shortfall(r["model"], L, device, args.memory_fraction):
+                raise ValueError(f"{r['label']} at {L} tokens {why}; drop that length")
     rows, accuracy = [], {}
     bar = tqdm(total=len(runs) * len(lengths) * args.samples, desc="inspect", unit="prompt", file=sys.stderr,
                disable=args.no_progress, dynamic_ncols=True)
@@ -278,7 +263,6 @@ def run(args):
     bar.close()
     summary = summarize(rows, accuracy, runs, lengths, length)
 
-    os.makedirs(args.out, exist_ok=True)
     ec.write_table(rows, os.path.join(args.out, "attention_heads"))
     figures = [os.path.join(args.out, "attention_heads.png"), os.path.join(args.out, "attention_needle_vs_length.png")]
     plot_heads(rows, runs, length, figures[0])
@@ -298,8 +282,7 @@ def _heads(heads):
 
 
 def report(summary):
-    """Per checkpoint: its top heads and the heads that read the needle at the heatmap length, and the best head's
-    needle mass at every length."""
+    """Per checkpoint: its top heads and readers at the heatmap length, its best head's needle mass by length."""
     for s in summary:
         curve = " ".join(f"{c['target_length']}:{c['needle_mass']:.3f}" for c in s["curve"])
         print(f"{s['label']}: top heads at {s['chosen_at']}: {_heads(s['top_heads'])}\n"

@@ -1,11 +1,9 @@
 """
 The bam-gpt model: the paper's LLaMA-style decoder (as in the authors' models/) with one attention path and a
 switch for the positional encoding, nope | sinusoidal | rope | alibi | bam, each with or without Scalable-Softmax.
-Positions enter in three places: sinusoidal is added to the token embeddings; rope rotates q and k (absolute
-positions, not reset at document boundaries, as the authors did); alibi and bam add a log-prior to the logits
-inside attention() (priors.py: alibi's fixed slopes, or bam's learned `prior`, GGD by default). SSMax multiplies
-each query row's logits by s_h * log(n_i), n_i = the keys visible to query i in its document.
-Also here: the size presets, the optimizer groups, and checkpoint save/load (the one place).
+sinusoidal is added to the token embeddings; rope rotates q and k (absolute positions, as the authors); alibi and
+bam add a log-prior (priors.py) to the logits inside attention(). SSMax multiplies each query row's logits by
+s_h * log(n_i), n_i = the keys visible to query i in its document. Also: size presets, optimizer groups, checkpoints.
 """
 import os
 import re
@@ -21,8 +19,7 @@ from priors import PRIORS, BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 
-# (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM).
-# l12 is the paper's "120M" model, l24 its "1.1B".
+# (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM); l12 is the paper's "120M", l24 "1.1B"
 MODEL_SIZES = {"l6": (6, 512, 16), "l8": (8, 768, 16), "l12": (12, 768, 16), "l15": (15, 1152, 24),
                "l18": (18, 1536, 32), "l24": (24, 2048, 64)}
 
@@ -69,22 +66,14 @@ class GPTConfig:
     def padded_vocab_size(self):
         return -(-self.vocab_size // 64) * 64
 
-    @classmethod
-    def from_size(cls, size, **kwargs):
-        if size not in MODEL_SIZES:
-            raise ValueError(f"unknown model_size {size!r}; choose one of {list(MODEL_SIZES)}")
-        n_layer, n_embd, n_head = MODEL_SIZES[size]
-        return cls(n_layer=n_layer, n_embd=n_embd, n_head=n_head, **kwargs)
-
 
 # ----------------------------------------------------------------------------------------------------------
-# Positions. Computed from the position indices on every call (no tables), so any length works and
-# KV-cache decoding just passes later positions. Angles are formed in float64 so that position 500,000
-# keeps its phase (fp32 would lose ~0.03 rad at the highest frequency).
+# Positions, from the position indices on every call (no tables): any length works, KV-cache decoding passes later
+# positions. Angles in float64, so that position 500,000 keeps its phase (fp32 loses ~0.03 rad).
 # ----------------------------------------------------------------------------------------------------------
 def sinusoidal_embedding(pos, dim):
     """Vaswani et al.: PE[p, 2k] = sin(p / 10000^(2k/D)), PE[p, 2k+1] = cos(p / 10000^(2k/D)).
-    (The authors' code uses the exponent (2k+1)/D for the cosine; we keep the standard form: README, "Where this repo departs".)"""
+    The authors' code uses (2k+1)/D for the cosine; this is the standard form (README, "Where this repo departs")."""
     inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim)
     ang = pos.double()[:, None] * inv_freq[None, :]
     pe = torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1)  # interleave: sin, cos, sin, cos, ...
@@ -118,25 +107,20 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding: prefill a prompt, then one token at a time."""
+    """Keys and values of every layer for incremental decoding (prefill a prompt, then one token at a time), in
+    buffers of `capacity` positions allocated once: no copy of the cache as it grows."""
 
-    def __init__(self, n_layer):
-        self.k, self.v = [None] * n_layer, [None] * n_layer  # (B, H, capacity, D) buffers, `length` of them valid
+    def __init__(self, n_layer, capacity):
+        self.k, self.v, self.capacity = [None] * n_layer, [None] * n_layer, capacity
         self.length = 0  # positions already cached (GPT.forward advances it after all layers ran)
 
     def update(self, layer, k, v):
-        """Append this step's k, v (B, H, T, D) and return views of everything cached so far. Capacity doubles
-        when full, so decoding N tokens after a long prompt copies the cache O(log N) times, not N times."""
+        """Append this step's k, v (B, H, T, D) and return views of everything cached so far."""
         end = self.length + k.shape[2]
-        buf_k, buf_v = self.k[layer], self.v[layer]
-        if buf_k is None or buf_k.shape[2] < end:
-            cap = max(end, 2 * (buf_k.shape[2] if buf_k is not None else 0))
-            new_k, new_v = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
-            if buf_k is not None:
-                new_k[:, :, :self.length], new_v[:, :, :self.length] = buf_k[:, :, :self.length], buf_v[:, :, :self.length]
-            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
-        buf_k[:, :, self.length:end], buf_v[:, :, self.length:end] = k, v
-        return buf_k[:, :, :end], buf_v[:, :, :end]
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = (t.new_empty(*t.shape[:2], self.capacity, t.shape[3]) for t in (k, v))
+        self.k[layer][:, :, self.length:end], self.v[layer][:, :, self.length:end] = k, v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class Attention(nn.Module):
@@ -146,8 +130,7 @@ class Attention(nn.Module):
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.config, self.pos_encoding, self.ssmax_prior = cfg, cfg.pos_encoding, cfg.ssmax_prior
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.n_embd, cfg.n_embd, bias=False) for _ in range(4))
-        # the positional prior: bam learns one per layer ("local"), with one value of each parameter per head,
-        # stored under the prior's parameter names; alibi's slopes are fixed and not saved (they never change)
+        # bam learns a prior per layer, a value of each parameter per head; alibi's fixed slopes are not saved
         self.prior_def = get_prior(cfg.prior if cfg.pos_encoding == "bam" else "alibi") \
             if cfg.pos_encoding in ("bam", "alibi") else None
         if self.prior_def is not None:
@@ -230,12 +213,9 @@ class GPT(nn.Module):
         return n - self.wte.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None, *, doc_start=None, kv_cache=None, logits_at=None, reduction="mean"):
-        """idx (B, T) tokens. doc_start (B, T): first position of each token's document (None = one document).
-
-        Returns (logits, loss). logits_at = k (an int) keeps only the last k positions' logits, or a 1-D tensor of
-        positions; with reduction="none" the loss is per token (B, T) and logits are None, computed in chunks so
-        no (T x vocab) tensor ever exists: that is how a 100K-token sequence is scored.
-        """
+        """(logits, loss) of idx (B, T); doc_start (B, T): each token's document start (None = one document).
+        logits_at: an int k keeps the last k positions' logits, or a 1-D tensor of positions. reduction="none": the
+        loss per token (B, T), no logits, in chunks so that no (T x vocab) tensor exists (100K-token sequences)."""
         B, T = idx.shape
         cfg = self.config
         if kv_cache is not None and doc_start is not None:
@@ -278,7 +258,7 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, stop_tokens=(), temperature=0.0, top_k=None, stop=None):
         """Greedy (temperature 0) or sampled continuation (from the top_k most likely tokens, if given) with a KV
         cache. idx (1, T). stop(tokens so far) -> True ends it early (stop strings). Returns new tokens (list)."""
-        cache = KVCache(self.config.n_layer)
+        cache = KVCache(self.config.n_layer, idx.shape[1] + max_new_tokens)
         logits, _ = self(idx, kv_cache=cache, logits_at=1)
         out = []
         for _ in range(max_new_tokens):
@@ -299,8 +279,7 @@ class GPT(nn.Module):
 
     # ---- optimizer -------------------------------------------------------------------------------------
     def param_groups(self):
-        """Name -> params for the four optimizer groups: weight-decayed matrices, norms, prior, SSMax
-        (as the authors' train.py)."""
+        """The four optimizer groups of the authors' train.py: weight-decayed matrices, norms, prior, SSMax."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
         prior_params = {id(p) for b in self.blocks if b.attn.prior_def is not None for p in b.attn.prior().params}
         for name, p in self.named_parameters():
@@ -317,8 +296,7 @@ class GPT(nn.Module):
         return groups
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, prior_lr=None, ssmax_lr=None):
-        """RAdam with decoupled (AdamW-style) weight decay on >=2-D weights only (as the authors). Each group records
-        its own base_lr so that train.py applies one schedule to all of them."""
+        """RAdam, decoupled weight decay on >= 2-D weights (as the authors); train.py schedules each group's base_lr."""
         g = self.param_groups()
         spec = [(g["decay"], weight_decay, learning_rate), (g["no_decay"], 0.0, learning_rate),
                 (g["prior"], 0.0, prior_lr or learning_rate), (g["ssmax"], 0.0, ssmax_lr or learning_rate)]
@@ -333,8 +311,7 @@ class GPT(nn.Module):
     # ---- inspection --------------------------------------------------------------------------------------
     @torch.no_grad()
     def prior_summary(self):
-        """Per layer: the prior's name, each of its parameters per head (lists of floats; ggd also mu) and SSMax
-        s per head. ALiBi layers report their fixed slopes. Empty for nope/rope/sinusoidal without SSMax."""
+        """Per layer with a prior or SSMax: the prior's name, its parameters per head (ggd also mu), SSMax's s."""
         rows = []
         for i, attn in enumerate(block.attn for block in self.blocks):
             row, prior = {"layer": i}, attn.prior()
@@ -369,8 +346,8 @@ def peak_flops(device_name):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Checkpoints: the one place that writes and reads them. A checkpoint is a dict with "model_args" (the
-# GPTConfig as a dict), "model" (a clean state_dict) and whatever the trainer adds (optimizer, step, RNG, ...).
+# Checkpoints, the one place that writes and reads them: a dict of "model_args" (the GPTConfig as a dict),
+# "model" (a clean state_dict) and whatever the trainer adds (optimizer, step, RNG, ...).
 # ----------------------------------------------------------------------------------------------------------
 CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
 RUNTIME_KEYS = ("attn_impl",)  # how to compute, not what: the caller's choice, never the checkpoint's
@@ -407,8 +384,7 @@ def checkpoints(run_dir):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """Load a checkpoint dict (a .pt file, or the newest ckpt_<step>.pt of a run directory) with weights_only=True:
-    no code from the file is executed."""
+    """The checkpoint dict of a .pt file or a run directory's newest ckpt_<step>.pt, loaded with weights_only=True."""
     if os.path.isdir(path):
         if not (found := checkpoints(path)):
             raise FileNotFoundError(f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?")
@@ -426,9 +402,8 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def checkpoint_model_args(ckpt):
-    """A checkpoint's GPTConfig as a dict: settings it predates (a checkpoint without `prior` is ggd) and
-    RUNTIME_KEYS at their defaults. Raises CheckpointError for settings this code does not know and for an
-    unregistered prior."""
+    """A checkpoint's GPTConfig as a dict, settings it predates and RUNTIME_KEYS at their defaults; CheckpointError
+    for settings this code does not know and for an unregistered prior."""
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     if unknown := set(ckpt["model_args"]) - set(defaults):
         raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} has model settings this code does not know: "
@@ -448,19 +423,15 @@ def load_state(model, ckpt):
     if diff:
         raise ValueError(f"checkpoint {ckpt.get('path', '')!r} is from another model (checkpoint vs this model):\n  "
                          + "\n  ".join(diff))
-    own, saved = raw.state_dict(), ckpt["model"]
-    missing, unexpected = [k for k in own if k not in saved], [k for k in saved if k not in own]
-    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in saved.items()
-              if k in own and v.shape != own[k].shape]
-    if missing or unexpected or shapes:
-        raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}, shape mismatches {shapes[:8]}")
-    raw.load_state_dict(saved)
+    try:
+        raw.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # missing or unexpected keys, other shapes
+        raise CheckpointError(f"checkpoint {ckpt.get('path', '')!r} does not fit this model: "
+                              + " ".join(str(e).split())) from None
 
 
 def load_model(path, device="cpu", attn_impl="auto"):
-    """Build a GPT from a checkpoint file or run directory, computing attention with attn_impl (auto | torch |
-    sdpa | triton). Returns (model in eval mode, checkpoint dict)."""
+    """(GPT in eval mode, checkpoint dict) from a checkpoint file or run directory, attention computed by attn_impl."""
     ckpt = load_checkpoint(path)
     model = GPT(GPTConfig(**dict(checkpoint_model_args(ckpt), attn_impl=attn_impl or "auto")))
     load_state(model, ckpt)

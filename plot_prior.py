@@ -1,13 +1,12 @@
 """
-The learned positional prior of a checkpoint, the paper's interpretability view: for every layer (a panel) and head
-(a line), the log-prior B_h(d) added to the attention logits against the distance |d| on a log axis, computed by
-the registered prior (priors.py) with each layer's own parameters, so the figure is exactly what the model adds.
+The learned positional prior of a checkpoint: per layer (a panel) and head (a line), the log-prior B_h(d) the model
+adds to the logits against the distance |d| on a log axis, computed by the registered prior (priors.py).
 
     python plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png] [--max_distance 4096]
 
-The heads the prior's highlight rule picks (GGD: theta_beta < 0, the anti-local heads that retrieve beyond the
-training context) are drawn thick and warm. With SSMax the model scales content + prior by s_h log(n); the figure
-shows B, and s_h is in the legend. Writes the PNG and <out>.json with the same numbers. bam and alibi only.
+Heads the prior's highlight rule picks (GGD: theta_beta < 0, the anti-local heads that retrieve beyond the
+training context) are drawn thick and warm; SSMax's s_h is in the legend. Writes the PNG and <out>.json with the
+same numbers. bam and alibi only.
 """
 import argparse
 import json
@@ -29,8 +28,8 @@ def distances(max_distance, per_octave=8):
 
 @torch.no_grad()
 def prior_tables(model, dist):
-    """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0, bias}]}] for every
-    layer that has a prior. bias[k] = B(d = -dist[k]): the key lies dist[k] positions before the query."""
+    """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0, bias}]}] per layer
+    with a prior; bias[k] = B(d = -dist[k])."""
     summary = {row["layer"]: row for row in model.prior_summary()}
     d = -torch.tensor([0] + list(dist), dtype=torch.float64)
     layers = []
@@ -90,10 +89,8 @@ def plot(layers, dist, block_size, prior, title, path):
 def build_parser():
     ap = argparse.ArgumentParser(description="Plot the positional prior of every layer and head of a checkpoint.")
     ap.add_argument("--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)")
-    ap.add_argument("--out", default=None, help="PNG path (default: prior.png in the run directory); "
-                                                 "the numbers go to the same path with .json")
-    ap.add_argument("--max_distance", type=int, default=None, help="largest distance shown (default 64 x the "
-                                                                    "training length)")
+    ap.add_argument("--out", help="PNG path (default: prior.png in the run directory), its numbers beside in .json")
+    ap.add_argument("--max_distance", type=int, help="largest distance shown (default 64 x the training length)")
     return ap
 
 

@@ -114,13 +114,8 @@ def source_rows(args):
 
 
 def tokenize(tokenizer_name, text):
-    """The tokens of one document (Tokenizer.document) as uint16 (empty for a document without text)."""
-    if not text:
-        return np.zeros(0, dtype=np.uint16)
-    toks = np.array(get_tokenizer(tokenizer_name).document(text), dtype=np.int64)
-    if toks.max() >= 65536:
-        raise DataError(f"token id {toks.max()} does not fit the uint16 shards (tokenizer {tokenizer_name})")
-    return toks.astype(np.uint16)
+    """The tokens of one document (Tokenizer.document) as uint16 (every vocabulary in data.VOCAB_SIZE fits)."""
+    return np.array(get_tokenizer(tokenizer_name).document(text) if text else [], dtype=np.uint16)
 
 
 def planned_size(args, index):
@@ -134,10 +129,9 @@ def write_json(path, obj):
 
 
 def reusable_shards(args, settings, meta_path):
-    """meta.json is a ledger of the finished shards and where in the source each one ends. The entries of a
-    previous run that can be kept: a prefix of full, valid shards, ending no later than --max_tokens (a finished
-    run's shorter last shard only with the same --max_tokens). A rerun skips the source documents they cover and
-    continues, byte-identical to an uninterrupted run; a larger --max_tokens extends a finished preparation."""
+    """The ledger meta.json's shards that a rerun keeps: a prefix of full, valid shards ending by --max_tokens (a
+    finished run's shorter last shard only with the same --max_tokens). The rerun skips the source rows they cover,
+    byte-identical to an uninterrupted run; a larger --max_tokens extends a finished preparation."""
     if not os.path.exists(meta_path):
         stray = [f for f in os.listdir(args.out_dir) if SHARD_RE.match(f)]
         if stray:
@@ -169,8 +163,7 @@ def reusable_shards(args, settings, meta_path):
 
 
 class ShardWriter:
-    """Fills the shards in order (val, then train, each of its planned size) and records every finished one in
-    the ledger with where in the source stream the next one starts."""
+    """Fills the shards in order, recording each in the ledger with where in the source the next one starts."""
 
     def __init__(self, args, meta, meta_path):
         self.args, self.meta, self.meta_path = args, meta, meta_path
@@ -181,21 +174,12 @@ class ShardWriter:
         self.buf, self.fill = np.empty(planned_size(self.args, self.index), dtype=np.uint16), 0
         self.skip = self.args.gap_tokens if self.index == 1 else 0  # the gap follows the validation shard
 
-    def drop(self, n):
-        """Skip up to n tokens of the gap between validation and training (in no split). Returns the count skipped."""
-        n = min(n, self.skip)
-        self.skip -= n
-        return n
-
     def add(self, toks, limit):
         """Copy as much of toks as fits the current shard and `limit` more tokens. Returns the count copied."""
         take = min(len(toks), len(self.buf) - self.fill, limit)
         self.buf[self.fill:self.fill + take] = toks[:take]
         self.fill += take
         return take
-
-    def full(self):
-        return self.fill == len(self.buf)
 
     def flush(self, next_doc, next_offset):
         args, start = self.args, DOC_START[self.args.tokenizer]
@@ -230,14 +214,15 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
             docs += 1
             pos = 0
             while pos < len(toks) and total != args.max_tokens:
-                if writer.skip:
-                    pos += writer.drop(len(toks) - pos)
+                if writer.skip:  # the gap between validation and training, in no split
+                    n = min(len(toks) - pos, writer.skip)
+                    pos, writer.skip = pos + n, writer.skip - n
                     continue
                 take = writer.add(toks[pos:], (args.max_tokens or np.inf) - total)
                 pos, total = pos + take, total + take
                 bar.update(take)
                 nxt = (row, pos) if pos < len(toks) else (row + 1, 0)  # where the stream continues
-                if writer.full():
+                if writer.fill == len(writer.buf):
                     writer.flush(*nxt)
             if docs % 1000 == 0:
                 bar.set_postfix(docs=f"{docs:,}", refresh=False)
@@ -268,10 +253,6 @@ def main(argv=None):
     meta = dict(settings=settings, tokenizer=args.tokenizer, vocab_size=VOCAB_SIZE[args.tokenizer],
                 eot=EOT[args.tokenizer], doc_start=DOC_START[args.tokenizer], complete=False, shards=shards)
     write_json(meta_path, meta)  # first, so that shards never exist without the ledger that vouches for them
-    for f in os.listdir(args.out_dir):  # leftovers of an interrupted write
-        if f.startswith(args.prefix + "_") and f.endswith(".bin.tmp"):
-            os.remove(os.path.join(args.out_dir, f))
-
     done = sum(e["tokens"] for e in shards)
     start_doc, start_offset = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     if shards:
@@ -282,8 +263,8 @@ def main(argv=None):
         raise DataError(f"the source has no text: no tokens were written ({source}); check the input and "
                         "--text_column")
     ours = {s["file"] for s in shards}
-    for f in os.listdir(args.out_dir):  # shards of an earlier, longer preparation that this one no longer reaches
-        if SHARD_RE.match(f) and f.startswith(args.prefix + "_") and f not in ours:
+    for f in os.listdir(args.out_dir):  # an interrupted write's leftovers, shards of a longer earlier preparation
+        if f.startswith(args.prefix + "_") and (f.endswith(".bin.tmp") or (SHARD_RE.match(f) and f not in ours)):
             os.remove(os.path.join(args.out_dir, f))
     dt = time.time() - t0
     new = total - done

@@ -2,14 +2,12 @@
 The positional priors of bam-gpt: the one place that says what a prior is. Open this file first to try your own.
 
 A prior is a log-prior B_h(d) over the signed distance d = j - i from query i to key j (d <= 0 under the causal
-mask), one curve per head h, added to the attention logits: softmax(q.k/sqrt(D) + B) is then the posterior over
-which key to read (the paper's reading of positional encodings). A Prior is registered under its name with
+mask), one curve per head h, added to the attention logits: softmax(q.k/sqrt(D) + B) is the posterior over which
+key to read. A Prior is registered under its name with
     fn(d, *params) -> (H, len(d)) float32   the log-prior; d a 1-D tensor of distances, params (H,) tensors
-    params, init(spec, H), trainable        per-head parameter names (the model's too), their initial values from
-                                            train.py's bam_init ("zero", "A,B", ...), the ones trained by default
-and, for figures and logs, optionally: formula, shape_param (the parameter that labels a head; default the first
-trainable) and highlight(*params) -> (H,) bool with its highlight_label (the heads figures draw thick).
-Shipped: ggd (the paper's, the default), alibi (fixed slopes) and cauchy (the worked example of adding one).
+    params, init(spec, H), trainable        per-head parameter names, their values for train.py's bam_init
+and optionally, for figures and logs: formula, shape_param (labels a head; default the first trainable) and
+highlight(*params) -> (H,) bool with its highlight_label. Shipped: ggd (the paper's), alibi and cauchy.
 """
 import math
 from dataclasses import dataclass
@@ -100,8 +98,7 @@ def ggd_mu(theta_mu):
 
 
 def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
-    """GGD-BAM (the paper, eq. for B): B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, the
-    log-density of a generalised Gaussian centred at mu with shape theta_beta (up to a constant softmax ignores):
+    """GGD-BAM: B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, a generalised Gaussian log-density:
     theta_beta = 1 is Laplace (ALiBi), 0 is uniform (NoPE), < 0 puts the mass *far* from the query."""
     d = d.float()[None, :]
     alpha, beta, mu_raw = _per_head(theta_alpha, theta_beta, theta_mu)
@@ -109,9 +106,8 @@ def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
 
 
 def ggd_init(spec, n_head):
-    """'zero' (the authors' default): theta_alpha = theta_beta = 0, a constant prior: BAM starts as NoPE. 'alibi'
-    starts at ALiBi, 'linear' spreads theta_beta over [0, 1] across heads, 'A,B' sets every head to theta_alpha=A,
-    theta_beta=B. theta_mu always starts at 0."""
+    """'zero' (the authors' default: a constant prior, BAM starts as NoPE), 'alibi', 'linear' (theta_beta spread
+    over [0, 1] across heads) or 'A,B' (theta_alpha=A, theta_beta=B for every head); theta_mu starts at 0."""
     if spec == "zero":
         alpha, beta = torch.zeros(n_head), torch.zeros(n_head)
     elif spec == "alibi":
@@ -132,8 +128,7 @@ GGD = register(Prior(
 
 # -------------------------------------------------------------------------------------------------------- ALiBi
 def alibi_slopes(n_head):
-    """ALiBi's fixed per-head slopes (Press et al.), including head counts that are not powers of two: the first
-    n - c slopes at even indices of the 2c-head sequence, as in the ALiBi reference code."""
+    """ALiBi's per-head slopes (Press et al.); n_head not a power of two as in the ALiBi reference code."""
     def power_of_2(n):
         return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]
     c = 2 ** int(math.floor(math.log2(n_head)))
@@ -152,16 +147,14 @@ ALIBI = register(Prior(name="alibi", fn=alibi_prior, params=("slope",), trainabl
 
 # ------------------------------------------------------------------------------------------------------- Cauchy
 def cauchy_prior(d, theta_a, theta_s):
-    """B_h(d) = -theta_a_h log(1 + (d / exp(theta_s_h))^2), a heavy-tailed learnable prior (README, "Try your own
-    prior"). theta_a = 1 is a Cauchy density of scale exp(theta_s), theta_a > 0 Student-t (theta_a = (nu + 1) / 2):
-    a power-law tail, -2 theta_a log|d|, not ALiBi's linear one. 0 is flat (NoPE), < 0 favours distant keys."""
+    """B_h(d) = -theta_a_h log(1 + (d / exp(theta_s_h))^2), heavy-tailed (README, "Try your own prior"): theta_a = 1
+    is Cauchy of scale exp(theta_s), > 0 Student-t (a power-law tail), 0 flat (NoPE), < 0 favours distant keys."""
     a, s = _per_head(theta_a, theta_s)
     return -a * torch.log1p((d.float()[None, :] / torch.exp(s)) ** 2)
 
 
 def cauchy_init(spec, n_head):
-    """'zero': theta_a = theta_s = 0, a flat prior (NoPE) that learns its shape, like GGD's 'zero'. 'A,S' sets
-    every head to theta_a=A, theta_s=S ('1,0' is the standard Cauchy prior -log(1 + d^2))."""
+    """'zero' (flat, NoPE, like GGD's) or 'A,S' (theta_a=A, theta_s=S for every head; '1,0' is standard Cauchy)."""
     if spec == "zero":
         return torch.zeros(n_head), torch.zeros(n_head)
     return _two_floats(spec, n_head, "A,S", "'zero'")

@@ -5,12 +5,11 @@ Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or ma
     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py     # one node, 8 GPUs (--nnodes=...)
     ... --resume=True                                                        # continue a run where it stopped
 
-Settings are the module-level variables below (the defaults are the paper's recipe), overridden by a config file
-and --key=value arguments (configurator.py). The run directory out_dir/ holds config.json (the resolved settings),
-env.json (versions, GPUs, git commit and command line of every launch), metrics.jsonl (one JSON object per logged
-step: train_loss, lr, grad_norm, tokens_per_s, ms_per_step, mfu on CUDA; val_loss and the learned prior at
-evaluations) and ckpt_{step:07d}.pt. "Step N" means "after N optimizer updates": ckpt_0000100.pt holds the model
-after update 100; the record of step 100 holds the training loss of update 100 and the val loss after it.
+Settings are the variables below (the paper's recipe), overridden by a config file and --key=value arguments
+(configurator.py). out_dir/ holds config.json (the resolved settings), env.json (versions, GPUs, git commit and
+command line of every launch), metrics.jsonl (a record per logged step: train_loss, lr, grad_norm, tokens_per_s,
+ms_per_step, mfu on CUDA; val_loss and the learned prior at evaluations) and ckpt_{step:07d}.pt. "Step N" is
+"after N optimizer updates": ckpt_0000100.pt and the record of step 100 hold the model after update 100.
 """
 import importlib.util
 import json
@@ -18,7 +17,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -94,7 +92,7 @@ MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_si
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, a checkpoint that does not fit, torch.compile failure, ...)."""
+    """The run cannot go on (non-finite loss, a checkpoint that does not fit, a torch.compile failure, ...)."""
 
 
 def get_lr(step, c):
@@ -116,21 +114,6 @@ def resolve_config(c, world_size):
     c = dict(c)
     if c["model_size"] in MODEL_SIZES:
         c["n_layer"], c["n_embd"], c["n_head"] = MODEL_SIZES[c["model_size"]]
-    errors = config_errors(c, world_size)
-    if not errors and c["tokens_per_step"] > 0:
-        c["gradient_accumulation_steps"] = c["tokens_per_step"] // (c["batch_size"] * c["block_size"])
-    if not errors:
-        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
-            GPTConfig(**model_args(c, vocab_size=1, tokenizer=""))
-        except ValueError as e:
-            errors.append(str(e))
-    if errors:
-        raise ConfigError("invalid settings: " + "; ".join(errors))
-    return c
-
-
-def config_errors(c, world_size):
-    """Every problem with the settings c, as a list of messages."""
     per_micro = c["batch_size"] * c["block_size"] * world_size
     checks = [
         (c["model_size"] not in ("", *MODEL_SIZES), f"model_size must be '' or one of {list(MODEL_SIZES)}, got "
@@ -155,38 +138,44 @@ def config_errors(c, world_size):
         (c["tokens_per_step"] == 0 and c["gradient_accumulation_steps"] % world_size,
          f"gradient_accumulation_steps={c['gradient_accumulation_steps']} is not divisible by the world size "
          f"{world_size} (it counts micro-batches over all processes)")]
-    return [msg for bad, msg in checks if bad]
+    errors = [msg for bad, msg in checks if bad]
+    if not errors and c["tokens_per_step"] > 0:
+        c["gradient_accumulation_steps"] = c["tokens_per_step"] // (c["batch_size"] * c["block_size"])
+    if not errors:
+        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
+            GPTConfig(**model_args(c, vocab_size=1, tokenizer=""))
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("invalid settings: " + "; ".join(errors))
+    return c
 
 
 def check_device(c, ddp):
     """The device, precision and attention impl the settings ask for, against the hardware (raises ConfigError)."""
-    if errors := device_errors(c, ddp):
-        raise ConfigError("invalid settings: " + "; ".join(errors))
-
-
-def device_errors(c, ddp):
+    def fail(msg):
+        raise ConfigError("invalid settings: " + msg)
     cuda = torch.cuda.is_available()
     if c["device"] == "auto" and not cuda and (ddp or (c["dtype"] == "bfloat16" and c["compile"])):
         # a GPU launch that finds no GPU is a mistake: stop rather than train a large model for days on the CPU
         why = "under torchrun" if ddp else "with the GPU recipe's dtype=bfloat16 and compile=True"
-        return [f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass --device=cpu (e.g. "
-                "python train.py <config> --device=cpu --compile=False --dtype=float32)"]
+        fail(f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass --device=cpu (e.g. "
+             "python train.py <config> --device=cpu --compile=False --dtype=float32)")
     try:
         device = torch.device(c["device"] if c["device"] != "auto" else "cuda" if cuda else "cpu")
     except RuntimeError as e:
-        return [f"device={c['device']!r} is not a device torch knows ({e})"]
+        fail(f"device={c['device']!r} is not a device torch knows ({e})")
     if device.type == "cuda" and not cuda:
-        return [f"device={c['device']!r} but no CUDA GPU is available; use --device=cpu"]
+        fail(f"device={c['device']!r} but no CUDA GPU is available; use --device=cpu")
     if device.type == "cpu" and c["dtype"] == "float16":
-        return ["dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU use bfloat16 or float32"]
+        fail("dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU use bfloat16 or float32")
     prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
-    error = impl_error(c["attn_impl"], PRIORS.get(prior), device, grad=True)
-    return [f"attn_impl={c['attn_impl']!r}: {error}"] if error else []
+    if error := impl_error(c["attn_impl"], PRIORS.get(prior), device, grad=True):
+        fail(f"attn_impl={c['attn_impl']!r}: {error}")
 
 
 def open_data(c, rank, world_size, tokens_per_update, log):
-    """The train and val loaders and the validation batches per evaluation; c's tokenizer, vocab_size and
-    world_size come from the data. A run that would read its training data twice is refused."""
+    """(train loader, val loader, val batches per evaluation); c's tokenizer, vocab_size, world_size are set."""
     try:
         train_loader = TokenLoader(c["data_dir"], "train", c["block_size"], c["batch_size"], rank, world_size)
         val_loader = TokenLoader(c["data_dir"], "val", c["block_size"], c["batch_size"], tokenizer=train_loader.tokenizer)
@@ -216,8 +205,7 @@ def check_data_budget(c, train_windows, tokens_per_update):
 
 # ---- Setup -----------------------------------------------------------------------------------------------
 def setup_device(c, ddp, local_rank, log):
-    """Resolve c["device"] (torchrun: one GPU per process) and start the process group. Where the hardware cannot
-    do what c asks (a GPU without bfloat16, torch.compile on a CPU without a C++ compiler), fall back and say so."""
+    """Resolve c["device"] (torchrun: a GPU per process), start the process group; no bfloat16 GPU: float16."""
     c["device"] = c["device"] if c["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if ddp and c["device"].startswith("cuda"):
         c["device"] = f"cuda:{local_rank}"
@@ -228,9 +216,6 @@ def setup_device(c, ddp, local_rank, log):
         if c["dtype"] == "bfloat16" and not torch.cuda.is_bf16_supported():
             log("warning: this GPU has no bfloat16; using float16 with a GradScaler")
             c["dtype"] = "float16"
-    if c["compile"] and device.type == "cpu" and not any(map(shutil.which, (os.environ.get("CXX", "g++"), "c++"))):
-        log("warning: compile=True but no C++ compiler was found for torch.compile on CPU; running uncompiled")
-        c["compile"] = False
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return device
@@ -248,8 +233,7 @@ def check_run_dir(out_dir, resuming):
 
 
 def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
-    """Load model, optimizer, scaler and this process's RNG from a checkpoint; hyperparameters stay those of c.
-    Returns (step, checkpoint path, val_loss)."""
+    """(step, path, val_loss) of a checkpoint whose model, optimizer, scaler and RNG are loaded (settings: c's)."""
     ckpt = load_checkpoint(path, map_location="cpu")
     try:
         load_state(raw_model, ckpt)
@@ -303,8 +287,7 @@ def environment(argv, world_size):
 
 
 def write_run_files(c, tokens_per_update, argv, start_step):
-    """config.json, env.json (this launch, and the earlier launches of a resumed run) and metrics.jsonl cut back
-    to start_step (records after it were lost with the crash). Returns the metrics path."""
+    """config.json, env.json (with a resumed run's earlier launches) and metrics.jsonl cut back to start_step."""
     os.makedirs(c["out_dir"], exist_ok=True)
     env_path, metrics_path = (os.path.join(c["out_dir"], f) for f in ("env.json", "metrics.jsonl"))
     earlier, kept = [], []
@@ -345,8 +328,7 @@ def metrics_writer(c, path):
 
 # ---- The loop --------------------------------------------------------------------------------------------
 def train_step(model, raw_model, optimizer, scaler, loader, ctx, step, accum, lr, c, last_ckpt):
-    """Optimizer update step + 1 at learning rate lr (each group scaled by its own base_lr), over `accum`
-    micro-batches per process. Returns (mean train loss, grad norm)."""
+    """(mean train loss, grad norm) of update step + 1 at lr (scaled per group by base_lr), `accum` micro-batches."""
     for g in optimizer.param_groups:
         g["lr"] = g["base_lr"] * lr / c["learning_rate"]
     device = next(raw_model.parameters()).device
@@ -401,8 +383,8 @@ def evaluate(raw_model, loader, eval_iters, ctx):
 
 
 def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
-    """Add the validation loss and (bam) the learned prior to `record`: its shape parameter per layer as [min,
-    median, max] and how many heads its highlight rule picks (ggd: theta_beta < 0). Prints them, returns the loss."""
+    """Add to `record` and print the val loss and (bam) the prior's shape parameter per layer as [min, median,
+    max] and the heads its highlight rule picks (ggd: theta_beta < 0). Returns the loss."""
     record["val_loss"] = val_loss = evaluate(raw_model, loader, eval_iters, ctx)
     msg = f"step {step}: val loss {val_loss:.4f}"
     prior_def = raw_model.blocks[0].attn.prior_def
@@ -420,8 +402,7 @@ def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
 
 
 def progress_record(step, train_loss, lr, grad_norm, dt, tokens_per_update, flops, c, log):
-    """The metrics record of a logged step (dt: seconds per step), printed as one line. flops: (model FLOPs per
-    step, peak FLOP/s of all processes) for MFU, or None where the GPU's peak is unknown."""
+    """The metrics record of a logged step (dt: seconds per step), printed; flops: (FLOPs per step, peak) or None."""
     record = dict(step=step, train_loss=train_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_update / dt,
                   ms_per_step=1000 * dt)
     if flops:
@@ -434,8 +415,7 @@ def progress_record(step, train_loss, lr, grad_norm, dt, tokens_per_update, flop
 
 
 def save(step, raw_model, optimizer, scaler, c, val_loss, tokens_per_update, master):
-    """Write ckpt_<step>.pt (rank 0, with every process's RNG state) and delete all but the newest keep_last.
-    Returns its path."""
+    """Write ckpt_<step>.pt (rank 0, every process's RNG state), keep the newest keep_last; returns its path."""
     own = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
     rng = [own]
     if dist.is_initialized():

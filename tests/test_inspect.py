@@ -91,7 +91,7 @@ def test_forced_heads_measure_the_closed_form(enc):
     model = forced_model()
     run = dict(label="forced", model=model, block_size=32)
     rows, _ = ia.inspect_length(run, enc, DEMO, 96, 3, 1234, "cpu", "float32")
-    prompts = ep.make_samples(enc, DEMO, 96, 3, "equidistant", 1234)
+    prompts = ep.make_samples(enc, DEMO, 96, 3, 1234)
     expected = [expected_forced(p + a[:info["n_given"]]) for p, a, info in prompts]
     assert {info["k"] for _, _, info in prompts} == {0, ep.filler_units(enc, DEMO, 96) // 2,
                                                      ep.filler_units(enc, DEMO, 96)}  # needle at 0%, 50%, 100%

@@ -329,7 +329,7 @@ def test_kv_cache_decoding_equals_full_forward(pe, ssmax):
     idx = torch.randint(0, 257, (1, 21))
     with torch.no_grad():
         full, _ = model(idx)
-        cache = KVCache(model.config.n_layer)
+        cache = KVCache(model.config.n_layer, 21)
         steps = [model(idx[:, :13], kv_cache=cache)[0]]  # prefill, then one token at a time
         steps += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(13, 21)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -366,7 +366,7 @@ def test_logits_at_and_per_token_loss():
 # Sizes, parameter counts, checkpoints, inspection
 # ---------------------------------------------------------------------------------------------------------
 def test_l12_parameter_count_matches_closed_form():
-    cfg = GPTConfig.from_size("l12", vocab_size=50257, pos_encoding="bam", ssmax=True)
+    cfg = GPTConfig(**dict(zip(("n_layer", "n_embd", "n_head"), MODEL_SIZES["l12"])), vocab_size=50257)
     with torch.device("meta"):
         model = GPT(cfg)
     V, D, L = 50304, 768, 12  # gpt2's 50257 padded to a multiple of 64
@@ -437,8 +437,6 @@ def test_bad_config_values_fail_clearly():
         tiny("xpos")
     with pytest.raises(ValueError, match="bam_init must be"):
         tiny("bam", bam_init="nonsense")
-    with pytest.raises(ValueError, match="unknown model_size"):
-        GPTConfig.from_size("l7")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -117,25 +117,18 @@ def test_prompt_too_short_is_an_error(enc):
         ep.build_prompt(enc, PAPER, 1000, 1234, 0)
 
 
-def test_depth_indices():
-    rng = np.random.default_rng(0)
-    assert ep.depth_indices(10, 5, "equidistant", rng) == [0, 2, 5, 7, 10]  # linspace(0, N, s).long()
-    assert ep.depth_indices(7, 3, "beginning", rng) == [0, 0, 0]
-    assert ep.depth_indices(7, 3, "end", rng) == [7, 7, 7]
-    r = ep.depth_indices(7, 50, "random", rng)
-    assert min(r) >= 0 and max(r) <= 7 and len(set(r)) > 1
-
-
 def test_samples_are_seeded_and_per_length(enc):
-    a = ep.make_samples(enc, PAPER, 2000, 8, "equidistant", seed=5)
-    b = ep.make_samples(enc, PAPER, 2000, 8, "equidistant", seed=5)
-    c = ep.make_samples(enc, PAPER, 2000, 8, "equidistant", seed=6)
+    a = ep.make_samples(enc, PAPER, 2000, 8, seed=5)
+    b = ep.make_samples(enc, PAPER, 2000, 8, seed=5)
+    c = ep.make_samples(enc, PAPER, 2000, 8, seed=6)
     assert [x[0] for x in a] == [x[0] for x in b]
     keys = [x[2]["key"] for x in a]
     assert keys != [x[2]["key"] for x in c]
     assert all(10_000 <= k <= 99_999 for k in keys) and len(set(keys)) > 1
     depths = [x[2]["depth"] for x in a]
     assert depths[0] == 0.0 and depths[-1] == 1.0 and depths == sorted(depths)
+    n = ep.filler_units(enc, PAPER, 2000)  # k = linspace(0, N, samples).long(), as the authors
+    assert [x[2]["k"] for x in a] == torch.linspace(0, n, 8).long().tolist()
     # the same (seed, length) gives the same prompts whatever else is evaluated
     assert [x[2]["key"] for x in ep.make_samples(enc, PAPER, 2000, 8, seed=5)] == keys
 
@@ -301,7 +294,7 @@ def test_end_to_end_accuracy_with_an_oracle(tmp_path, ckpts, monkeypatch):
     oracle_forward.samples = 0
     monkeypatch.setattr(model_mod.GPT, "forward", oracle_forward)
     out = tmp_path / "res"
-    res = run_main(out, ckpts[:1], "--lengths", "400", "900", "--samples", "10", "--depths", "random")
+    res = run_main(out, ckpts[:1], "--lengths", "400", "900", "--samples", "10")
     recs = read_jsonl(out / "passkey_samples.jsonl")
     assert oracle_forward.samples == 20 and len(recs) == 20
     for r in recs:
@@ -420,13 +413,12 @@ def test_batched_equals_one_by_one(tmp_path, ckpts):
 
 
 def test_lengths_that_cannot_run_are_skipped(tmp_path, ckpts, monkeypatch, capsys):
-    real = eval_common.fits_in_memory
+    real = eval_common.memory_shortfall
 
-    def fake_fits(model, length, device, fraction=0.9, batch=1, kv_cache=False):
-        ok, need, free = real(model, length, device, fraction, batch, kv_cache)
-        return (length * batch < 1000, need, free)
+    def fake_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False):
+        return None if length * batch < 1000 else real(model, length, device, fraction=0.0)
 
-    monkeypatch.setattr(eval_common, "fits_in_memory", fake_fits)
+    monkeypatch.setattr(eval_common, "memory_shortfall", fake_shortfall)
     res = run_main(tmp_path / "res", ckpts[:1], "--lengths", "100", "500", "2000", "--samples", "2")
     err = capsys.readouterr().err
     assert "skipping length 100" in err and "shorter than the prompt" in err

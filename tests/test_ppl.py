@@ -230,7 +230,7 @@ def test_fewer_sequences_than_asked_and_none_at_all(setup, capsys):
 
 
 def test_memory_check_skips_before_starting(setup, monkeypatch):
-    monkeypatch.setattr(eval_ppl, "fits_in_memory", lambda *a, **k: (False, 10**12, 10**9))
+    monkeypatch.setattr(eval_ppl, "memory_shortfall", lambda *a, **k: "needs ~931 GiB, more than 90% of the 1 GiB")
     monkeypatch.setattr(eval_ppl, "full_token_losses", lambda *a: pytest.fail("should not run"))
     rows = eval_ppl.main(argv(setup))
     assert [r["scope"] for r in rows] == ["skipped"] and "needs" in rows[0]["note"]

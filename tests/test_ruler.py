@@ -11,13 +11,12 @@ import uuid
 from collections import Counter
 
 import pytest
-import tiktoken
 import torch
 
 import eval_ruler as R
 from eval_common import EvalError
 import model as model_mod
-from data import get_tokenizer, tiktoken_tokenizer, write_shard
+from data import get_tokenizer, write_shard
 from model import GPT, GPTConfig, save_checkpoint
 
 ENC = get_tokenizer("byte")
@@ -205,7 +204,7 @@ def test_essay_context_with_empty_sentence_runs():
 
 def test_keys_are_distinct_and_distractors_avoid_them(monkeypatch):
     """With a small word list a distractor could repeat the queried key; keys are redrawn until they differ."""
-    monkeypatch.setattr(R, "_WORDS", ["red-fox", "tall-tree", "cold-lake", "odd-cat", "big-owl"])
+    monkeypatch.setattr(R, "words", lambda: ["red-fox", "tall-tree", "cold-lake", "odd-cat", "big-owl"])
     for seed in range(5):
         s = R.build_input("niah_multikey_2", 60, random.Random(seed))
         lines = s["input_text"].split("\n")[1:-1]
@@ -268,51 +267,20 @@ def test_fit_is_the_largest_that_fits():
     """niah_single_1 with bytes: keys vary by < one noise line (90 bytes) in the three places they appear, so
     any sample two lines above the fitted size overflows, and every sample fits at the fitted size or below."""
     for L in (900, 2000, 5000):
-        counter = R.TokenCounter(ENC)
-        fit = R.fit_haystack("niah_single_1", L, counter)
+        fit = R.fit_haystack("niah_single_1", L, ENC)
         n = fit["num_haystack"]
         for seed in range(5):
             over = R.build_input("niah_single_1", n + 2, random.Random(seed))
-            assert counter.count(over["input_text"]) > R.input_budget(L)
-            s = R.generate_sample("niah_single_1", L, ENC, seed=seed, fit=fit, counter=counter)
+            assert len(ENC.encode_ordinary(over["input_text"])) + 1 + R.TOKENS_TO_GENERATE > L
+            s = R.generate_sample("niah_single_1", L, ENC, seed=seed, fit=fit)
             assert s["input_tokens"] + 128 <= L and s["num_haystack"] >= n - fit["step"]
     assert R.haystack_step("niah_single_1", 4095) == 5 and R.haystack_step("niah_multikey_2", 4096) == 25
     assert R.haystack_step("niah_single_2", 4096) == 500
 
 
 def test_too_short_lengths_are_refused():
-    fit = R.fit_haystack("niah_multiquery", 400, R.TokenCounter(ENC), ESSAY)
+    fit = R.fit_haystack("niah_multiquery", 400, ENC, ESSAY)
     assert fit["num_haystack"] is None and fit["prompt_tokens_at_min"] > 400 - 128
-    with pytest.raises(ValueError):
-        R.generate_sample("niah_multiquery", 400, ENC, ESSAY)
-
-
-def gpt2_like_encoding():
-    """A tiktoken encoding with GPT-2's pre-tokenizer and merges learned crudely from prompt text (frequent
-    substrings, including space- and newline-led ones), to check that counting piece by piece is exact when the
-    pre-tokenizer splits before spaces and newlines, as gpt2's does."""
-    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    sample = R.build_input("niah_multikey_1", 300, random.Random(0), ESSAY)["input_text"] + "\n\n \n" + R.NOISE
-    grams = Counter(sample[i:i + n] for n in (2, 3, 4, 5) for i in range(len(sample) - n))
-    ranks = {bytes([i]): i for i in range(256)}
-    for g, _ in grams.most_common(600):
-        b = g.encode()
-        if b not in ranks:
-            ranks[b] = len(ranks)
-    return tiktoken_tokenizer(tiktoken.Encoding("gpt2like", pat_str=pat, mergeable_ranks=ranks,
-                                                special_tokens={"<|endoftext|>": len(ranks)}), len(ranks))
-
-
-@pytest.mark.parametrize("enc_name", ["byte", "gpt2like", "mistral"])
-def test_piece_counts_equal_full_tokenization(enc_name):
-    enc = gpt2_like_encoding() if enc_name == "gpt2like" else get_tokenizer(enc_name)
-    counter = R.TokenCounter(enc)
-    for task in R.TASKS:
-        for n in (R.min_haystack(task), 7, 60, 400):
-            for seed in range(3):
-                s = R.build_input(task, n, random.Random(seed), ESSAY)
-                assert "".join(s["pieces"]) == s["input_text"]
-                assert counter.count_pieces(s["pieces"]) == counter.count(s["input_text"]), (task, n, seed)
 
 
 # ---- sentences ------------------------------------------------------------------------------------------
