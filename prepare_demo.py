@@ -1,37 +1,20 @@
 """
-The CPU demo's data: a synthetic passkey-retrieval corpus in the repo's shard format (data.write_shard).
-
-    python prepare_demo.py [--out_dir data/demo] [--seed 0] [--block_size 64] [--train_windows 65536]
-                           [--val_windows 512] [--min_doc_len 24] [--docs_per_window 0.5,0.3,0.2]
-
-Every document is one passkey prompt written with the byte tokenizer and the "demo" template of data.py
-(the one home of the passkey templates, which eval_passkey.py reads too), so that the model is evaluated on
-exactly the format it was trained on:
+The CPU demo's data: a synthetic passkey corpus in the repo's shard format, one passkey prompt per document
+(byte tokenizer, the "demo" template of data.py, so that the model is evaluated on exactly what it was trained on):
 
     <|endoftext|> task  filler...  needle("#12345")  filler...  question("?")  " 12345"
 
-- filler: a random walk over 20 letters on a fixed sparse graph (CHAIN below: each letter has three possible
-  successors, taken with probabilities 0.6 / 0.3 / 0.1, about 0.9 nats per letter). Training documents use fresh
-  walks; the evaluation template repeats one fixed closed walk of that graph, so its filler is a valid walk too
-  (tests/test_demo.py checks this).
-- needle: at a uniformly random letter position of the filler; the key is uniform over the 5-digit numbers.
-- the answer " <key>" ends the document, so next-token prediction on it is the retrieval task.
+The filler is a random walk on a fixed sparse graph over 20 letters (CHAIN; about 0.9 nats per letter), the needle
+sits at a uniformly random depth, and the key is uniform over the 5-digit numbers. The stream is cut into windows of
+block_size tokens as TokenLoader reads them, each holding one or more whole documents of varying length: SSMax's n
+restarts in every document, so the question is seen at many n (with --docs_per_window 1, BAM+SSMax did not
+extrapolate: results/demo/README.md). The data is a pure function of the arguments.
 
-The stream is cut the way TokenLoader reads it: windows of block_size tokens at stride block_size, each holding
-whole documents (one, or several shorter ones whose lengths sum to block_size, each at least min_doc_len), so a
-training row always starts with an end-of-text token and never cuts a needle from its question. Documents of
-varying length matter: SSMax's n restarts in every document, so the question is seen at many values of n, not
-only near n = block_size. (With --docs_per_window 1 and config/demo_cpu.py otherwise unchanged, BAM+SSMax scored
-0.00 / 0.00 at 4x the training length on seeds 1 / 2, against 1.00 / 0.95 with the default mix.) Use the same
-block_size here and in train.py (config/demo_cpu.py). The data is a pure function of the arguments: the same seed
-writes the same bytes.
-
-Outputs: {out_dir}/demo_val_000000.bin and {out_dir}/demo_train_000001.bin, plus demo_meta.json (the settings).
+    python prepare_demo.py --seed 1 --out_dir data/demo/s1
 """
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -169,26 +152,20 @@ def build_parser():
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.train_windows < 1 or args.val_windows < 1:
-        ap.error("--train_windows and --val_windows must be positive")
-    if args.seed < 0:
-        ap.error("--seed must be >= 0")
     try:
         docs_per_window = [float(x) for x in args.docs_per_window.split(",")]
     except ValueError:
         ap.error(f"--docs_per_window takes comma-separated probabilities, got {args.docs_per_window!r}")
-    if min(docs_per_window) < 0 or sum(docs_per_window) <= 0:
-        ap.error("--docs_per_window needs non-negative probabilities with a positive sum")
-    t, _ = template()
-    if not is_walk(t["filler"], closed=True):
-        sys.exit(f"prepare_demo.py: error: data.PASSKEY_TEMPLATES[{TEMPLATE!r}]['filler'] = {t['filler']!r} "
-                 "is not a closed walk of prepare_demo.CHAIN; the evaluation filler would be out of the training "
-                 "distribution")
     shortest = min_document_length()
-    if args.min_doc_len < shortest + 1:
-        ap.error(f"--min_doc_len must be at least {shortest + 1} (the template's pieces take {shortest} tokens)")
-    if args.block_size < args.min_doc_len:
-        ap.error(f"--block_size {args.block_size} is shorter than --min_doc_len {args.min_doc_len}")
+    for bad, why in ((min(args.train_windows, args.val_windows) < 1, "--train_windows and --val_windows must be >= 1"),
+                     (args.seed < 0, "--seed must be >= 0"),
+                     (min(docs_per_window) < 0 or sum(docs_per_window) <= 0,
+                      "--docs_per_window needs non-negative probabilities with a positive sum"),
+                     (args.min_doc_len <= shortest, f"--min_doc_len must be > {shortest} (the template's pieces)"),
+                     (args.block_size < args.min_doc_len, "--block_size must be at least --min_doc_len")):
+        if bad:
+            ap.error(why)
+    t, _ = template()
     os.makedirs(args.out_dir, exist_ok=True)
     enc = get_tokenizer(TOKENIZER)
     written = {}
