@@ -4,8 +4,9 @@ Which heads read the passkey needle, and how far each head looks, on eval_passke
     python inspect_attention.py --ckpt out/demo/bam_ssmax-s1 [--ckpt out/demo/alibi-s1 ...] --template demo
         --length 4096 [--lengths 64 256 1024 4096] [--samples 20] [--out results/inspect]
 
-Per checkpoint, length, layer and head, at the query that predicts the first answer digit, means over the prompts:
-needle_mass (attention on the key's tokens), mean_distance (sum_j p_j (i - j)) and entropy (nats), beside the head's
+Per checkpoint, length, layer and head, at the query that predicts the first answer digit (--digit K: the K-th,
+the earlier ones given), means over the prompts: needle_mass (attention on the key's tokens), digit_mass (on the
+needle digit that the answer digit copies), mean_distance (sum_j p_j (i - j)) and entropy (nats), beside the head's
 prior. Writes to --out: attention_heads.{json,csv,png}, attention_summary.json (per checkpoint its top heads and
 those with needle mass >= 0.5 at --length, its best head at every length), attention_needle_vs_length.png.
 """
@@ -98,20 +99,28 @@ def head_priors(model):
 
 
 # ---- Measuring every head of a checkpoint at one length --------------------------------------------------------
-def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar=None):
-    """Rows (one per layer x head, means over the samples) and the first-answer-token accuracy at one length."""
+def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar=None, digit=1):
+    """Rows (one per layer x head, means over the samples) and the accuracy of answer digit `digit` at one length,
+    at the query that predicts it (the earlier digits given, as eval_passkey.py scores them)."""
     model = run["model"]
     sums, n_correct = None, 0
     for prompt, answer, info in ep.make_samples(enc, template, length, samples, seed):
-        n_given = info["n_given"]
-        tokens = prompt + answer[:n_given]  # the given whitespace answer token is read, then a digit is predicted
+        n_given = info["n_given"] + digit - 1
+        tokens = prompt + answer[:n_given]  # the given answer tokens are read, then digit `digit` is predicted
         i = len(tokens) - 1
         keys = key_positions(enc, prompt, info)
+        if digit > 1 and len(keys) != template["digits"]:
+            raise ValueError(f"--digit {digit} needs one token per key digit; this tokenizer merges digits")
         idx = torch.tensor([tokens], dtype=torch.long, device=device)
         with autocast(device, dtype):
             probs, logits = answer_row_probs(model, idx)
         n_correct += int(logits[0, :model.config.vocab_size].argmax()) == answer[n_given]
         m = torch.stack(row_metrics(probs[:, 0], i, keys), -1).cpu()  # (n_layer, H, 3)
+        if len(keys) == template["digits"]:  # the mass on the needle's digit that this answer digit copies
+            copy = probs[:, 0, :, keys[digit - 1]].double().cpu()[..., None]
+        else:
+            copy = torch.full(m.shape[:2] + (1,), float("nan"), dtype=torch.float64)
+        m = torch.cat([m, copy], -1)
         extra = torch.tensor([len(tokens), i - float(np.mean(keys)), len(keys) / (i + 1)], dtype=torch.float64)
         sums = (m, extra) if sums is None else (sums[0] + m, sums[1] + extra)
         if bar is not None:
@@ -120,7 +129,8 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
     priors = head_priors(model)
     return [dict(label=run["label"], pos_encoding=model.config.pos_encoding, ssmax=model.config.ssmax,
                  train_length=run["block_size"], target_length=length, length=round(float(extra[0]), 1),
-                 samples=samples, layer=layer, head=h, needle_mass=float(m[layer, h, 0]),
+                 samples=samples, digit=digit, layer=layer, head=h, needle_mass=float(m[layer, h, 0]),
+                 digit_mass=float(m[layer, h, 3]),
                  mean_distance=float(m[layer, h, 1]), needle_distance=float(extra[1]), entropy=float(m[layer, h, 2]),
                  uniform_mass=float(extra[2]), **(priors[layer][h] if layer in priors else {}))
             for layer in range(m.shape[0]) for h in range(m.shape[1])], n_correct / samples
@@ -221,6 +231,8 @@ def build_parser():
     ap.add_argument("--lengths", type=int, nargs="+", help="prompt lengths of the needle-vs-length curve "
                                                            "(default: training length x 1, 2, 4, ... up to --length)")
     ap.add_argument("--samples", type=int, default=ep.DEFAULT_SAMPLES, help="prompts per length (equidistant depths)")
+    ap.add_argument("--digit", type=int, default=1, help="inspect the query that predicts this answer digit "
+                    "(1 = the first; digit_mass is the attention on the needle digit it copies)")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
     return ap
 
@@ -241,6 +253,8 @@ def choose_lengths(args, runs, enc, template):
 def run(args):
     if args.samples < 1:
         raise ValueError("--samples must be positive")
+    if not 1 <= args.digit <= ep.TEMPLATES[args.template]["digits"]:
+        raise ValueError(f"--digit must be between 1 and the template's {ep.TEMPLATES[args.template]['digits']} digits")
     t0 = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, args.dtype)
@@ -258,7 +272,7 @@ def run(args):
         for L in lengths:
             bar.set_description(f"inspect {r['label']} L={L}")
             cell, accuracy[(r["label"], L)] = inspect_length(r, enc, template, L, args.samples, args.seed,
-                                                             device, dtype, bar)
+                                                             device, dtype, bar, args.digit)
             rows += cell
     bar.close()
     summary = summarize(rows, accuracy, runs, lengths, length)
@@ -268,8 +282,8 @@ def run(args):
     plot_heads(rows, runs, length, figures[0])
     plot_needle_vs_length(summary, figures[1])
     settings = dict(template=args.template, template_hash=ep.template_hash(template), seed=args.seed,
-                    samples=args.samples, depths="equidistant", length=length, lengths=lengths, dtype=dtype,
-                    device=str(device), tokenizer=runs[0]["tokenizer"])
+                    samples=args.samples, digit=args.digit, depths="equidistant", length=length, lengths=lengths,
+                    dtype=dtype, device=str(device), tokenizer=runs[0]["tokenizer"])
     with open(os.path.join(args.out, "attention_summary.json"), "w") as f:
         json.dump(dict(settings=settings, checkpoints=summary, wall_seconds=round(time.perf_counter() - t0, 2),
                        figures=[os.path.basename(p) for p in figures]), f, indent=1)

@@ -147,6 +147,26 @@ def ckpts(tmp_path_factory):
     return paths
 
 
+@pytest.mark.parametrize("digit", [1, 3])
+def test_digit_mass_is_the_attention_on_the_needle_digit_to_copy(enc, digit):
+    """--digit K: the query that predicts answer digit K (digits 1 .. K-1 given); digit_mass is its attention on
+    the needle's K-th digit. forced_model's head 0 has a content score only at the space (digit 1's query)."""
+    run = dict(label="forced", model=forced_model(), block_size=32)
+    rows, _ = ia.inspect_length(run, enc, DEMO, 96, 3, 1234, "cpu", "float32", digit=digit)
+    expected = [[], []]
+    for p, a, info in ep.make_samples(enc, DEMO, 96, 3, 1234):
+        tokens = p + a[:info["n_given"] + digit - 1]
+        n = len(tokens)
+        d = n - 1 - np.arange(n, dtype=np.float64)
+        content = 1.5 * math.log(n) * np.array([t in DIGITS for t in tokens]) * (tokens[-1] == ord(" "))
+        for h, logp in enumerate((content, -math.log(n) * d)):
+            q = np.exp(logp - logp.max())
+            expected[h].append(q[ia.key_positions(enc, p, info)[digit - 1]] / q.sum())
+    for h in (0, 1):
+        assert rows[h]["digit"] == digit
+        assert rows[h]["digit_mass"] == pytest.approx(np.mean(expected[h]), rel=1e-4, abs=1e-9)
+
+
 def test_end_to_end(tmp_path, ckpts, capsys):
     out = tmp_path / "inspect"
     argv = [a for c in ckpts for a in ("--ckpt", c)] + ["--template", "demo", "--length", "128", "--samples", "2",
