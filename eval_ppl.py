@@ -1,13 +1,12 @@
 """
 Perplexity along the position axis (the paper's protocol): where a model stops extrapolating.
 
-    python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 [--mode full sliding] [--window 1024]
+    python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 [--window 1024]
         [--data val | hf:wikimedia/wikipedia:20231101.en] [--num_seqs 64]
 
-Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the whole sequence
-(full, the paper's) or from strided windows of the training length (sliding); the curve pools each --window
-positions over all sequences, ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per checkpoint x mode x
-sequence; a rerun resumes it), ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png.
+Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the whole sequence; the
+curve pools each --window positions over all sequences, ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per
+checkpoint x sequence; a rerun resumes it), ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png.
 """
 import argparse
 import hashlib
@@ -25,81 +24,48 @@ from eval_common import (EvalError, ResultLog, add_common_args, identity, load_r
                          run_script, training_data_dir, write_table)
 from model import autocast
 
-MODES = ("full", "sliding")
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
 
 
 # ---- Scoring: per-target cross-entropy of one sequence ---------------------------------------------------------
 @torch.no_grad()
 def full_token_losses(model, seq):
-    """Full mode: the CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,) fp32."""
+    """The CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,) fp32."""
     seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
 
-def sliding_windows(n, window, stride):
-    """The Hugging Face perplexity guide's strided windows over n targets: (begin, end, score_from) per window, a
-    fresh forward over x[begin:end] scoring targets [score_from, end): each target once, with >= W - S + 1 context."""
-    out, prev_end, begin = [], 0, 0
-    while True:
-        end = min(begin + window, n)
-        out.append((begin, end, prev_end))
-        if end == n:
-            return out
-        prev_end, begin = end, begin + stride
-
-
-@torch.no_grad()
-def sliding_losses(model, seq, window, stride, batch_size=16):
-    """Sliding mode: each target's CE in its sliding_windows() window, batch_size windows a forward; (seq_len,) fp32."""
-    seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
-    x, y = seq[:-1], seq[1:]
-    out = torch.empty(x.numel(), dtype=torch.float32)
-    wins = sliding_windows(x.numel(), window, stride)
-    full = [w for w in wins if w[1] - w[0] == window]
-    groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
-    groups += [[w] for w in wins if w[1] - w[0] != window]  # only the last window can be shorter
-    for group in groups:
-        _, losses = model(torch.stack([x[b:e] for b, e, _ in group]), torch.stack([y[b:e] for b, e, _ in group]),
-                          reduction="none")
-        for row, (b, e, s) in zip(losses.float().cpu(), group):
-            out[s:e] = row[s - b:]
-    return out
-
-
 def window_sums(losses, window):
     """(window_ends, loss_sums in float64, counts) of the losses in windows of `window` positions."""
-    losses = torch.as_tensor(losses).double()
-    starts = range(0, losses.numel(), window)
-    chunks = [losses[a:a + window] for a in starts]
+    chunks = torch.as_tensor(losses).double().split(window)
     counts = [c.numel() for c in chunks]
-    return [a + n for a, n in zip(starts, counts)], [float(c.sum()) for c in chunks], counts
+    return np.cumsum(counts).tolist(), [float(c.sum()) for c in chunks], counts
 
 
 # ---- Data ------------------------------------------------------------------------------------------------------
 def val_sequences(data_dir, tokenizer_name, seq_len):
-    """(rows (N, seq_len + 1), description, notes) from the validation split's first VAL_TOKENS tokens, document
+    """(rows (N, seq_len + 1), description) from the validation split's first VAL_TOKENS tokens, document
     tokens removed so that documents run together with no document mask, as the authors did on FineWeb."""
     available = sum(len(open_shard(p, tokenizer_name)) for p in shard_paths(data_dir, "val"))
-    notes = [] if available >= VAL_TOKENS else [
-        f"the validation split in {data_dir} holds {available} tokens, fewer than the {VAL_TOKENS} of the "
-        "protocol; using all of them"]
+    if available < VAL_TOKENS:
+        print(f"note: the validation split in {data_dir} holds {available} tokens, fewer than the {VAL_TOKENS} of "
+              "the protocol; using all of them")
     tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, available))
     tokens = tokens[~np.isin(tokens, [t for t in (DOC_START[tokenizer_name], DOC_END[tokenizer_name]) if t])]
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
         raise EvalError(f"{len(tokens)} validation tokens in {data_dir} do not make one sequence of seq_len + 1 = "
                         f"{seq_len + 1} tokens; use a smaller --seq_len or more validation data")
-    desc = f"val:{os.path.abspath(data_dir)}:no_eot"
-    return tokens[:rows * (seq_len + 1)].reshape(rows, seq_len + 1), desc, notes
+    return tokens[:rows * (seq_len + 1)].reshape(rows, seq_len + 1), f"val:{os.path.abspath(data_dir)}:no_eot"
 
 
 def parse_hf(spec):
     """'hf:NAME[:CONFIG]' -> (NAME, CONFIG or None)."""
     parts = spec[len("hf:"):].split(":")
-    if not parts[0] or len(parts) > 2:
-        raise EvalError(f"--data {spec!r}: expected hf:NAME or hf:NAME:CONFIG, e.g. hf:wikimedia/wikipedia:20231101.en")
+    if not spec.startswith("hf:") or not parts[0] or len(parts) > 2:
+        raise EvalError(f"--data {spec!r}: expected val, hf:NAME or hf:NAME:CONFIG (e.g. "
+                        "hf:wikimedia/wikipedia:20231101.en)")
     return parts[0], (parts[1] if len(parts) == 2 and parts[1] else None)
 
 
@@ -118,8 +84,7 @@ def hf_texts(name, config):
     if "text" not in first:
         raise EvalError(f"{name!r} has no column 'text' (columns: {sorted(first)})")
     yield first["text"]
-    for row in it:
-        yield row["text"]
+    yield from (row["text"] for row in it)
 
 
 def hf_sequences(texts, tokenizer, seq_len, num_seqs):
@@ -132,58 +97,42 @@ def hf_sequences(texts, tokenizer, seq_len, num_seqs):
             rows.append(np.asarray(toks[:seq_len + 1], dtype=np.int64))
             if len(rows) == num_seqs:
                 break
-    return (np.stack(rows) if rows else np.zeros((0, seq_len + 1), dtype=np.int64)), read
+    if not rows:
+        raise EvalError(f"none of the {read} texts has seq_len + 1 = {seq_len + 1} tokens; use a smaller --seq_len")
+    return np.stack(rows), read
 
 
 def load_sequences(args, runs):
-    """(rows (N, seq_len + 1), data description, notes) for --data, at most --num_seqs rows."""
+    """(rows (N, seq_len + 1), data description) for --data, at most --num_seqs rows."""
     tokenizer_name = runs[0]["tokenizer"]
     if args.data == "val":
-        rows, desc, notes = val_sequences(training_data_dir(runs, args.data_dir), tokenizer_name, args.seq_len)
+        rows, desc = val_sequences(training_data_dir(runs, args.data_dir), tokenizer_name, args.seq_len)
         wanted = args.num_seqs
-    elif args.data.startswith("hf:"):
+    else:
         name, config = parse_hf(args.data)
         wanted = args.num_seqs or HF_DEFAULT_SEQS
-        rows, read = hf_sequences(hf_texts(name, config), get_tokenizer(tokenizer_name), args.seq_len, wanted)
-        desc, notes = f"hf:{name}:{config}", []
-        if len(rows) == 0:
-            raise EvalError(f"none of the {read} texts of {name} ({config}) has seq_len + 1 = {args.seq_len + 1} "
-                            "tokens; use a smaller --seq_len")
-    else:
-        raise EvalError(f"--data must be 'val' or 'hf:NAME[:CONFIG]', got {args.data!r}")
+        rows, _ = hf_sequences(hf_texts(name, config), get_tokenizer(tokenizer_name), args.seq_len, wanted)
+        desc = f"hf:{name}:{config}"
     if wanted is not None and len(rows) < wanted:
-        notes.append(f"asked for {wanted} sequences of {args.seq_len + 1} tokens, the data holds {len(rows)}: "
-                     f"using all {len(rows)}")
-    return rows[:wanted], desc, notes
+        print(f"note: asked for {wanted} sequences of {args.seq_len + 1} tokens, the data holds {len(rows)}: "
+              f"using all {len(rows)}")
+    return rows[:wanted], desc
 
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------
-def fitting_batch(args, run, mode, device, context):
-    """(batch, memory_shortfall's reason or None): sliding mode halves --batch_size until a forward and the loss head
-    (fp32 logits, log-softmax, autocast copy over <= 8192 positions) fit."""
-    batch = 1 if mode == "full" else args.batch_size
-    while True:
-        head = 3 * 4 * batch * min(context, 8192) * run["model"].config.padded_vocab_size
-        why = memory_shortfall(run["model"], context, device, args.memory_fraction, batch=batch, extra_bytes=head)
-        if not why or batch == 1:
-            return batch, why
-        batch //= 2
-
-
-def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
-    """Score every sequence with one checkpoint in one mode (resuming from `log`). Returns (summary rows, name)."""
-    context = args.seq_len if mode == "full" else min(args.sliding_window or run["block_size"], args.seq_len)
-    stride = None if mode == "full" else min(args.stride or max(1, context // 2), context)
-    name = f"{run['label']} full" if mode == "full" else f"{run['label']} sliding (W={context}, S={stride})"
-    base = dict(label=run["label"], **identity(run), mode=mode, context=context, stride=stride, window=args.window,
-                data=data_desc, seq_len=args.seq_len, n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
-    batch, why = fitting_batch(args, run, mode, device, context)
+def evaluate(args, run, seqs, data_desc, dtype, device, log):
+    """Score every sequence with one checkpoint (resuming from `log`). Returns its summary rows."""
+    name = run["label"]
+    base = dict(label=name, **identity(run), window=args.window, data=data_desc, seq_len=args.seq_len,
+                n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
+    # the loss head on top of the forward: fp32 logits, log-softmax, autocast copy over <= 8192 positions
+    head = 3 * 4 * min(args.seq_len, 8192) * run["model"].config.padded_vocab_size
+    why = memory_shortfall(run["model"], args.seq_len, device, args.memory_fraction, extra_bytes=head)
     if why:
-        msg = f"skipped: a forward over {context} tokens {why}"
+        msg = f"skipped: a forward over {args.seq_len} tokens {why}"
         print(f"{name}: {msg}")
-        return [dict(base, scope="skipped", note=msg)], name
-    key = dict(identity(run), mode=mode, data=data_desc, seq_len=args.seq_len, window=args.window,
-               context=context, stride=stride, dtype=dtype)
+        return [dict(base, scope="skipped", note=msg)]
+    key = dict(identity(run), data=data_desc, seq_len=args.seq_len, window=args.window, dtype=dtype)
     by_key = {log.key(r): r for r in log.records}
     records, t0, resumed = [], time.time(), 0
     reset_peak_memory(device)
@@ -197,8 +146,7 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
         if rec is None:
             t = time.time()
             with autocast(device, dtype):
-                losses = (full_token_losses(run["model"], seqs[i]) if mode == "full" else
-                          sliding_losses(run["model"], seqs[i], context, stride, batch))
+                losses = full_token_losses(run["model"], seqs[i])
             ends, sums, counts = window_sums(losses, args.window)
             rec = dict(key, seq=i, tokens_sha1=digest, window_ends=ends, loss_sums=sums, counts=counts,
                        seconds=round(time.time() - t, 3))
@@ -211,7 +159,7 @@ def evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log):
     out[-1].update(seconds=round(sum(r["seconds"] for r in records), 3),
                    peak_mem_bytes=peak_memory_bytes(device) if resumed < len(seqs) else None)
     print(f"{name}: overall ppl {out[-1]['ppl']:.4f} over {out[-1]['n_tokens']} tokens ({time.time() - t0:.1f}s)")
-    return out, name
+    return out
 
 
 def summarize(records, base):
@@ -234,10 +182,6 @@ def build_parser():
     p.add_argument("--seq_len", type=int, default=32768, help="targets per sequence (a row has seq_len + 1 tokens)")
     p.add_argument("--num_seqs", type=int, help=f"sequences to score (default: all of val, {HF_DEFAULT_SEQS} for hf:)")
     p.add_argument("--window", type=int, default=1024, help="averaging window along the position axis (the curve)")
-    p.add_argument("--mode", nargs="+", choices=MODES, default=["full"], help="full, sliding, or both")
-    p.add_argument("--sliding_window", type=int, help="sliding mode: tokens per forward (default: training length)")
-    p.add_argument("--stride", type=int, default=None, help="sliding mode: the stride; default sliding_window // 2")
-    p.add_argument("--batch_size", type=int, default=16, help="sliding mode: windows per forward (halved to fit)")
     p.add_argument("--data", default="val",
                    help="val (the prepared validation split, document tokens removed), or hf:NAME[:CONFIG] (streamed, "
                         "the first texts with seq_len + 1 tokens; the paper's: hf:wikimedia/wikipedia:20231101.en)")
@@ -245,51 +189,38 @@ def build_parser():
     return p
 
 
-def parse_args(argv=None):
+def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    for k in ("seq_len", "window", "batch_size", "sliding_window", "stride", "num_seqs"):
+    for k in ("seq_len", "window", "num_seqs"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k} must be at least 1, got {getattr(args, k)}")
-    if args.stride is not None and args.sliding_window is not None and args.stride > args.sliding_window:
-        p.error(f"--stride {args.stride} is larger than --sliding_window {args.sliding_window}: tokens are skipped")
-    args.mode = list(dict.fromkeys(args.mode))
-    return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
     device = pick_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
     runs, _ = load_runs(args.ckpt, device, args.attn_impl)
-    seqs, data_desc, notes = load_sequences(args, runs)
-    for note in notes:
-        print(f"note: {note}")
+    seqs, data_desc = load_sequences(args, runs)
     print(f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of {args.window} tokens; "
           f"device {device}, {dtype}")
-    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), ("ckpt", "ckpt_sha256", "mode", "data", "seq_len",
-                                                                  "window", "context", "stride", "dtype", "seq"), runs)
-    rows, series, table = [], {}, {}  # table: window end -> {series name: ppl}
+    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), ("ckpt", "ckpt_sha256", "data", "seq_len", "window",
+                                                                  "dtype", "seq"), runs)
+    rows, series, overall = [], {}, {}  # per evaluated checkpoint: its curve, its overall ppl
     for run in runs:
-        for mode in args.mode:
-            out, name = evaluate_mode(args, run, mode, seqs, data_desc, dtype, device, log)
-            rows += out
-            curve = [r for r in out if r["scope"] == "window"]
-            if curve:
-                series[name] = ([r["window_end"] for r in curve], [r["ppl"] for r in curve])
-            for r in curve + out[-1:] * bool(curve):
-                table.setdefault("overall" if r["scope"] == "overall" else r["window_end"], {})[name] = f"{r['ppl']:.4f}"
+        out = evaluate(args, run, seqs, data_desc, dtype, device, log)
+        rows += out
+        if out[-1]["scope"] == "overall":
+            series[run["label"]] = ([r["window_end"] for r in out[:-1]], [r["ppl"] for r in out[:-1]])
+            overall[run["label"]] = out[-1]["ppl"]
     prefix = os.path.join(args.out, "ppl_summary")
     write_table(rows, prefix)
-    names = list(series)
-    if names:
-        print(markdown_table(["window end", *names], [[end, *(v.get(n, "-") for n in names)]
-                                                      for end, v in table.items()]))
+    if series:
+        ends = next(iter(series.values()))[0]  # the same windows for every checkpoint
+        table = [[end, *(f"{ppl[k]:.4f}" for _, ppl in series.values())] for k, end in enumerate(ends)]
+        print(markdown_table(["window end", *series], table + [["overall", *(f"{p:.4f}" for p in overall.values())]]))
         fig = os.path.join(args.out, "ppl_vs_position.png")
-        plot_curves(series, [r["block_size"] for r in runs], fig, xlabel=f"position (end of {args.window}-token window)",
-                    ylabel="perplexity", logy=True,
-                    title=f"Perplexity vs position: {data_desc.split(':')[0]} data, {len(seqs)} x {args.seq_len} tokens")
-    print(f"wrote {prefix}.json, {prefix}.csv" + (f", {fig}" if names else " (no figure: nothing was evaluated)"))
+        plot_curves(series, [r["block_size"] for r in runs], fig, ylabel="perplexity", logy=True,
+                    xlabel=f"position (end of {args.window}-token window)",
+                    title=f"Perplexity vs position: {data_desc.split(':')[0]}, {len(seqs)} x {args.seq_len} tokens")
+    print(f"wrote {prefix}.json, {prefix}.csv" + (f", {fig}" if series else " (no figure: nothing was evaluated)"))
     return rows
 
 

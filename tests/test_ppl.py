@@ -1,4 +1,4 @@
-"""eval_ppl.py: per-token scoring (full and sliding), the windowed averaging, the data paths, main() end to end, resume."""
+"""eval_ppl.py: per-token scoring (one full-context forward), the windowed averaging, the data paths, main(), resume."""
 import csv
 import json
 import os
@@ -6,12 +6,11 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import eval_ppl
 from data import EOT, write_shard
 from eval_common import EvalError
-from eval_ppl import full_token_losses, hf_sequences, sliding_losses, sliding_windows, window_sums
+from eval_ppl import full_token_losses, hf_sequences, window_sums
 from model import GPT, GPTConfig, save_checkpoint
 
 
@@ -43,7 +42,7 @@ def ce_by_hand(model, seq):
 # scoring and averaging
 # ---------------------------------------------------------------------------------------------------------
 def window_losses(model, seq, window):
-    """Full mode's curve for one sequence: the mean CE in each window of `window` targets."""
+    """The curve for one sequence: the mean CE in each window of `window` targets."""
     _, sums, counts = window_sums(full_token_losses(model, seq), window)
     return torch.tensor(sums, dtype=torch.float64) / torch.tensor(counts, dtype=torch.float64)
 
@@ -72,47 +71,6 @@ def test_full_mode_equals_training_loss(pe, ssmax):
     assert torch.allclose(window_losses(model, seqs[0], 32).float(), per_token[0].mean(), atol=1e-6)
 
 
-def test_sliding_windows_tile_every_target_once():
-    for n, w, s in [(50, 16, 16), (50, 16, 5), (50, 16, 1), (10, 16, 8), (16, 16, 3), (17, 16, 16)]:
-        wins = sliding_windows(n, w, s)
-        scored = np.concatenate([np.arange(a, e) for _, e, a in wins])
-        assert np.array_equal(scored, np.arange(n)), (n, w, s)
-        assert all(e - b <= w and b <= a < e for b, e, a in wins)
-
-
-@pytest.mark.parametrize("stride", [1, 5, 16])
-def test_sliding_scores_each_target_with_its_window_context(stride):
-    """Brute force: target t is scored in the first window b = kS whose end b + W exceeds t, i.e. with context
-    x[b:t+1]; recompute every target's loss from a forward over exactly that context."""
-    model, seq, W = tiny_model(), random_seq(45), 16
-    got = sliding_losses(model, seq, W, stride, batch_size=3)
-    for t in range(45):
-        b = 0 if t < W else ((t - W) // stride + 1) * stride
-        with torch.no_grad():
-            logits, _ = model(seq[None, b:t + 1])
-        want = F.cross_entropy(logits[0, -1].double(), seq[t + 1])
-        assert abs(float(got[t]) - float(want)) < 1e-5, (t, b)
-    # the batching of windows changes nothing
-    assert torch.allclose(got, sliding_losses(model, seq, W, stride, batch_size=1), atol=1e-6)
-
-
-def test_sliding_stride_equal_window_is_full_mode_on_cut_sequences():
-    """With stride = window = W, sliding mode scores window k of a sequence exactly as full mode scores the
-    sequence cut at W boundaries (seq[kW : (k+1)W + 1]): equal per token, hence equal per curve window. Only
-    window 0 also equals full mode on the long sequence; later windows of full mode see more context."""
-    model, W = tiny_model(), 16
-    seq = random_seq(4 * W)
-    slide = sliding_losses(model, seq, W, W)
-    cut = torch.cat([full_token_losses(model, seq[k * W:(k + 1) * W + 1]) for k in range(4)])
-    assert torch.allclose(slide, cut, atol=1e-6)
-    long = full_token_losses(model, seq)
-    assert torch.allclose(slide[:W], long[:W], atol=1e-6)
-    assert not torch.allclose(slide[W:], long[W:], atol=1e-4)  # the long context does change the later losses
-    _, s_sums, _ = window_sums(slide, W)
-    assert torch.allclose(torch.tensor(s_sums) / W, torch.stack([window_losses(model, seq[k * W:(k + 1) * W + 1], W)[0]
-                                                                  for k in range(4)]).float(), atol=1e-6)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------------------
@@ -127,6 +85,8 @@ def test_hf_sequences_takes_first_long_enough_texts_in_order():
     assert bytes(rows[1, 1:].tolist()) == b"c" * 20
     rows, read = hf_sequences(iter(texts), tok, seq_len=20, num_seqs=10)
     assert rows.shape == (3, 21) and read == len(texts)
+    with pytest.raises(EvalError, match="none of the 7 texts has seq_len"):
+        hf_sequences(iter(texts), tok, seq_len=100, num_seqs=2)
 
 
 def test_hf_offline_is_a_clear_error(monkeypatch):
@@ -137,8 +97,11 @@ def test_hf_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(EvalError, match="network access"):
         list(eval_ppl.hf_texts("wikimedia/wikipedia", "20231101.en"))
-    with pytest.raises(EvalError, match="hf:NAME"):
-        eval_ppl.parse_hf("hf:")
+    for spec in ("hf:", "hf:a:b:c", "wikipedia"):  # and anything that is not val
+        with pytest.raises(EvalError, match="expected val, hf:NAME"):
+            eval_ppl.parse_hf(spec)
+    assert eval_ppl.parse_hf("hf:wikimedia/wikipedia:20231101.en") == ("wikimedia/wikipedia", "20231101.en")
+    assert eval_ppl.parse_hf("hf:c4") == ("c4", None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -166,13 +129,13 @@ def argv(s, *extra):
 
 
 def test_main_end_to_end(setup):
-    rows = eval_ppl.main(argv(setup, "--mode", "full", "sliding", "--sliding_window", "24", "--stride", "8"))
+    rows = eval_ppl.main(argv(setup))
     for f in ("ppl_summary.json", "ppl_summary.csv", "ppl_vs_position.png", "ppl_samples.jsonl"):
         assert os.path.getsize(os.path.join(setup["out"], f)) > 0, f
     with open(os.path.join(setup["out"], "ppl_summary.json")) as f:
         assert json.load(f) == rows
     with open(os.path.join(setup["out"], "ppl_summary.csv")) as f:
-        assert len(list(csv.DictReader(f))) == len(rows) == 2 * (4 + 1)
+        assert len(list(csv.DictReader(f))) == len(rows) == 4 + 1
 
     # independent recomputation: end-of-text removed, rows of 101 tokens, one forward each, exp(mean CE)
     from model import load_model
@@ -181,19 +144,14 @@ def test_main_end_to_end(setup):
     seqs = toks[:5 * 101].view(5, 101)
     with torch.no_grad():
         _, loss = model(seqs[:, :-1], seqs[:, 1:])
-    full = [r for r in rows if r["mode"] == "full"]
-    overall = full[-1]
+    overall = rows[-1]
     assert overall["scope"] == "overall" and overall["n_tokens"] == 500
     assert overall["ppl"] == pytest.approx(float(loss.exp()), rel=1e-5)
-    assert [r["window_end"] for r in full[:-1]] == [32, 64, 96, 100]
-    assert [r["n_tokens"] for r in full[:-1]] == [160, 160, 160, 20]
+    assert [r["window_end"] for r in rows[:-1]] == [32, 64, 96, 100]
+    assert [r["n_tokens"] for r in rows[:-1]] == [160, 160, 160, 20]
     ce = torch.stack([ce_by_hand(model, s) for s in seqs])
-    for r, (a, b) in zip(full, [(0, 32), (32, 64), (64, 96), (96, 100)]):
+    for r, (a, b) in zip(rows, [(0, 32), (32, 64), (64, 96), (96, 100)]):
         assert r["window_start"] == a and r["ppl"] == pytest.approx(float(ce[:, a:b].mean().exp()), rel=1e-5)
-    sliding = [r for r in rows if r["mode"] == "sliding"]
-    assert all(r["context"] == 24 and r["stride"] == 8 for r in sliding)
-    assert sliding[0]["ppl"] != pytest.approx(full[0]["ppl"], rel=1e-6)  # window 0 of sliding has < 32 context
-    assert all(r["stride"] is None and r["context"] == 100 for r in full)
 
 
 def test_resume_after_interruption(setup, monkeypatch):
