@@ -119,13 +119,6 @@ def window_layouts(rng, n_windows, block_size, min_len, docs_per_window):
     return layouts
 
 
-def describe_window(enc, window):
-    """The documents of one window as text, separated by ' | ' (the end-of-text tokens left out)."""
-    eot = EOT[TOKENIZER]
-    starts = [i for i, x in enumerate(window) if x == eot] + [len(window)]
-    return " | ".join(enc.decode([int(x) for x in window[a + 1:b]]) for a, b in zip(starts, starts[1:]))
-
-
 def make_stream(rng, n_windows, block_size, min_len, docs_per_window):
     """n_windows * block_size + 1 tokens: windows of whole documents (TokenLoader's windows exactly), then a final
     end-of-text so that the last window has its next-token target."""
@@ -167,7 +160,6 @@ def main(argv=None):
             ap.error(why)
     t, _ = template()
     os.makedirs(args.out_dir, exist_ok=True)
-    enc = get_tokenizer(TOKENIZER)
     written = {}
     for split, index, n in (("val", 0, args.val_windows), ("train", 1, args.train_windows)):
         rng = np.random.default_rng([args.seed, index])  # independent streams per split
@@ -176,8 +168,6 @@ def main(argv=None):
         write_shard(path, tokens, TOKENIZER)
         written[split] = dict(path=path, windows=n, tokens=int(tokens.size),
                               documents=int((tokens[:-1] == EOT[TOKENIZER]).sum()))
-        if split == "val":
-            example = describe_window(enc, tokens[:args.block_size])
     meta = dict(seed=args.seed, block_size=args.block_size, min_doc_len=args.min_doc_len,
                 docs_per_window=docs_per_window, tokenizer=TOKENIZER, template=TEMPLATE, template_strings=t,
                 chain=CHAIN, successor_p=SUCCESSOR_P, splits=written)
@@ -185,7 +175,6 @@ def main(argv=None):
         json.dump(meta, f, indent=1)
     for split, w in written.items():
         print(f"{split}: {w['windows']} windows x {args.block_size} tokens, {w['documents']} documents -> {w['path']}")
-    print(f"first validation window (documents separated by |): {example}")
 
 
 if __name__ == "__main__":
