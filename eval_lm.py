@@ -30,8 +30,8 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 
 from data import get_tokenizer
-from eval_common import (EXPECTED_ERRORS, EvalError, identity, load_runs, markdown_table, model_device, pick_device,
-                         resolve_dtype, write_table)
+from eval_common import (EvalError, identity, load_runs, markdown_table, model_device, pick_device, resolve_dtype,
+                         run_script, write_table)
 from model import autocast
 
 MAX_GEN_TOKS = 256  # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
@@ -286,7 +286,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
-        sys.exit(f"eval_lm.py: error: {e}")
+    run_script(main, "eval_lm.py")

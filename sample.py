@@ -9,12 +9,11 @@ end of text or after --max_new_tokens tokens. --top_k=1 (or --temperature=0) is 
 the same, whatever the seed. Any other setting draws from the --top_k most likely tokens, seeded by --seed.
 """
 import argparse
-import sys
 
 import torch
 
 from data import get_tokenizer
-from eval_common import EXPECTED_ERRORS, pick_device, resolve_dtype
+from eval_common import pick_device, resolve_dtype, run_script
 from model import autocast, load_model
 
 SEPARATOR = "---------------"
@@ -74,7 +73,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EXPECTED_ERRORS as e:  # expected failures: one line, no traceback
-        sys.exit(f"sample.py: error: {e}")
+    run_script(main, "sample.py")

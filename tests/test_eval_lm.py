@@ -123,14 +123,15 @@ def test_rolling_beyond_the_training_length_is_one_forward():
     assert short == pytest.approx(windows, rel=1e-5) and short != pytest.approx(long, rel=1e-6)
 
 
-def greedy_without_cache(model, ctx, n):
+def greedy_without_cache(model, ctx, n, keep_eot=True):
+    """Greedy decoding by a full forward per token (no KV cache), up to n tokens or end of text."""
     out = []
     for _ in range(n):
         with torch.no_grad():
             logits, _ = model(torch.tensor([ctx + out]))
         out.append(int(logits[0, -1, :model.config.vocab_size].argmax()))
         if out[-1] == TOK.eot_token:
-            break
+            return out if keep_eot else out[:-1]
     return out
 
 

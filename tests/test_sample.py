@@ -11,6 +11,7 @@ import torch
 from data import get_tokenizer
 from model import GPT, GPTConfig, save_checkpoint
 from sample import SEPARATOR, main
+from test_eval_lm import greedy_without_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = get_tokenizer("byte")
@@ -29,17 +30,6 @@ def ckpt(tmp_path_factory):
     return path.parent
 
 
-def greedy_without_cache(model, ctx, n):
-    out = []
-    for _ in range(n):
-        with torch.no_grad():
-            logits, _ = model(torch.tensor([ctx + out]))
-        out.append(int(logits[0, -1, :model.config.vocab_size].argmax()))
-        if out[-1] == TOK.eot_token:
-            return out[:-1]
-    return out
-
-
 def run_sample(*args):
     return subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -51,7 +41,7 @@ def test_greedy_prints_the_same_text_twice(ckpt):
     samples = r.stdout.split(SEPARATOR + "\n")
     assert len(samples) == 3 and samples[2] == "" and samples[0] == samples[1]
     ctx = [TOK.doc_start] + TOK.encode_ordinary("The sky is")
-    assert samples[0] == TOK.decode(ctx[1:] + greedy_without_cache(tiny_model(), ctx, 20)) + "\n"
+    assert samples[0] == TOK.decode(ctx[1:] + greedy_without_cache(tiny_model(), ctx, 20, keep_eot=False)) + "\n"
 
 
 def test_seeded_samples_repeat_and_greedy_ignores_the_seed(ckpt, tmp_path, capsys):
