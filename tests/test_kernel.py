@@ -442,7 +442,7 @@ def test_kernel_minimal_prior_trains_like_reference(monkeypatch):
         assert rel_err(p_k[n], p_ref[n]) < 1e-4, n
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="times the compiled kernel: a GPU only (bash gpu_check.sh)")
+@pytest.mark.skipif(DEVICE != "cuda", reason="times the compiled kernel: a GPU only (bash dev/gpu_check.sh)")
 def test_kernel_speed_of_every_prior_is_that_of_its_tables():
     """ggd, cauchy and the tanh prior with two trained parameters each launch the same compiled kernels (the prior
     is only tables): bf16 forward + backward within 15% of GGD's time. Prints the times (gpu_check.sh's log)."""
