@@ -52,8 +52,9 @@ DEMO_EVAL_ARGS ?=
 BASELINE_SEEDS ?= $(SEEDS)
 DEMO_JOBS ?= 2
 # seed by seed (every variant of seed 1 first), the baselines only up to BASELINE_SEEDS
+baseline_seeds := $(shell seq 1 $(BASELINE_SEEDS))
 demo_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(DEMO_VARIANTS),\
-	$(if $(or $(filter bam%,$(v)),$(filter $(s),$(shell seq 1 $(BASELINE_SEEDS)))),$(v)-s$(s))))
+	$(if $(or $(filter bam%,$(v)),$(filter $(s),$(baseline_seeds))),$(v)-s$(s))))
 # run name <variant>-s<seed>, variant <pos_encoding>[_ssmax]
 demo_seed = $(lastword $(subst -s, ,$(1)))
 demo_variant = $(firstword $(subst -s, ,$(1)))
