@@ -124,7 +124,7 @@ def test_make_demo_reduced_end_to_end(tmp_path):
     assert table.splitlines()[0] in proc.stdout
     assert (results / "passkey_accuracy.png").exists() and (results / "prior_bam_ssmax-s1.png").exists()
     prior = json.loads((results / "prior_bam_ssmax-s1.json").read_text())
-    assert prior["heads"] == 24 and prior["block_size"] == 64
+    assert prior["heads"] == 4 * 8 and prior["block_size"] == 64  # config/demo_cpu.py: 4 layers of 8 heads
     model, ckpt = load_model(str(out / "bam_ssmax-s1"))
     assert ckpt["step"] == 20 and model.config.pos_encoding == "bam" and model.config.ssmax
     rope, _ = load_model(str(out / "rope-s1"))
