@@ -57,7 +57,8 @@ def test_corpus_windows_are_whole_documents_in_the_eval_format(tmp_path):
     t = TEMPLATES["demo"]
     n = filler_units(ENC, t, 256)
     prompt, answer, info = build_prompt(ENC, t, 256, 12345, 7)
-    m = DOC_RE.match(ENC.decode(prompt + answer))
+    assert prompt[0] == eot and eot not in prompt[1:] and len(prompt) <= 256  # opens like a training document
+    m = DOC_RE.match(ENC.decode(prompt[1:] + answer))
     assert m and m[2] == m[4] == "12345" and m[1] == t["filler"] * 7 and m[3] == t["filler"] * (n - 7)
     assert info["n_given"] == 1  # the space is given, the 5 digits are scored
 
