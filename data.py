@@ -288,8 +288,7 @@ class TokenLoader:
 
 # ---- Prompt strings (eval_passkey.py, prepare_demo.py, eval_ruler.py) -----------------------------------------
 # "paper" (the authors' evaluate.py) and the RULER strings are their text, verbatim. Each template: task, filler,
-# needle (with {pass_key}), question, digits, and optionally sep (put before every piece after the task) and
-# document (True: the prompt opens with the tokenizer's doc_start, as a document of the training stream does).
+# needle ({pass_key}), question, digits; optional: sep (before each later piece), document (open with doc_start).
 PASSKEY_TEMPLATES = {
     "paper": {
         "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -301,9 +300,7 @@ PASSKEY_TEMPLATES = {
     },
     # The CPU demo (prepare_demo.py trains on exactly these pieces, byte tokenizer): "@" opens the task, the
     # filler is a closed walk of prepare_demo.CHAIN (training documents use fresh random walks of that chain),
-    # "#" announces the key and "?" asks for it. No separator: every byte is one symbol. Like every training
-    # document, the prompt opens with <|endoftext|>: without it, a model that had learned the task scored 0.00
-    # (results/demo/README.md).
+    # "#" announces the key and "?" asks for it. No separator: every byte is one symbol. Opens like a document.
     "demo": {
         "task": "@",
         "filler": "bgnfmheldi",

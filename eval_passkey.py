@@ -50,10 +50,9 @@ def _pieces(enc, template):
     """Token lists of the key-independent pieces, each tokenized on its own as the authors do. SentencePiece starts
     every piece with a word boundary, tiktoken does not: with gpt2 and byte a later piece is sep + piece."""
     sep = template.get("sep", "" if enc.word_boundary else PIECE_SEP)
-    start = [enc.doc_start] if template.get("document") else []  # the authors' prompt has no BOS
-    piece = lambda text: enc.encode_ordinary(sep + text)
-    return dict(task=start + enc.encode_ordinary(template["task"]), filler=piece(template["filler"]),
-                question=piece(template["question"])), sep
+    task = ([enc.doc_start] if template.get("document") else []) + enc.encode_ordinary(template["task"])  # no BOS
+    return dict(task=task, filler=enc.encode_ordinary(sep + template["filler"]),
+                question=enc.encode_ordinary(sep + template["question"])), sep
 
 
 def _needle(enc, template, sep, key):
