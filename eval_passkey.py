@@ -50,7 +50,7 @@ def _pieces(enc, template):
     """Token lists of the key-independent pieces, each tokenized on its own as the authors do. SentencePiece starts
     every piece with a word boundary, tiktoken does not: with gpt2 and byte a later piece is sep + piece."""
     sep = template.get("sep", "" if enc.word_boundary else PIECE_SEP)
-    task = ([enc.doc_start] if template.get("document") else []) + enc.encode_ordinary(template["task"])  # no BOS
+    task = ([enc.doc_start] if template.get("document") else []) + enc.encode_ordinary(template["task"])  # BOS: opt-in
     return dict(task=task, filler=enc.encode_ordinary(sep + template["filler"]),
                 question=enc.encode_ordinary(sep + template["question"])), sep
 
