@@ -204,9 +204,8 @@ def stand_ins(tmp_path):
                                    ("cauchy", "bam", True, "cauchy")):
         gpt = model.GPT(model.GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
                                         block_size=64, pos_encoding=pe, ssmax=ssmax, prior=prior))
-        for seed in (1, 2) if name == "bam_ssmax" else (1,):  # results/demo/README.md inspects seed 2
-            path = tmp_path / "out" / "demo" / f"{name}-s{seed}" / "ckpt_0003000.pt"
-            model.save_checkpoint(str(path), gpt, step=3000)
+        for run in [f"{name}-s1"] + (["prior_lr_1e-2-s2"] if name == "bam_ssmax" else []):  # results/demo inspects
+            model.save_checkpoint(str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000)
 
 
 def blank_forward(self, idx, targets=None, *, logits_at=None, **kwargs):
