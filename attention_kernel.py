@@ -258,7 +258,6 @@ def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale
 
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernel: flash attention with any registered prior and SSMax applied per tile.
-#
 # Structure follows Triton's fused-attention tutorial: forward = one online-softmax loop over K/V blocks in
 # base 2 (exp2, log2(e) folded into the scores) in stages (unmasked tiles, then the boundary tiles masked);
 # backward = preprocess Delta = rowsum(O * dO), a kernel per K/V block accumulating dK, dV over query blocks,
