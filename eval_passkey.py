@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -308,40 +307,18 @@ def markdown_summary(summary, runs, lengths):
 
 
 def seed_table(summary, out, digits):
-    """The per-seed table of runs named <variant>-s<seed> (make demo SEEDS=N): accuracy at every multiple of the
-    training length, one row per run, then per variant with several seeds the median and the minimum over them.
-    Writes <out>/demo_table.{md,csv,json} and returns the markdown; None (nothing written) without seeded names."""
-    cells, mults = {}, set()
+    """The per-seed table (eval_common.seed_table) of passkey accuracy at every multiple of the
+    training length. Writes <out>/demo_table.{md,csv,json} and returns the markdown; None (nothing
+    written) without seeded names."""
+    cells = {}
     for s in summary:
         if s["accuracy"] is not None:
-            ratio = s["target_length"] / s["train_length"]
-            mult = int(ratio) if ratio == int(ratio) else round(ratio, 2)
-            cells.setdefault(ec.seed_split(s["label"]), {})[mult] = s["accuracy"]
-            mults.add(mult)
-    if all(seed is None for _, seed in cells):
-        return None
-    mults, rows, body = sorted(mults), [], []
-
-    def add(variant, statistic, seed, n_seeds, acc, first_cells, bold=""):
-        rows.append(dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds,
-                         **{f"{m}x": acc.get(m) for m in mults}))
-        body.append([*first_cells, *(f"{bold}{acc[m]:.2f}{bold}" if m in acc else "–" for m in mults)])
-
-    for variant in dict.fromkeys(v for v, _ in cells):
-        seeds = sorted((seed for v, seed in cells if v == variant), key=lambda x: (x is None, x))
-        for seed in seeds:
-            add(variant, "seed", seed, 1, cells[(variant, seed)], [variant, "–" if seed is None else seed])
-        for stat, f in (("median", statistics.median), ("min", min)) if len(seeds) > 1 else ():
-            per = {m: [cells[(variant, x)][m] for x in seeds if m in cells[(variant, x)]] for m in mults}
-            add(variant, stat, None, len(seeds), {m: f(v) for m, v in per.items() if v},
-                [f"**{variant}**", f"**{stat} of {len(seeds)}**"], bold="**")
-    ec.write_table(rows, os.path.join(out, "demo_table"))
+            mult = ec.multiple_of(s["target_length"], s["train_length"])
+            cells.setdefault(s["label"], {})[mult] = s["accuracy"]
     lengths = ", ".join(str(t) for t in sorted({s["train_length"] for s in summary}))
-    text = (ec.markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\nPasskey exact match "
-            f"({digits} digits, teacher-forced) at multiples of the training length ({lengths} tokens).\n")
-    with open(os.path.join(out, "demo_table.md"), "w") as f:
-        f.write(text)
-    return text
+    caption = (f"Passkey exact match ({digits} digits, teacher-forced) at multiples of the training length "
+               f"({lengths} tokens).")
+    return ec.seed_table(cells, os.path.join(out, "demo_table"), caption, worst=("min", min))
 
 
 # ---- Command line ----------------------------------------------------------------------------------------------

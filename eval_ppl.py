@@ -6,7 +6,9 @@ Perplexity along the position axis (the paper's protocol): where a model stops e
 
 Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the whole sequence; the
 curve pools each --window positions over all sequences, ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per
-checkpoint x sequence; a rerun resumes it), ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png.
+checkpoint x sequence; a rerun resumes it), ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png;
+for runs named <variant>-s<seed> (make demo-text SEEDS=N) also ppl_table.{md,csv,json}: the perplexity at 1, 2, 4, ...
+times the training length per run, then the median and the worst seed per variant.
 """
 import argparse
 import hashlib
@@ -21,7 +23,7 @@ from tqdm import tqdm
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
 from eval_common import (EvalError, ResultLog, add_common_args, identity, load_runs, markdown_table, memory_shortfall,
                          model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
-                         run_script, training_data_dir, write_table)
+                         run_script, seed_table, training_data_dir, write_table)
 from model import autocast
 
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
@@ -175,6 +177,23 @@ def summarize(records, base):
                         loss=loss, ppl=math.exp(loss))]
 
 
+def ppl_seed_table(rows, args, data_desc, n_seqs):
+    """For runs named <variant>-s<seed>: the perplexity of the window ending at 1, 2, 4, ... times the
+    training length, per run, then the median and the worst seed per variant (eval_common.seed_table):
+    <out>/ppl_table.{md,csv,json}. None without seeded names."""
+    cells = {}
+    for r in rows:
+        if r["scope"] != "window" or r["window_end"] % r["train_length"]:
+            continue
+        mult = r["window_end"] // r["train_length"]
+        if mult & (mult - 1) == 0:  # a power of two
+            cells.setdefault(r["label"], {})[mult] = r["ppl"]
+    lengths = ", ".join(str(t) for t in sorted({r["train_length"] for r in rows}))
+    caption = (f"Perplexity of the {args.window}-token window that ends at each multiple of the training "
+               f"length ({lengths} tokens); {n_seqs} sequences of {args.seq_len} tokens ({data_desc.split(':')[0]}).")
+    return seed_table(cells, os.path.join(args.out, "ppl_table"), caption, worst=("max", max))
+
+
 # ---- Command line ----------------------------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
@@ -212,6 +231,9 @@ def main(argv=None):
             overall[run["label"]] = out[-1]["ppl"]
     prefix = os.path.join(args.out, "ppl_summary")
     write_table(rows, prefix)
+    table = ppl_seed_table(rows, args, data_desc, len(seqs))
+    if table:
+        print(table)
     if series:
         ends = next(iter(series.values()))[0]  # the same windows for every checkpoint
         table = [[end, *(f"{ppl[k]:.4f}" for _, ppl in series.values())] for k, end in enumerate(ends)]

@@ -19,6 +19,7 @@ the extracted text), so that results made from another release of the package ca
 
 import argparse
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -35,7 +36,7 @@ BOOKS = 66
 def book_texts():
     """The 66 books as (title, text) in canonical order, from the installed package."""
     try:
-        import importlib
+        from pythonbible.books import Book
 
         bible = importlib.import_module(EDITION).bible
     except ImportError as e:
@@ -52,13 +53,12 @@ def book_texts():
         first, last = spans.get(book, (start, end))
         spans[book] = (min(first, start), max(last, end))
 
-    titles = dict(zip(sorted(spans), bible.long_titles.values()))
     books = []
     for book in sorted(spans):
         start, end = spans[book]
         body = bible.scripture_content[start:end].strip()
         body = body.replace("[", "").replace("]", "")
-        books.append((titles[book], body))
+        books.append((bible.long_titles[Book(book)], body))
 
     if len(books) != BOOKS:
         raise DataError(f"{EDITION} holds {len(books)} books, expected {BOOKS}: another release?")
