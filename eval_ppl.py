@@ -178,19 +178,32 @@ def summarize(records, base):
 
 
 def ppl_seed_table(rows, args, data_desc, n_seqs):
-    """For runs named <variant>-s<seed>: the perplexity of the window ending at 1, 2, 4, ... times the
-    training length, per run, then the median and the worst seed per variant (eval_common.seed_table):
-    <out>/ppl_table.{md,csv,json}. None without seeded names."""
-    cells = {}
+    """For runs named <variant>-s<seed>: the perplexity at 1, 2, 4, ... times the training length L
+    per run, then the median and the worst seed per variant (eval_common.seed_table):
+    <out>/ppl_table.{md,csv,json}. None without seeded names.
+
+    The cell at k x L pools every window that ends in (k L / 2, k L] (in (0, L] for k = 1): an octave
+    of positions, as wide as the step to the next column on the log axis, and long ranges get the
+    many tokens that a small --num_seqs leaves each window."""
+    pooled = {}  # (label, k) -> [sum of losses, tokens]
     for r in rows:
-        if r["scope"] != "window" or r["window_end"] % r["train_length"]:
+        if r["scope"] != "window":
             continue
-        mult = r["window_end"] // r["train_length"]
-        if mult & (mult - 1) == 0:  # a power of two
-            cells.setdefault(r["label"], {})[mult] = r["ppl"]
+        k = 2 ** max(0, math.ceil(math.log2(r["window_end"] / r["train_length"])))
+        if k * r["train_length"] <= args.seq_len:  # whole octaves only
+            cell = pooled.setdefault((r["label"], k), [0.0, 0])
+            cell[0] += r["loss"] * r["n_tokens"]
+            cell[1] += r["n_tokens"]
+    cells = {}
+    for (label, k), (loss_sum, n_tokens) in pooled.items():
+        cells.setdefault(label, {})[k] = math.exp(loss_sum / n_tokens)
+
     lengths = ", ".join(str(t) for t in sorted({r["train_length"] for r in rows}))
-    caption = (f"Perplexity of the {args.window}-token window that ends at each multiple of the training "
-               f"length ({lengths} tokens); {n_seqs} sequences of {args.seq_len} tokens ({data_desc.split(':')[0]}).")
+    caption = (
+        f"Perplexity at k times the training length ({lengths} tokens): every target at a position "
+        f"in (k/2, k] times that length (in (0, 1] for k = 1); {n_seqs} sequences of "
+        f"{args.seq_len} tokens ({data_desc.split(':')[0]})."
+    )
     return seed_table(cells, os.path.join(args.out, "ppl_table"), caption, worst=("max", max))
 
 
