@@ -113,7 +113,7 @@ TEXT_OUT ?= out/text
 TEXT_RESULTS ?= $(TEXT_OUT)/results
 TEXT_PREPARE_ARGS ?=
 TEXT_TRAIN_ARGS ?=
-TEXT_EVAL_ARGS ?= --seq_len 4096 --window 64 --num_seqs 8
+TEXT_EVAL_ARGS ?= --seq_len 4096 --window 64 --num_seqs 16
 text_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(TEXT_VARIANTS),$(v)-s$(s)))
 
 demo-text: export MALLOC_MMAP_THRESHOLD_ = 268435456
