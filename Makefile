@@ -101,8 +101,9 @@ $(DEMO_OUT)/%/done: $(DEMO_OUT)/config.sha256 $(DEMO_DATA)/s$$(call demo_seed,$$
 # Real English (the King James Bible, extracted by prepare_text.py from an installed package, byte
 # tokens), six encodings trained at a 64-token context (config/text_cpu.py, DEMO_JOBS trainings at a
 # time on one thread each), then perplexity along the position axis to 64x that length (eval_ppl.py),
-# with the per-seed table at 1x..64x. Everything is written under data/text/ and out/text/ (the
-# results in out/text/results/); results/text/ is never overwritten.
+# with the per-seed table at 1x..64x, and the learned BAM priors (plot_prior.py). Everything is
+# written under data/text/ and out/text/ (the results in out/text/results/); results/text/ is never
+# overwritten.
 #   make demo-text            one seed, all six variants
 #   make demo-text SEEDS=3    the seed study: the median and worst seed per length
 # A run is retrained only when its checkpoint is missing or the content of config/text_cpu.py or of
@@ -123,6 +124,7 @@ demo-text: deps
 	rm -f $(TEXT_RESULTS)/ppl_*
 	$(PYTHON) eval_ppl.py $(text_runs:%=--ckpt $(TEXT_OUT)/%) --out $(TEXT_RESULTS) $(TEXT_EVAL_ARGS)
 	cp $(TEXT_DATA)/corpus.json $(TEXT_RESULTS)/corpus.json
+	$(foreach r,$(filter bam%,$(text_runs)),$(PYTHON) plot_prior.py --ckpt $(TEXT_OUT)/$(r) --out $(TEXT_RESULTS)/prior_$(r).png && ) true
 
 $(TEXT_DATA)/corpus.json: prepare_text.py
 	$(PYTHON) prepare_text.py --out_dir $(TEXT_DATA) $(TEXT_PREPARE_ARGS)
