@@ -4,8 +4,11 @@ constants.py, synthetic.yaml) with RULER's strings, keys, random draws and hayst
 decoding with the KV cache, scored with RULER's string_match_all. Departures from RULER are
 explained beside the code that makes them.
 
-    python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...] [--lengths 1024,2048]
-    python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json   # RULER's protocol
+    python eval_ruler.py --ckpt out/run1 [--ckpt out/run2] [--tasks all|niah_single_1,...]
+        [--lengths 1024,2048]
+    python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json
+
+(the second is RULER's protocol.)
 
 Writes to --out: ruler_samples.jsonl (per checkpoint x task x length x sample; a rerun resumes it),
 ruler_summary.{json,csv} (score per checkpoint x task x length, and the average over tasks),
@@ -64,7 +67,8 @@ DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
 # scripts/synthetic.yaml. num_needle_k is raised to max(num_k, num_q) when a sample is built
 # (multiquery: 4).
 _TASK_FIELDS = (
-    "type_haystack", "type_needle_k", "type_needle_v", "num_needle_k", "num_needle_v", "num_needle_q",
+    "type_haystack", "type_needle_k", "type_needle_v",
+    "num_needle_k", "num_needle_v", "num_needle_q",
 )  # fmt: skip
 _TASK_ROWS = {
     "niah_single_1":   ("noise",  "words", "numbers", 1, 1, 1),
@@ -83,8 +87,8 @@ MAX_ATTEMPTS = 1000
 
 
 def task_template(cfg):
-    """(template, type_needle_v): the base template + answer prefix, singular when one value is asked
-    for."""
+    """(template, type_needle_v): the base template + answer prefix, singular when one value is
+    asked for."""
     template = MODEL_TEMPLATE.format(task_template=TEMPLATE) + ANSWER_PREFIX
     type_needle_v = cfg["type_needle_v"]
     if cfg["num_needle_q"] * cfg["num_needle_v"] == 1:
@@ -166,52 +170,50 @@ class Essay:
     re-splits nothing."""
 
     def __init__(self, text, label):
-        self.words = (
-            text.split()
-        )  # RULER's re.sub(r"\s+", " ", text).split(" ") without the empty ends
+        # RULER's re.sub(r"\s+", " ", text).split(" ") without the empty ends
+        self.words = text.split()
         if not self.words:
             raise ValueError(f"the essay haystack {label} has no words")
         self.label = label
         n = len(self.words)
-        self.ends = np.array(
-            [i + 1 for i in range(n) if ends_sentence(self.words[i], self.words[(i + 1) % n])],
-            dtype=np.int64,
-        )
+        ends = [i + 1 for i in range(n) if ends_sentence(self.words[i], self.words[(i + 1) % n])]
+        self.ends = np.array(ends, dtype=np.int64)
 
     def sentences(self, n):
-        N = len(self.words)
-        k = max(1, -(-n // N))
-        ends = (self.ends[None, :] + N * np.arange(k)[:, None]).ravel()
+        n_words = len(self.words)
+        copies = max(1, -(-n // n_words))  # the essay repeated to hold n words
+        ends = (self.ends[None, :] + n_words * np.arange(copies)[:, None]).ravel()
         ends = ends[ends < n].tolist() + ([n] if n else [])
-        words = self.words * k if k > 1 else self.words
+        words = self.words * copies if copies > 1 else self.words
         return [" ".join(words[a:b]) for a, b in zip([0] + ends[:-1], ends)]
 
 
 # ---- keys and values -----------------------------------------------------------------------------
-class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RULER's list) draws
-    """RULER's keys, sorted(set(f"{adj}-{noun}")) over 910 adjectives x 6,782 nouns, indexed without
-    building the 6.2M strings: adjectives sorted by adj + "-" form groups ("blue", "blue-eyed")
-    whose keys sort in group order; a one-adjective group is adj + "-" + the sorted nouns, only the
-    rare larger groups are built as strings."""
+class PairList(Sequence):
+    """random.choice(PairList) draws what random.choice(RULER's list) draws. RULER's keys,
+    sorted(set(f"{adj}-{noun}")) over 910 adjectives x 6,782 nouns, indexed without building the
+    6.2M strings: adjectives sorted by adj + "-" form groups ("blue", "blue-eyed") whose keys sort
+    in group order; a one-adjective group is adj + "-" + the sorted nouns, only the rare larger
+    groups are built as strings."""
 
     def __init__(self, adjs, nouns):
         self.nouns = sorted(set(nouns))
-        self.blocks, self.starts, group = [], [], []
-        for a in sorted(set(adjs), key=lambda a: a + "-") + [None]:
-            if a is not None and group and (a + "-").startswith(group[0] + "-"):
-                group.append(a)
+        self.blocks = []  # an adjective (its keys are built on demand) or a group's sorted keys
+        self.starts = []  # the index of each block's first key
+        group = []
+        for adj in sorted(set(adjs), key=lambda a: a + "-") + [None]:
+            if adj is not None and group and (adj + "-").startswith(group[0] + "-"):
+                group.append(adj)
                 continue
             if group:
-                block = (
-                    group[0]
-                    if len(group) == 1
-                    else sorted({f"{g}-{n}" for g in group for n in self.nouns})
-                )
-                self.starts.append(
-                    self.starts[-1] + self._size(self.blocks[-1]) if self.blocks else 0
-                )
+                if len(group) == 1:
+                    block = group[0]
+                else:
+                    block = sorted({f"{g}-{noun}" for g in group for noun in self.nouns})
+                start = self.starts[-1] + self._size(self.blocks[-1]) if self.blocks else 0
+                self.starts.append(start)
                 self.blocks.append(block)
-            group = [a]
+            group = [adj]
         self.length = self.starts[-1] + self._size(self.blocks[-1])
 
     def _size(self, block):
@@ -224,7 +226,8 @@ class PairList(Sequence):  # random.choice(PairList) draws what random.choice(RU
         if not 0 <= i < self.length:
             raise IndexError(i)
         b = bisect.bisect_right(self.starts, i) - 1
-        block, j = self.blocks[b], i - self.starts[b]
+        block = self.blocks[b]
+        j = i - self.starts[b]
         return f"{block}-{self.nouns[j]}" if isinstance(block, str) else block[j]
 
     def __contains__(self, key):  # a binary search: the keys are sorted
@@ -284,9 +287,13 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
     (answer prefix included), needles, keys, values, queries, answers, depths, num_haystack."""
     cfg = TASKS[task]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
-    num_v, num_q = cfg["num_needle_v"], cfg["num_needle_q"]
-    type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
-    keys, values, needles = [], [], []
+    num_v = cfg["num_needle_v"]
+    num_q = cfg["num_needle_q"]
+    type_k = cfg["type_needle_k"]
+    type_v = cfg["type_needle_v"]
+    keys = []
+    values = []
+    needles = []
     for _ in range(num_k):
         keys.append(random_key(type_k, rng, keys))
         value = []
@@ -294,9 +301,9 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
             value.append(random_value(type_v, rng))
             needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value[-1]))
         values.append(value)
-    random.Random(seed).shuffle(
-        needles
-    )  # RULER: a fresh Random(seed), the same permutation for every sample
+    # RULER: a fresh Random(seed), the same permutation for every sample
+    random.Random(seed).shuffle(needles)
+
     if cfg["type_haystack"] == "essay":
         context, depths = essay_context(essay, num_haystack, needles, rng)
     else:
@@ -320,45 +327,46 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
 
 
 def essay_context(essay, num_haystack, needles, rng):
-    """RULER's essay context, num_haystack words with the needles at sorted random DEPTHS: (context,
-    depths)."""
-    sents = essay.sentences(num_haystack)
+    """RULER's essay context, num_haystack words with the needles at sorted random DEPTHS:
+    (context, depths)."""
+    sentences = essay.sentences(num_haystack)
     depths = sorted(rng.sample(DEPTHS, len(needles)))
-    positions = [0] + [int(len(sents) * (d / 100)) for d in depths] + [len(sents)]
+    positions = [0] + [int(len(sentences) * (d / 100)) for d in depths] + [len(sentences)]
     parts = []  # RULER's document_sents_list: sentence runs and needles
     for i in range(1, len(positions)):
-        parts.append(" ".join(sents[positions[i - 1] : positions[i]]))
+        parts.append(" ".join(sentences[positions[i - 1] : positions[i]]))
         if i - 1 < len(needles):
             parts.append(needles[i - 1])
     return " ".join(parts), depths
 
 
 def line_context(cfg, num_haystack, needles, keys, rng):
-    """RULER's line haystacks (noise lines or distractor needles), needles at random lines: (context,
-    depths)."""
-    type_k, type_v = cfg["type_needle_k"], cfg["type_needle_v"]
+    """RULER's line haystacks (noise lines or distractor needles), needles at random lines:
+    (context, depths)."""
+    type_k = cfg["type_needle_k"]
+    type_v = cfg["type_needle_v"]
     if cfg["type_haystack"] == "noise":
         lines = [NOISE] * num_haystack
-    else:
-        lines = [
-            NEEDLE.format(
-                type_needle_v=type_v,
-                key=random_key(type_k, rng, keys),
-                value=random_value(type_v, rng),
-            )
-            for _ in range(num_haystack)
-        ]
+    else:  # distractors: needles of other keys
+        lines = []
+        for _ in range(num_haystack):
+            key = random_key(type_k, rng, keys)
+            value = random_value(type_v, rng)
+            lines.append(NEEDLE.format(type_needle_v=type_v, key=key, value=value))
+
     indexes = sorted(rng.sample(range(num_haystack), len(needles)), reverse=True)
     for index, element in zip(indexes, needles):
         lines.insert(index, element)
-    depths = [round(100 * i / num_haystack) for i in indexes]  # needle i went in at line indexes[i]
+    # needle i went in at line indexes[i]
+    depths = [round(100 * i / num_haystack) for i in indexes]
     return "\n".join(lines), depths
 
 
 # ---- the haystack size ---------------------------------------------------------------------------
 def haystack_step(task, max_len):
     """RULER's `incremental` back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens; below
-    4096, 100 essay words (RULER never runs essays that short; 500 words would empty a 1K prompt)."""
+    4096, 100 essay words (RULER never runs essays that short; 500 words would empty a 1K
+    prompt)."""
     if TASKS[task]["type_haystack"] == "essay":
         return 500 if max_len >= 4096 else 100
     return 5 if max_len < 4096 else 25
@@ -369,27 +377,29 @@ def fit_haystack(task, max_len, enc, essay=None, seed=42):
     tokenizations cost little beside the samples'); unlike RULER's endless loop, the haystack may
     shrink to min_haystack, else num_haystack is None. Also returns step, probes,
     prompt_tokens_at_min."""
-    step, lo = haystack_step(task, max_len), min_haystack(task)
+    step = haystack_step(task, max_len)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
-    budget, probes, last = (
-        max_len - TOKENS_TO_GENERATE - 1,
-        0,
-        {},
-    )  # less the document-start token (RULER: no BOS)
+    budget = max_len - TOKENS_TO_GENERATE - 1  # less the document-start token (RULER: no BOS)
+    probes = 0
+    prompt_tokens = {}  # num_haystack -> tokens of its probe prompt
 
     def tokens(n):
         nonlocal probes
         probes += 1
-        last[n] = len(enc.encode_ordinary(build_input(task, n, rng, essay, seed)["input_text"]))
-        return last[n]
+        text = build_input(task, n, rng, essay, seed)["input_text"]
+        prompt_tokens[n] = len(enc.encode_ordinary(text))
+        return prompt_tokens[n]
 
-    per_unit = tokens(step) / step  # RULER: estimate, then search up to 3x the estimated maximum
+    # RULER: estimate, then search up to 3x the estimated maximum
+    per_unit = tokens(step) / step
+    lo = min_haystack(task)
     hi = max(int(max_len / per_unit * 3), step * 2)
     best = None
     while lo <= hi:
         mid = (lo + hi) // 2
         if tokens(mid) <= budget:
-            best, lo = mid, mid + 1
+            best = mid
+            lo = mid + 1
         else:
             hi = mid - 1
     return dict(
@@ -397,36 +407,35 @@ def fit_haystack(task, max_len, enc, essay=None, seed=42):
         step=step,
         min_haystack=min_haystack(task),
         probes=probes,
-        prompt_tokens_at_min=last.get(min_haystack(task)),
+        prompt_tokens_at_min=prompt_tokens.get(min_haystack(task)),
     )
 
 
 def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
-    """Sample `index`: the fitted haystack, backed off a step (RULER) while the real tokenization does
-    not fit. Each attempt draws from Random(seed/task/length/index/attempt), not RULER's one stream,
-    so --samples N gives the same first N samples. build_input's dict + input_ids, input_tokens,
-    attempts, answer_token_pos (RULER's)."""
-    fit = fit or fit_haystack(
-        task, max_len, enc, essay, seed
-    )  # evaluate() skips a length where it is None
+    """Sample `index`: the fitted haystack, backed off a step (RULER) while the real tokenization
+    does not fit. Each attempt draws from Random(seed/task/length/index/attempt), not RULER's one
+    stream, so --samples N gives the same first N samples. build_input's dict + input_ids,
+    input_tokens, attempts, answer_token_pos (RULER's)."""
+    # evaluate() skips a length where the fitted num_haystack is None
+    fit = fit or fit_haystack(task, max_len, enc, essay, seed)
     used = fit["num_haystack"]
     for attempt in range(MAX_ATTEMPTS):
-        s = build_input(
-            task, used, random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}"), essay, seed
-        )
-        ids = [enc.doc_start] + enc.encode_ordinary(s["input_text"])
+        rng = random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}")
+        sample = build_input(task, used, rng, essay, seed)
+        ids = [enc.doc_start] + enc.encode_ordinary(sample["input_text"])
         if len(ids) + TOKENS_TO_GENERATE <= max_len:
             break
         used = max(fit["min_haystack"], used - fit["step"])
     else:
         raise RuntimeError(f"{task} at {max_len}: no sample fit after {MAX_ATTEMPTS} attempts")
-    pos = s["input_text"].find(s["answers"][0])
+
+    answer_at = sample["input_text"].find(sample["answers"][0])
     return dict(
-        s,
+        sample,
         input_ids=ids,
         input_tokens=len(ids),
         attempts=attempt + 1,
-        answer_token_pos=1 + len(enc.encode_ordinary(s["input_text"][:pos])),
+        answer_token_pos=1 + len(enc.encode_ordinary(sample["input_text"][:answer_at])),
     )
 
 
@@ -446,15 +455,17 @@ def newline_tokens(enc):
 def decode_output(tokens, enc, newline_ids=None):
     """(text, stop): cut before end-of-text ("eot") or at a newline of newline_ids ("newline"), else
     "budget". Ids beyond the tokenizer (the padded vocabulary) decode to nothing."""
-    j, stop = next(
-        (
-            (j, "eot" if t == enc.eot_token else "newline")
-            for j, t in enumerate(tokens)
-            if t == enc.eot_token or t in (newline_ids or ())
-        ),
-        (len(tokens), "budget"),
-    )
-    text = enc.decode([t for t in tokens[: j + (stop == "newline")] if t < enc.n_vocab])
+    cut = len(tokens)
+    stop = "budget"
+    for j, t in enumerate(tokens):
+        if t == enc.eot_token or t in (newline_ids or ()):
+            cut = j
+            stop = "eot" if t == enc.eot_token else "newline"
+            break
+
+    # a newline token is decoded, then the text cut at its newline: the token may carry text first
+    kept = tokens[: cut + (stop == "newline")]
+    text = enc.decode([t for t in kept if t < enc.n_vocab])
     return (text.split("\n", 1)[0] if stop == "newline" else text), stop
 
 
@@ -472,9 +483,8 @@ def sample_score(pred, refs):
 def string_match_all(preds, refs):
     """RULER's metric (scripts/eval/synthetic/constants.py): mean sample_score x 100, rounded to 2
     decimals."""
-    return round(
-        sum(sample_score(pred, ref) for pred, ref in zip(preds, refs)) / len(preds) * 100, 2
-    )
+    total = sum(sample_score(pred, ref) for pred, ref in zip(preds, refs))
+    return round(total / len(preds) * 100, 2)
 
 
 # ---- the haystack --------------------------------------------------------------------------------
@@ -496,9 +506,8 @@ def val_text(data_dir, n_tokens):
     """Up to n_tokens of the validation stream, decoded document by document with the tokenizer that
     wrote it."""
     paths = shard_paths(data_dir, "val")
-    tokens = read_tokens(
-        data_dir, "val", min(VAL_TOKENS, n_tokens, sum(len(open_shard(p)) for p in paths))
-    )
+    available = sum(len(open_shard(p)) for p in paths)
+    tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, n_tokens, available))
     enc = get_tokenizer(shard_tokenizer(paths[0]))
     docs = np.split(tokens, np.flatnonzero(tokens == enc.doc_start))
     marks = {enc.doc_start, enc.eot_token}
@@ -507,7 +516,8 @@ def val_text(data_dir, n_tokens):
 
 def load_essay(haystack_file, data_dir, max_len):
     if haystack_file:
-        text, where = load_haystack_file(haystack_file), f"file:{os.path.abspath(haystack_file)}"
+        text = load_haystack_file(haystack_file)
+        where = f"file:{os.path.abspath(haystack_file)}"
     else:
         try:
             text = val_text(data_dir, 2 * max_len)
@@ -522,24 +532,27 @@ def load_essay(haystack_file, data_dir, max_len):
 
 
 def haystack_label(task, essay):
+    """Part of every record's key: the essay's label, or the kind of line haystack."""
     kind = TASKS[task]["type_haystack"]
-    return essay.label if kind == "essay" else kind  # part of every record's key
+    return essay.label if kind == "essay" else kind
 
 
 # ---- summary and figure --------------------------------------------------------------------------
 def summarize(records, runs, tasks, lengths, n_samples, skipped):
-    """Rows (label, task, target_length) with RULER's score, and an "average" row per (label, length)
-    over tasks. `skipped` maps (run label or None, task or None, length) to why."""
-    by = {}
+    """Rows (label, task, target_length) with RULER's score, and an "average" row per (label,
+    length) over tasks. `skipped` maps (run label or None, task or None, length) to why."""
+    by_cell = {}
     for r in records:
         if r["sample"] < n_samples:
-            by.setdefault((r["label"], r["task"], r["target_length"]), []).append(r)
+            by_cell.setdefault((r["label"], r["task"], r["target_length"]), []).append(r)
+
     rows = []
     for run in runs:
         for length in lengths:
             scored = []
             for task in tasks:
-                recs = sorted(by.get((run["label"], task, length), []), key=lambda r: r["sample"])
+                recs = by_cell.get((run["label"], task, length), [])
+                recs = sorted(recs, key=lambda r: r["sample"])
                 why = skipped.get((run["label"], None, length)) or skipped.get((None, task, length))
                 row = dict(
                     label=run["label"],
@@ -553,13 +566,13 @@ def summarize(records, runs, tasks, lengths, n_samples, skipped):
                     status=why or "missing",
                 )
                 if recs:
+                    score = string_match_all(
+                        [r["pred"] for r in recs], [r["answers"] for r in recs]
+                    )
+                    mean_input_tokens = sum(r["input_tokens"] for r in recs) / len(recs)
                     row.update(
-                        score=string_match_all(
-                            [r["pred"] for r in recs], [r["answers"] for r in recs]
-                        ),
-                        mean_input_tokens=round(
-                            sum(r["input_tokens"] for r in recs) / len(recs), 1
-                        ),
+                        score=score,
+                        mean_input_tokens=round(mean_input_tokens, 1),
                         status="ok" if len(recs) == n_samples else "partial",
                     )
                     scored.append(row["score"])
@@ -586,13 +599,12 @@ def plot_scores(rows, runs, path):
     ruler_summary.csv)."""
     series = {}
     for run in runs:
-        pts = sorted(
-            (r["target_length"], r["score"])
-            for r in rows
-            if r["label"] == run["label"] and r["task"] == "average" and r["score"] is not None
-        )
-        if pts:
-            series[run["label"]] = tuple(zip(*pts))
+        points = []
+        for r in rows:
+            if r["label"] == run["label"] and r["task"] == "average" and r["score"] is not None:
+                points.append((r["target_length"], r["score"]))
+        if points:
+            series[run["label"]] = tuple(zip(*sorted(points)))
     if series:
         plot_curves(
             series,
@@ -610,15 +622,10 @@ def print_table(rows, runs, tasks, lengths):
         print(f"\n{run['label']} (train length {run['block_size']}): string_match_all, % by length")
         print(f"{'task':<18}" + "".join(f"{L:>9}" for L in lengths))
         for task in tasks + ["average"]:
-            cells = {
-                r["target_length"]: r["score"]
-                for r in rows
-                if r["label"] == run["label"] and r["task"] == task
-            }
-            print(
-                f"{task:<18}"
-                + "".join(f"{'-' if cells.get(L) is None else cells[L]:>9}" for L in lengths)
-            )
+            mine = [r for r in rows if r["label"] == run["label"] and r["task"] == task]
+            scores = {r["target_length"]: r["score"] for r in mine}
+            cells = ["-" if scores.get(L) is None else scores[L] for L in lengths]
+            print(f"{task:<18}" + "".join(f"{cell:>9}" for cell in cells))
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -631,8 +638,8 @@ def build_parser():
         "--preset",
         choices=["paper"],
         default=None,
-        help="paper: RULER's protocol: Paul Graham's essays (--haystack_file required), no newline stop, "
-        "500 samples, lengths 4K-128K",
+        help="paper: RULER's protocol: Paul Graham's essays (--haystack_file required), "
+        "no newline stop, 500 samples, lengths 4K-128K",
     )
     p.add_argument(
         "--lengths",
@@ -654,7 +661,8 @@ def build_parser():
     p.add_argument(
         "--no_newline_stop",
         action="store_true",
-        help="generate until end-of-text or 128 tokens, as RULER does (default: also stop at a newline)",
+        help="generate until end-of-text or 128 tokens, as RULER does "
+        "(default: also stop at a newline)",
     )
     return p
 
@@ -665,11 +673,10 @@ def parse_args(argv):
     if args.preset == "paper":
         args.no_newline_stop = True
         args.lengths = args.lengths or ",".join(map(str, RULER_LENGTHS))
-    args.tasks = (
-        list(TASKS)
-        if args.tasks == "all"
-        else [t.strip() for t in args.tasks.split(",") if t.strip()]
-    )
+    if args.tasks == "all":
+        args.tasks = list(TASKS)
+    else:
+        args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         p.error(f"unknown task(s) {unknown}; choose from {list(TASKS)} or 'all'")
@@ -681,10 +688,34 @@ def parse_args(argv):
     if args.preset == "paper" and essay_tasks and not args.haystack_file:
         raise SystemExit(
             "eval_ruler.py: error: --preset paper needs RULER's essay haystack: run RULER's "
-            "scripts/data/synthetic/json/download_paulgraham_essay.py (github.com/NVIDIA/RULER; it writes "
-            "PaulGrahamEssays.json) and pass --haystack_file PaulGrahamEssays.json"
+            "scripts/data/synthetic/json/download_paulgraham_essay.py (github.com/NVIDIA/RULER; "
+            "it writes PaulGrahamEssays.json) and pass --haystack_file PaulGrahamEssays.json"
         )
     return args
+
+
+def essay_haystack(args, runs, lengths):
+    """The essay of the essay tasks (None if no task asked for needs one)."""
+    if not any(TASKS[t]["type_haystack"] == "essay" for t in args.tasks):
+        return None
+    data_dir = None if args.haystack_file else training_data_dir(runs, args.data_dir)
+    essay = load_essay(args.haystack_file, data_dir, max(lengths))
+    n_sentences = len(essay.ends)
+    print(f"essay haystack: {essay.label} ({len(essay.words)} words, {n_sentences} sentences)")
+    return essay
+
+
+def records_asked_for(log, args, runs, lengths, essay):
+    """The records of these tasks, lengths, haystacks and checkpoints (the log may hold more)."""
+    checkpoints = {(run["label"], run["ckpt_path"]) for run in runs}
+    return [
+        r
+        for r in log.records
+        if r["task"] in args.tasks
+        and r["target_length"] in lengths
+        and r["haystack"] == haystack_label(r["task"], essay)
+        and (r["label"], r["ckpt"]) in checkpoints
+    ]
 
 
 def main(argv=None):
@@ -692,14 +723,10 @@ def main(argv=None):
     t_start = time.time()
     device = pick_device(args.device)
     runs, enc = load_runs(args.ckpt, device, args.attn_impl)
-    lengths = args.lengths or geometric_lengths(min(r["block_size"] for r in runs), args.max_length)
-    essay = None
-    if any(TASKS[t]["type_haystack"] == "essay" for t in args.tasks):
-        data_dir = None if args.haystack_file else training_data_dir(runs, args.data_dir)
-        essay = load_essay(args.haystack_file, data_dir, max(lengths))
-        print(
-            f"essay haystack: {essay.label} ({len(essay.words)} words, {len(essay.ends)} sentences)"
-        )
+    shortest_training = min(run["block_size"] for run in runs)
+    lengths = args.lengths or geometric_lengths(shortest_training, args.max_length)
+    essay = essay_haystack(args, runs, lengths)
+
     # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""); by default
     # generation also stops at a newline (the answer is one line: it saves most of the 128 steps),
     # where RULER reads on.
@@ -707,26 +734,24 @@ def main(argv=None):
     newline_ids = None if args.no_newline_stop else newline_tokens(enc)
     jsonl = os.path.join(args.out, "ruler_samples.jsonl")
     dtype = resolve_dtype(device, args.dtype)
-    check_settings(
-        jsonl,
-        dict(
-            seed=args.seed,
-            stop_rule=stop_rule,
-            dtype=dtype,
-            tokenizer=runs[0]["tokenizer"],
-            tokens_to_generate=TOKENS_TO_GENERATE,
-            words=words_digest(),
-        ),
+    settings = dict(
+        seed=args.seed,
+        stop_rule=stop_rule,
+        dtype=dtype,
+        tokenizer=runs[0]["tokenizer"],
+        tokens_to_generate=TOKENS_TO_GENERATE,
+        words=words_digest(),
     )
+    check_settings(jsonl, settings)
     log = ResultLog(jsonl, KEY_FIELDS, runs)
+
     skipped = {}
     for run in runs:
         for L in lengths:
-            if why := memory_shortfall(
-                run["model"], L, device, args.memory_fraction, kv_cache=True
-            ):
+            why = memory_shortfall(run["model"], L, device, args.memory_fraction, kv_cache=True)
+            if why:
                 skipped[(run["label"], None, L)] = f"skipped: {why}"
-                print(f"[{run['label']}] skipping length {L}: {skipped[(run['label'], None, L)]}")
+                print(f"[{run['label']}] skipping length {L}: skipped: {why}")
     for task in args.tasks:
         for L in lengths:
             active = [r for r in runs if (r["label"], None, L) not in skipped]
@@ -736,21 +761,17 @@ def main(argv=None):
             if why:
                 skipped[(None, task, L)] = why
                 print(f"{task} @ {L}: {why}")
-    mine = [
-        r
-        for r in log.records
-        if r["task"] in args.tasks
-        and r["target_length"] in lengths
-        and r["haystack"] == haystack_label(r["task"], essay)
-        and any(r["label"] == x["label"] and r["ckpt"] == x["ckpt_path"] for x in runs)
-    ]
-    rows = summarize(mine, runs, args.tasks, lengths, args.samples, skipped)
-    write_table(rows, os.path.join(args.out, "ruler_summary"))
-    plot_scores(rows, runs, os.path.join(args.out, "ruler_scores.png"))
+
+    records = records_asked_for(log, args, runs, lengths, essay)
+    rows = summarize(records, runs, args.tasks, lengths, args.samples, skipped)
+    summary_prefix = os.path.join(args.out, "ruler_summary")
+    figure = os.path.join(args.out, "ruler_scores.png")
+    write_table(rows, summary_prefix)
+    plot_scores(rows, runs, figure)
     print_table(rows, runs, args.tasks, lengths)
     print(
-        f"\nwrote {log.path}, {os.path.join(args.out, 'ruler_summary')}.{{json,csv}} and "
-        f"{os.path.join(args.out, 'ruler_scores.png')} in {time.time() - t_start:.1f}s"
+        f"\nwrote {log.path}, {summary_prefix}.{{json,csv}} and {figure} "
+        f"in {time.time() - t_start:.1f}s"
     )
     return rows
 
@@ -763,21 +784,24 @@ def evaluate(task, L, runs, enc, essay, args, log, device, dtype, newline_ids, s
     def key(run, i):
         return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, L, i, hay)
 
+    # sample index -> the runs that have not scored it yet
     todo = {i: [r for r in runs if key(r, i) not in log.done] for i in range(args.samples)}
-    todo = {i: rs for i, rs in todo.items() if rs}
+    todo = {i: pending for i, pending in todo.items() if pending}
     if not todo:
         return
     fit = fit_haystack(task, L, enc, essay, args.seed)
     if fit["num_haystack"] is None:
+        needed = fit["prompt_tokens_at_min"] + 1
         return (
-            f"skipped: the prompt without haystack needs {fit['prompt_tokens_at_min'] + 1} tokens, "
+            f"skipped: the prompt without haystack needs {needed} tokens, "
             f"> {L} - {TOKENS_TO_GENERATE}"
         )
+
     stop_ids = {enc.eot_token} | (newline_ids or set())
     bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {L}", dynamic_ncols=True)
     for i, pending in todo.items():
-        s = generate_sample(task, L, enc, essay, args.seed, i, fit=fit)
-        idx = torch.tensor([s["input_ids"]], dtype=torch.long, device=device)
+        sample = generate_sample(task, L, enc, essay, args.seed, i, fit=fit)
+        idx = torch.tensor([sample["input_ids"]], dtype=torch.long, device=device)
         for run in pending:
             t0 = time.time()
             with autocast(device, dtype):
@@ -789,20 +813,20 @@ def evaluate(task, L, runs, enc, essay, args, log, device, dtype, newline_ids, s
                     zip(KEY_FIELDS, key(run, i)),
                     ckpt_step=run["ckpt_step"],
                     seed=args.seed,
-                    input_tokens=s["input_tokens"],
-                    num_haystack=s["num_haystack"],
-                    attempts=s["attempts"],
-                    needles=s["needles"],
-                    queries=s["queries"],
-                    answers=s["answers"],
-                    depths=s["depths"],
-                    answer_token_pos=s["answer_token_pos"],
+                    input_tokens=sample["input_tokens"],
+                    num_haystack=sample["num_haystack"],
+                    attempts=sample["attempts"],
+                    needles=sample["needles"],
+                    queries=sample["queries"],
+                    answers=sample["answers"],
+                    depths=sample["depths"],
+                    answer_token_pos=sample["answer_token_pos"],
                     output=text,
                     pred=pred,
                     stop=stop,
                     stop_rule=stop_rule,
                     gen_tokens=len(out),
-                    score=sample_score(pred, s["answers"]),
+                    score=sample_score(pred, sample["answers"]),
                     seconds=round(time.time() - t0, 3),
                 )
             )
