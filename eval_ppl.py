@@ -161,6 +161,16 @@ def load_sequences(args, runs):
 
 
 # ---- Evaluation ----------------------------------------------------------------------------------
+def memory_needed(args, run, device):
+    """Why one forward over --seq_len tokens does not fit, or None."""
+    # the loss head on top of the forward: fp32 logits, log-softmax, autocast copy over <= 8192
+    # positions
+    head_bytes = 3 * 4 * min(args.seq_len, 8192) * run["model"].config.padded_vocab_size
+    return memory_shortfall(
+        run["model"], args.seq_len, device, args.memory_fraction, extra_bytes=head_bytes
+    )
+
+
 def evaluate(args, run, seqs, data_desc, dtype, device, log):
     """Score every sequence with one checkpoint (resuming from `log`). Returns its summary rows."""
     name = run["label"]
@@ -174,12 +184,7 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         dtype=dtype,
         train_length=run["block_size"],
     )
-    # the loss head on top of the forward: fp32 logits, log-softmax, autocast copy over <= 8192
-    # positions
-    head_bytes = 3 * 4 * min(args.seq_len, 8192) * run["model"].config.padded_vocab_size
-    why = memory_shortfall(
-        run["model"], args.seq_len, device, args.memory_fraction, extra_bytes=head_bytes
-    )
+    why = memory_needed(args, run, device)
     if why:
         message = f"skipped: a forward over {args.seq_len} tokens {why}"
         print(f"{name}: {message}")

@@ -432,13 +432,6 @@ def run(args):
     bar.close()
     summary = summarize(rows, accuracy, runs, lengths, length)
 
-    ec.write_table(rows, os.path.join(args.out, "attention_heads"))
-    figures = [
-        os.path.join(args.out, "attention_heads.png"),
-        os.path.join(args.out, "attention_needle_vs_length.png"),
-    ]
-    plot_heads(rows, runs, length, figures[0])
-    plot_needle_vs_length(summary, figures[1])
     settings = dict(
         template=args.template,
         template_hash=passkey.template_hash(template),
@@ -452,6 +445,19 @@ def run(args):
         device=str(device),
         tokenizer=runs[0]["tokenizer"],
     )
+    write_outputs(args, rows, summary, runs, settings, t0)
+    return rows, summary
+
+
+def write_outputs(args, rows, summary, runs, settings, t0):
+    """attention_heads.{json,csv,png}, attention_needle_vs_length.png, attention_summary.json."""
+    ec.write_table(rows, os.path.join(args.out, "attention_heads"))
+    figures = [
+        os.path.join(args.out, "attention_heads.png"),
+        os.path.join(args.out, "attention_needle_vs_length.png"),
+    ]
+    plot_heads(rows, runs, settings["length"], figures[0])
+    plot_needle_vs_length(summary, figures[1])
     written = dict(
         settings=settings,
         checkpoints=summary,
@@ -460,7 +466,6 @@ def run(args):
     )
     with open(os.path.join(args.out, "attention_summary.json"), "w") as f:
         json.dump(written, f, indent=1)
-    return rows, summary
 
 
 def _heads(heads):

@@ -99,8 +99,8 @@ def corpus(tmp_path_factory):
 # Tokenizers
 # --------------------------------------------------------------------------------------------------
 def forbid_network(monkeypatch, who):
-    """Any socket opened from now on fails the test, naming who must stay offline; the tokenizer cache
-    is emptied so that the next get_tokenizer loads its tokenizer under this guard."""
+    """Any socket opened from now on fails the test, naming who must stay offline; the tokenizer
+    cache is emptied so that the next get_tokenizer loads its tokenizer under this guard."""
 
     def no_network(*a, **k):
         raise AssertionError(f"{who} must not touch the network")
@@ -116,13 +116,11 @@ def test_byte_tokenizer_is_offline(monkeypatch):
     assert enc is get_tokenizer("byte")  # cached
     assert (enc.eot_token, enc.n_vocab) == (EOT["byte"], VOCAB_SIZE["byte"]) == (256, 257)
     text = "naïve café 日本語 🙂 <|endoftext|>"
-    assert enc.encode_ordinary(text) == list(
-        text.encode("utf-8")
-    )  # the literal string is not end-of-text
+    # the literal string is not end-of-text
+    assert enc.encode_ordinary(text) == list(text.encode("utf-8"))
     assert enc.decode(enc.encode_ordinary(text)) == text
-    assert isinstance(
-        enc.decode([0xE6, 0x97, 256, 0xFF]), str
-    )  # a cut multi-byte character must not crash
+    # a cut multi-byte character must not crash
+    assert isinstance(enc.decode([0xE6, 0x97, 256, 0xFF]), str)
 
 
 def test_mistral_tokenizer_is_offline_and_round_trips(monkeypatch):
@@ -168,9 +166,8 @@ def test_prepare_mistral_gap_and_documents(tmp_path):
     )
     full = stream(tmp_path / "m")
     tok = get_tokenizer("mistral")
-    assert full.tolist() == [
-        t for x in texts for t in tok.document(x)
-    ]  # BOS ... EOS, in stream order
+    # BOS ... EOS, in stream order
+    assert full.tolist() == [t for x in texts for t in tok.document(x)]
     assert meta["documents"] == len(texts) and meta["doc_start"] == 1
     gap = 250
     meta = prepare_fineweb.main(
@@ -257,9 +254,11 @@ def test_shard_round_trip_and_header_errors(tmp_path):
 # prepare_fineweb.py
 # --------------------------------------------------------------------------------------------------
 def test_prepare_round_trip(corpus):
-    d, texts = corpus["dir"], corpus["texts"]
+    d = corpus["dir"]
+    texts = corpus["texts"]
     meta = json.load(open(os.path.join(d, "meta.json")))
-    val, train = shard_paths(d, "val"), shard_paths(d, "train")
+    val = shard_paths(d, "val")
+    train = shard_paths(d, "train")
     assert [os.path.basename(p) for p in val] == ["docs_val_000000.bin"]
     assert os.path.basename(train[0]) == "docs_train_000001.bin"
     sizes = [len(open_shard(p, "byte")) for p in val + train]
@@ -267,9 +266,8 @@ def test_prepare_round_trip(corpus):
     tokens = stream(d)
     docs = split_docs(tokens, EOT["byte"])
     enc = get_tokenizer("byte")
-    assert [
-        enc.decode(doc[1:].tolist()) for doc in docs
-    ] == texts  # documents and their boundaries survive
+    # documents and their boundaries survive
+    assert [enc.decode(doc[1:].tolist()) for doc in docs] == texts
     assert meta["complete"] and meta["tokens"] == len(tokens) == sum(
         len(t.encode()) + 1 for t in texts
     )
@@ -282,8 +280,8 @@ def test_prepare_round_trip(corpus):
 
 
 def test_prepare_jsonl_and_txt(tmp_path):
-    """A .txt file is one document; jsonl records are documents; files come in the order given (globs
-    sorted)."""
+    """A .txt file is one document; jsonl records are documents; files come in the order given
+    (globs sorted)."""
     j = write_jsonl(tmp_path / "a.jsonl", ["first record", "second record\nwith two lines"])
     (tmp_path / "t2.txt").write_text("essay two\n\nparagraph two\n")
     (tmp_path / "t1.txt").write_text("essay one\n\nstill essay one")
@@ -312,9 +310,8 @@ def test_prepare_input_errors(tmp_path):
         prepare(tmp_path / "d2", [str(tmp_path / "other.jsonl")])
     assert os.listdir(tmp_path / "d2") == ["meta.json"]  # nothing half-written
     os.makedirs(tmp_path / "d3")
-    write_shard(
-        str(tmp_path / "d3" / "demo_train_000001.bin"), [256, 1], "byte"
-    )  # not ours: no meta.json
+    # not ours: no meta.json
+    write_shard(str(tmp_path / "d3" / "demo_train_000001.bin"), [256, 1], "byte")
     with pytest.raises(FileExistsError, match="no meta.json"):
         prepare(tmp_path / "d3", [write_jsonl(tmp_path / "ok.jsonl", ["text"])])
 
@@ -322,7 +319,8 @@ def test_prepare_input_errors(tmp_path):
 def interrupt_after_shards(monkeypatch, n):
     """Make prepare_fineweb raise KeyboardInterrupt (a ^C) when it is about to write shard n + 1;
     returns the function that puts the real write_shard back."""
-    real_write, written = prepare_fineweb.write_shard, []
+    real_write = prepare_fineweb.write_shard
+    written = []
 
     def write_or_interrupt(path, tokens, name):
         if len(written) == n:
@@ -347,7 +345,8 @@ def test_prepare_resume_is_byte_identical(corpus, tmp_path, monkeypatch, capsys)
     restore()
     inodes = {f: os.stat(d / f).st_ino for f in os.listdir(d) if f.endswith(".bin")}
     assert len(inodes) == 3
-    real_tokenize, tokenized = prepare_fineweb.tokenize, []
+    real_tokenize = prepare_fineweb.tokenize
+    tokenized = []
     monkeypatch.setattr(
         prepare_fineweb,
         "tokenize",
@@ -356,9 +355,8 @@ def test_prepare_resume_is_byte_identical(corpus, tmp_path, monkeypatch, capsys)
     prepare(d, files)
     assert shard_bytes(d) == reference
     assert {f: os.stat(d / f).st_ino for f in inodes} == inodes
-    assert (
-        0 < len(tokenized) < len(corpus["texts"])
-    )  # the documents of the kept shards were not tokenized again
+    # the documents of the kept shards were not tokenized again
+    assert 0 < len(tokenized) < len(corpus["texts"])
 
     # 2. the last shard deleted and a stray .tmp left behind
     last = sorted(reference)[-2]  # sorted: ..._train_NNNNNN, then ..._val_000000
@@ -403,9 +401,8 @@ def test_prepare_max_tokens_then_extend(corpus, tmp_path):
     np.testing.assert_array_equal(stream(d), stream(corpus["dir"])[:2200])
     prepare(d, [corpus["path"]])  # a larger budget extends the preparation
     assert shard_bytes(d) == shard_bytes(corpus["dir"])
-    prepare(
-        d, [corpus["path"]], "--max_tokens", "1500"
-    )  # and a smaller one cuts it, removing the extra shards
+    # and a smaller one cuts it, removing the extra shards
+    prepare(d, [corpus["path"]], "--max_tokens", "1500")
     assert len(stream(d)) == 1500 and len(shard_paths(d, "train")) == 1
 
 
@@ -431,7 +428,9 @@ def test_doc_starts():
 
 
 def test_loader_windows_and_determinism(corpus):
-    d, T, B = corpus["dir"], 16, 4
+    d = corpus["dir"]
+    T = 16  # block size
+    B = 4  # batch size
     loader = TokenLoader(d, "train", block_size=T, batch_size=B, tokenizer="byte")
     assert (loader.tokenizer, loader.doc_start, loader.vocab_size) == ("byte", 256, 257)
     shards = [np.asarray(open_shard(p), dtype=np.int64) for p in shard_paths(d, "train")]
@@ -465,7 +464,9 @@ def test_loader_windows_and_determinism(corpus):
 
 
 def test_loader_ranks_are_disjoint(corpus):
-    T, B, ga = 16, 3, 2
+    T = 16  # block size
+    B = 3  # batch size
+    ga = 2  # gradient accumulation steps
     ranks = [TokenLoader(corpus["dir"], "train", T, B, rank=r, world_size=2) for r in range(2)]
     n_steps = len(ranks[0]) // (B * ga * 2)
     seen = [set(), set()]
@@ -477,9 +478,8 @@ def test_loader_ranks_are_disjoint(corpus):
                 other = ranks[1 - r].get_batch(step, m, ga)[0]
                 assert not any(torch.equal(a, b) for a in x for b in other)
     assert not seen[0] & seen[1]
-    assert seen[0] | seen[1] == set(
-        range(n_steps * B * ga * 2)
-    )  # together they cover the stream, no gaps
+    # together they cover the stream, no gaps
+    assert seen[0] | seen[1] == set(range(n_steps * B * ga * 2))
 
 
 def test_val_split(corpus, monkeypatch):

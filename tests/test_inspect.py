@@ -17,7 +17,8 @@ from data import get_tokenizer
 from model import GPT, GPTConfig, save_checkpoint
 from priors import Prior, alibi_slopes, register
 
-DEMO, PAPER = passkey.TEMPLATES["demo"], passkey.TEMPLATES["paper"]
+DEMO = passkey.TEMPLATES["demo"]
+PAPER = passkey.TEMPLATES["paper"]
 DIGITS = range(ord("0"), ord("9") + 1)  # the byte tokenizer's digit tokens
 
 
@@ -30,9 +31,8 @@ def test_key_positions(enc):
     tokens, _, info = passkey.build_prompt(enc, DEMO, 200, 31415, 3)
     assert ia.key_positions(enc, tokens, info) == [j for j, t in enumerate(tokens) if t in DIGITS]
     assert bytes(tokens[j] for j in ia.key_positions(enc, tokens, info)) == b"31415"
-    tokens, _, info = passkey.build_prompt(
-        enc, PAPER, 600, 27182, 2
-    )  # the paper's needle states the key twice
+    # the paper's needle states the key twice
+    tokens, _, info = passkey.build_prompt(enc, PAPER, 600, 27182, 2)
     pos = ia.key_positions(enc, tokens, info)
     assert bytes(tokens[j] for j in pos) == b"2718227182" and pos == [
         j for j, t in enumerate(tokens) if t in DIGITS
@@ -85,9 +85,8 @@ def forced_model():
         attn.wq.weight.zero_()
         attn.wk.weight.zero_()
         attn.wk.weight[0, 0] = 1 / r8  # head 0: k[0] = 1 on digits
-        attn.wq.weight[0, 2] = (
-            1.5 * 2 / r8
-        )  # head 0: q[0] = 3 at the space; l = q.k / sqrt(4) = 1.5
+        # head 0: q[0] = 3 at the space; l = q.k / sqrt(4) = 1.5
+        attn.wq.weight[0, 2] = 1.5 * 2 / r8
         attn.theta_alpha.copy_(torch.tensor([0.7, 0.0]))
         attn.theta_beta.copy_(torch.tensor([0.0, 1.0]))
         attn.ssmax_s.fill_(1.0)
@@ -115,11 +114,12 @@ def test_forced_heads_measure_the_closed_form(enc):
     rows, _ = ia.inspect_length(run, enc, DEMO, 96, 3, 1234, "cpu", "float32")
     prompts = passkey.make_samples(enc, DEMO, 96, 3, 1234)
     expected = [expected_forced(p + a[: info["n_given"]]) for p, a, info in prompts]
+    # needle at 0%, 50%, 100%
     assert {info["k"] for _, _, info in prompts} == {
         0,
         passkey.filler_units(enc, DEMO, 96) // 2,
         passkey.filler_units(enc, DEMO, 96),
-    }  # needle at 0%, 50%, 100%
+    }
     for h, row in enumerate(rows):
         assert (row["layer"], row["head"]) == (0, h)
         assert row["needle_mass"] == pytest.approx(
@@ -132,9 +132,8 @@ def test_forced_heads_measure_the_closed_form(enc):
         assert row["theta_alpha"] == pytest.approx([0.7, 0.0][h]) and row["ssmax_s"] == 1.0
         assert row["highlight"] is False and row["highlight_label"] == "θβ < 0"
     assert rows[0]["needle_mass"] > 0.95  # head 0 reads the key ...
-    assert (
-        rows[1]["needle_mass"] < 1e-3 and rows[1]["mean_distance"] < 0.02
-    )  # ... head 1 its own position
+    # ... head 1 its own position
+    assert rows[1]["needle_mass"] < 1e-3 and rows[1]["mean_distance"] < 0.02
     key_distance = np.mean(
         [
             len(p) + info["n_given"] - 1 - np.mean(ia.key_positions(enc, p, info))
@@ -148,8 +147,8 @@ def test_forced_heads_measure_the_closed_form(enc):
     "pos_encoding,ssmax", [("bam", True), ("alibi", True), ("rope", True), ("nope", False)]
 )
 def test_answer_row_is_the_models_own_attention(pos_encoding, ssmax):
-    """p @ v of the recomputed answer row equals what each layer's attention actually returned at that
-    position."""
+    """p @ v of the recomputed answer row equals what each layer's attention actually returned at
+    that position."""
     torch.manual_seed(3)
     cfg = GPTConfig(
         vocab_size=257,
@@ -167,10 +166,9 @@ def test_answer_row_is_the_models_own_attention(pos_encoding, ssmax):
         with torch.no_grad():
             model.blocks[1].attn.theta_beta[0] = -0.5  # an anti-local head
     idx = torch.randint(0, 257, (1, 53))
-    outputs, values = (
-        [],
-        [],
-    )  # each layer's attention output at the last position (the input of wo), and v
+    # each layer's attention output at the last position (the input of wo), and v
+    outputs = []
+    values = []
     hooks = [
         b.attn.wo.register_forward_pre_hook(lambda m, a: outputs.append(a[0][0, -1]))
         for b in model.blocks
@@ -272,9 +270,8 @@ def test_end_to_end(tmp_path, ckpts, capsys):
     labelled = {r["label"]: r for r in rows}
     assert labelled["bam_ssmax"]["shape_param"] == "theta_beta"
     alibi = [r for r in rows if r["label"] == "alibi" and r["target_length"] == 32]
-    assert [r["shape"] for r in alibi] == pytest.approx(
-        alibi_slopes(4).tolist() * 2
-    )  # ALiBi: its fixed slopes
+    # ALiBi: its fixed slopes
+    assert [r["shape"] for r in alibi] == pytest.approx(alibi_slopes(4).tolist() * 2)
     assert all(r["shape_param"] == "slope" and "highlight" not in r for r in alibi)
     assert "shape_param" not in labelled["rope"]
     for r in rows:

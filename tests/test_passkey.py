@@ -1,5 +1,5 @@
-"""eval_passkey.py: prompt construction, scoring, the command line end to end, resume and determinism
-(CPU, fast)."""
+"""eval_passkey.py: prompt construction, scoring, the command line end to end, resume and
+determinism (CPU, fast)."""
 
 import json
 import os
@@ -44,11 +44,12 @@ def ckpts(tmp_path_factory):
     return paths
 
 
+# differ between otherwise identical runs
 TIMING_FIELDS = (
     "seconds",
     "seconds_per_sample",
     "peak_mem_mib",
-)  # differ between otherwise identical runs
+)
 
 
 def score_sample(model, tokens, answer_tokens, n_given=0):
@@ -76,9 +77,8 @@ def test_paper_template_is_the_authors_verbatim():
         "There is an important info hidden inside a lot of irrelevant text. Find it and "
         "memorize them. I will quiz you about the important information there."
     )
-    assert (
-        PAPER["filler"]
-        == "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    assert PAPER["filler"] == (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
     )
     assert PAPER["needle"] == "The pass key is {pass_key}. Remember it. {pass_key} is the pass key."
     assert PAPER["question"] == "What is the pass key? The pass key is"
@@ -174,10 +174,11 @@ def merging_tokenizer():
 def test_prompt_with_merging_tokenizer():
     enc = merging_tokenizer()
     answer, n_given = passkey.answer_tokens(enc, 12345)
+    # all answer tokens scored
     assert [enc.decode([t]) for t in answer] == [
         " 123",
         "45",
-    ] and n_given == 0  # all answer tokens scored
+    ] and n_given == 0
     reduced = 0
     for target in range(300, 1400, 13):
         n = passkey.filler_units(enc, PAPER, target)
@@ -193,20 +194,21 @@ def test_prompt_with_merging_tokenizer():
                 )
                 assert enc.decode(tokens).endswith("What is the pass key? The pass key is")
                 assert enc.decode(ans) == f" {key}"
-    assert (
-        reduced > 0
-    )  # some keys tokenize longer than 99999, and filler was dropped to keep within the target
+    # some keys tokenize longer than 99999, and filler was dropped to keep within the target
+    assert reduced > 0
 
 
 # ---- scoring on a stub model ---------------------------------------------------------------------
 class StubModel(nn.Module):
-    """Returns logits whose argmax at the last `logits_at` positions is `self.predict` (plus optional
-    decoys)."""
+    """Returns logits whose argmax at the last `logits_at` positions is `self.predict` (plus
+    optional decoys)."""
 
     def __init__(self, predict, vocab=257, padded=320, decoy=None):
         super().__init__()
         self.config = type("C", (), {"vocab_size": vocab})()
-        self.predict, self.padded, self.decoy = predict, padded, decoy
+        self.predict = predict
+        self.padded = padded
+        self.decoy = decoy
         self.calls = []
 
     def forward(self, idx, logits_at=None):
@@ -226,9 +228,8 @@ def test_score_sample_on_stub(enc):
     right = StubModel(digits)
     assert score_sample(right, prompt, answer, info["n_given"]) == (True, digits)
     idx, m = right.calls[0]
-    assert (
-        idx.tolist() == [prompt + answer[:-1]] and m == 5
-    )  # teacher forcing; logits only at the 5 digits
+    # teacher forcing; logits only at the 5 digits
+    assert idx.tolist() == [prompt + answer[:-1]] and m == 5
 
     wrong = [d + 1 for d in digits]
     assert score_sample(StubModel(wrong), prompt, answer, info["n_given"]) == (False, wrong)
@@ -246,8 +247,8 @@ def test_score_sample_on_stub(enc):
 
 
 def test_mistral_scores_exactly_the_five_digits():
-    """The authors' tokenizer: " 12345" -> "▁▁" + one token per digit; the space token is given, the 5
-    digit tokens are scored. Pieces start at a word boundary on their own, so no separator is
+    """The authors' tokenizer: " 12345" -> "▁▁" + one token per digit; the space token is given, the
+    5 digit tokens are scored. Pieces start at a word boundary on their own, so no separator is
     added."""
     enc = get_tokenizer("mistral")
     prompt, answer, info = passkey.build_prompt(enc, PAPER, 1000, 12345, 2)
@@ -265,9 +266,8 @@ def test_mistral_scores_exactly_the_five_digits():
     assert info["n_given"] == 2 and [enc.decode([t]) for t in answer[2:]] == list("23456")
     byte = get_tokenizer("byte")
     assert passkey.answer_tokens(byte, 123456, 1) == (list(b" 123456"), 2)
-    assert (
-        passkey.answer_tokens(merging_tokenizer(), 123456, 1)[1] == 0
-    )  # " 123" merges the given digit: scored
+    # " 123" merges the given digit: scored
+    assert passkey.answer_tokens(merging_tokenizer(), 123456, 1)[1] == 0
 
 
 def test_score_batch_all_answer_tokens_when_space_merges():
@@ -304,7 +304,8 @@ def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
     by = {(r["label"], r["target_length"], r["sample"]): r for r in recs}
     for L in (400, 700):
         for i in range(4):
-            a, b = by[("runA", L, i)], by[("runB", L, i)]
+            a = by[("runA", L, i)]
+            b = by[("runB", L, i)]
             assert (a["key"], a["k"], a["length"]) == (b["key"], b["k"], b["length"]) and a[
                 "length"
             ] <= L
@@ -385,15 +386,13 @@ def test_end_to_end_accuracy_with_an_oracle(tmp_path, ckpts, monkeypatch):
             [r["key"] % 2 == 0 for r in recs if r["target_length"] == s["target_length"]]
         )
         assert s["digit_accuracy"] == [1.0, 1.0, 1.0, 1.0, even]
-    assert (
-        '"[1.0, 1.0, 1.0, 1.0, ' in (out / "passkey_summary.csv").read_text()
-    )  # the CSV holds the list
+    # the CSV holds the list
+    assert '"[1.0, 1.0, 1.0, 1.0, ' in (out / "passkey_summary.csv").read_text()
 
 
 def test_digit_accuracy_reads_the_answer_character_by_character(enc):
-    rec = dict(
-        key=48924, predicted_text="4894!"
-    )  # a digit dropped: every digit after it is misread
+    # a digit dropped: every digit after it is misread
+    rec = dict(key=48924, predicted_text="4894!")
     assert ep.digits_right(rec, " ") == [True, True, True, False, False]
     assert ep.digits_right(dict(key=66462, predicted_text="6?462"), " ") == [
         True,
@@ -425,9 +424,8 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
     assert oracle_forward.samples == 20
     jsonl = out / "passkey_samples.jsonl"
     lines = jsonl.read_text().splitlines(keepends=True)
-    jsonl.write_text(
-        "".join(lines[:7]) + lines[7][:25]
-    )  # an interruption: 7 records and a cut line
+    # an interruption: 7 records and a cut line
+    jsonl.write_text("".join(lines[:7]) + lines[7][:25])
 
     oracle_forward.samples = 0
     second = run_main(out, ckpts, *args)
@@ -440,14 +438,12 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
     )
 
     oracle_forward.samples = 0
-    run_main(
-        out, ckpts, *args, "--lengths", "400", "700", "1000"
-    )  # a new length: only it is evaluated
+    # a new length: only it is evaluated
+    run_main(out, ckpts, *args, "--lengths", "400", "700", "1000")
     assert oracle_forward.samples == 10
 
-    with pytest.raises(
-        eval_common.EvalError, match="seed"
-    ):  # other prompts: refuse to mix them into these results
+    # other prompts: refuse to mix them into these results
+    with pytest.raises(eval_common.EvalError, match="seed"):
         run_main(out, ckpts, *args, "--seed", "7")
 
 
@@ -462,9 +458,8 @@ def test_seed_table_per_run_then_median_and_minimum(tmp_path):
         for s, accs in enumerate(per_seed, start=1)
         for L, a in zip((64, 256, 512, 1024), accs)
     ]
-    rows.append(
-        dict(label="rope-s2", train_length=64, target_length=128, accuracy=None)
-    )  # skipped: no column
+    # skipped: no column
+    rows.append(dict(label="rope-s2", train_length=64, target_length=128, accuracy=None))
     text = ep.seed_table(rows, str(tmp_path), 5)
     assert text == (tmp_path / "demo_table.md").read_text()
     lines = text.splitlines()
@@ -584,13 +579,14 @@ def test_lengths_that_cannot_run_are_skipped(tmp_path, ckpts, monkeypatch, capsy
 def test_default_grid_from_the_training_length(tmp_path, ckpts, capsys):
     res = run_main(tmp_path / "res", ckpts[:1], "--max_length", "512", "--samples", "2")
     rows = {s["target_length"]: s for s in res["summary"]}
+    # block_size 32 x 1, 2, 4, ... up to --max_length
     assert sorted(rows) == [
         32,
         64,
         128,
         256,
         512,
-    ]  # block_size 32 x 1, 2, 4, ... up to --max_length
+    ]
     shortest = passkey.min_prompt_length(get_tokenizer("byte"), PAPER)
     for L, s in rows.items():
         assert (s["status"] == "ok") == (L >= shortest)
