@@ -141,9 +141,8 @@ def expand_files(patterns):
                     f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} "
                     "(optionally .gz/.zst/.bz2/.xz)"
                 )
-            if (
-                os.path.getsize(f) == 0
-            ):  # caught here: datasets' json builder fails on it with a bare StopIteration
+            # caught here: datasets' json builder fails on it with a bare StopIteration
+            if os.path.getsize(f) == 0:
                 raise DataError(f"--local_files: {f} is empty")
         files += hits
     return files
@@ -159,31 +158,22 @@ def source_rows(args):
     """The documents' texts (None for a row without text), in a deterministic order."""
     from datasets import load_dataset
 
+    streams = []  # (dataset, its text column)
     if args.local_files:
         # consecutive files of one format go through one builder, so many small files stay cheap
-        parts = [(fmt, list(fs)) for fmt, fs in itertools.groupby(args.files, key=file_format)]
-        streams = [
-            (
-                load_dataset(
-                    fmt,
-                    data_files=fs,
-                    split="train",
-                    streaming=True,
-                    **({"sample_by": "document"} if fmt == "text" else {}),
-                ),
-                "text" if fmt == "text" else args.text_column,
+        for fmt, files in itertools.groupby(args.files, key=file_format):
+            # a .txt file is one document, not one per line
+            options = {"sample_by": "document"} if fmt == "text" else {}
+            dataset = load_dataset(
+                fmt, data_files=list(files), split="train", streaming=True, **options
             )
-            for fmt, fs in parts
-        ]
+            streams.append((dataset, "text" if fmt == "text" else args.text_column))
     else:
-        streams = [
-            (
-                load_dataset(args.dataset, name=args.name, split=args.split, streaming=True),
-                args.text_column,
-            )
-        ]
-    for ds, column in streams:
-        for row in ds:
+        dataset = load_dataset(args.dataset, name=args.name, split=args.split, streaming=True)
+        streams.append((dataset, args.text_column))
+
+    for dataset, column in streams:
+        for row in dataset:
             if column not in row:
                 raise DataError(
                     f"no column {column!r} in the data (columns: {sorted(row)}); use --text_column"
