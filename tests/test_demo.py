@@ -44,9 +44,8 @@ def _prepare(out, seed=3, windows=300, extra=()):
 def test_demo_template_filler_is_a_closed_walk_of_the_chain():
     t = passkey.TEMPLATES["demo"]
     assert prepare_demo.is_walk(t["filler"], closed=True)
-    assert prepare_demo.is_walk("ahe") and not prepare_demo.is_walk(
-        "ab"
-    )  # a -> h -> e are edges, a -> b is not
+    # a -> h -> e are edges, a -> b is not
+    assert prepare_demo.is_walk("ahe") and not prepare_demo.is_walk("ab")
     assert not prepare_demo.is_walk("bgn", closed=True)  # n -> b is not an edge
 
 
@@ -56,9 +55,8 @@ def test_corpus_windows_are_whole_documents_in_the_eval_format(tmp_path):
     assert len(loader) == 300  # every window of the shard, no remainder
     x, y, doc_start = loader.get_batch(0)
     eot = EOT["byte"]
-    assert (x[:, 0] == eot).all() and (
-        y[:, -1] == eot
-    ).all()  # each window starts and ends on a document boundary
+    # each window starts and ends on a document boundary
+    assert (x[:, 0] == eot).all() and (y[:, -1] == eot).all()
     docs_per_window = []
     for row in x.tolist():
         starts = [i for i, t in enumerate(row) if t == eot] + [len(row)]
@@ -69,17 +67,15 @@ def test_corpus_windows_are_whole_documents_in_the_eval_format(tmp_path):
             assert m, ENC.decode(row[a + 1 : b])
             assert m[2] == m[4]  # the answer is the key
             assert prepare_demo.is_walk(m[1] + m[3])  # one walk of the chain, cut by the needle
-    assert {1, 2} <= set(
-        docs_per_window
-    )  # documents of several lengths, so SSMax sees many values of n
+    # documents of several lengths, so SSMax sees many values of n
+    assert {1, 2} <= set(docs_per_window)
     # the evaluation prompt (+ answer) has the same layout, its filler a repetition of the closed
     # walk
     t = passkey.TEMPLATES["demo"]
     n = passkey.filler_units(ENC, t, 256)
     prompt, answer, info = passkey.build_prompt(ENC, t, 256, 12345, 7)
-    assert (
-        prompt[0] == eot and eot not in prompt[1:] and len(prompt) <= 256
-    )  # opens like a training document
+    # opens like a training document
+    assert prompt[0] == eot and eot not in prompt[1:] and len(prompt) <= 256
     m = DOC_RE.match(ENC.decode(prompt[1:] + answer))
     assert (
         m and m[2] == m[4] == "12345" and m[1] == t["filler"] * 7 and m[3] == t["filler"] * (n - 7)
@@ -146,7 +142,9 @@ def test_make_demo_reduced_end_to_end(tmp_path):
     """`make demo` itself with few steps, two variants and two lengths, into a temporary directory;
     then the same training command again gives the same weights (the same seed gives the same
     table)."""
-    out, results, data = tmp_path / "out", tmp_path / "results", tmp_path / "data"
+    out = tmp_path / "out"
+    results = tmp_path / "results"
+    data = tmp_path / "data"
     train_args = (
         "--max_iters=20 --eval_interval=20 --eval_iters=2 --log_interval=10 --ckpt_interval=20"
     )
@@ -167,10 +165,16 @@ def test_make_demo_reduced_end_to_end(tmp_path):
         f"DEMO_TRAIN_ARGS={train_args}",
         "DEMO_EVAL_ARGS=--samples 3",
     ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600
-    )  # a shared machine is slow
+    # a shared machine is slow
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    model = check_demo_outputs(out, results, proc.stdout)
+    check_training_is_repeatable(model, tmp_path / "again", data, train_args)
+    check_content_stamp(cmd, out, data)
+
+
+def check_demo_outputs(out, results, stdout):
+    """The reduced make demo's tables, figures and checkpoints; returns the BAM + SSMax model."""
     summary = json.loads((results / "passkey_summary.json").read_text())
     assert sorted((r["label"], r["target_length"]) for r in summary) == [
         ("bam_ssmax-s1", 64),
@@ -185,20 +189,22 @@ def test_make_demo_reduced_end_to_end(tmp_path):
         and "| bam_ssmax | 1 |" in table
         and "| rope | 1 |" in table
     )
-    assert table.splitlines()[0] in proc.stdout
+    assert table.splitlines()[0] in stdout
     assert (results / "passkey_accuracy.png").exists() and (
         results / "prior_bam_ssmax-s1.png"
     ).exists()
     prior = json.loads((results / "prior_bam_ssmax-s1.json").read_text())
-    assert (
-        prior["heads"] == 4 * 8 and prior["block_size"] == 64
-    )  # config/demo_cpu.py: 4 layers of 8 heads
+    # config/demo_cpu.py: 4 layers of 8 heads
+    assert prior["heads"] == 4 * 8 and prior["block_size"] == 64
     model, ckpt = load_model(str(out / "bam_ssmax-s1"))
     assert ckpt["step"] == 20 and model.config.pos_encoding == "bam" and model.config.ssmax
     rope, _ = load_model(str(out / "rope-s1"))
     assert rope.config.pos_encoding == "rope" and not rope.config.ssmax
+    return model
 
-    again = tmp_path / "again"
+
+def check_training_is_repeatable(model, again, data, train_args):
+    """The same training command again gives the same weights."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -222,8 +228,10 @@ def test_make_demo_reduced_end_to_end(tmp_path):
     for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), name
 
-    # prepare_demo.py run again writes the same bytes with a new date: nothing is retrained; other
-    # bytes change the content stamp that training depends on
+
+def check_content_stamp(cmd, out, data):
+    """prepare_demo.py run again writes the same bytes with a new date: nothing is retrained; other
+    bytes change the content stamp that training depends on."""
     stamp = data / "s1" / "content.sha256"
     digest = stamp.read_text()
     _prepare(data / "s1", seed=1, windows=800, extra=["--val_windows", "64"])
