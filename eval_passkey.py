@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -385,59 +384,21 @@ def markdown_summary(summary, runs, lengths):
 
 
 def seed_table(summary, out, digits):
-    """The per-seed table of runs named <variant>-s<seed> (make demo SEEDS=N): accuracy at every
-    multiple of the training length, one row per run, then per variant with several seeds the
-    median and the minimum over them. Writes <out>/demo_table.{md,csv,json} and returns the
-    markdown; None (nothing written) without seeded names."""
-    cells = {}
-    multiples = set()
+    """The per-seed table (eval_common.seed_table) of passkey accuracy at every multiple of the
+    training length. Writes <out>/demo_table.{md,csv,json} and returns the markdown; None
+    (nothing written) without seeded names."""
+    cells = {}  # run label -> {multiple of the training length: accuracy}
     for s in summary:
         if s["accuracy"] is not None:
-            ratio = s["target_length"] / s["train_length"]
-            multiple = int(ratio) if ratio == int(ratio) else round(ratio, 2)
-            cells.setdefault(ec.seed_split(s["label"]), {})[multiple] = s["accuracy"]
-            multiples.add(multiple)
-    if all(seed is None for _, seed in cells):
-        return None
+            multiple = ec.multiple_of(s["target_length"], s["train_length"])
+            cells.setdefault(s["label"], {})[multiple] = s["accuracy"]
 
-    multiples = sorted(multiples)
-    rows = []  # demo_table.{csv,json}
-    body = []  # demo_table.md
-
-    def add(variant, statistic, seed, n_seeds, accuracy, first_cells, bold=""):
-        by_multiple = {f"{m}x": accuracy.get(m) for m in multiples}
-        rows.append(
-            dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds, **by_multiple)
-        )
-        scores = [f"{bold}{accuracy[m]:.2f}{bold}" if m in accuracy else "–" for m in multiples]
-        body.append([*first_cells, *scores])
-
-    for variant in dict.fromkeys(v for v, _ in cells):
-        seeds = sorted((seed for v, seed in cells if v == variant), key=lambda x: (x is None, x))
-        for seed in seeds:
-            first_cells = [variant, "–" if seed is None else seed]
-            add(variant, "seed", seed, 1, cells[(variant, seed)], first_cells)
-        if len(seeds) < 2:
-            continue
-        for statistic, reduce in (("median", statistics.median), ("min", min)):
-            per_multiple = {
-                m: [cells[(variant, seed)][m] for seed in seeds if m in cells[(variant, seed)]]
-                for m in multiples
-            }
-            accuracy = {m: reduce(values) for m, values in per_multiple.items() if values}
-            first_cells = [f"**{variant}**", f"**{statistic} of {len(seeds)}**"]
-            add(variant, statistic, None, len(seeds), accuracy, first_cells, bold="**")
-
-    ec.write_table(rows, os.path.join(out, "demo_table"))
     train_lengths = ", ".join(str(t) for t in sorted({s["train_length"] for s in summary}))
-    header = ["run", "seed", *(f"{m}×" for m in multiples)]
-    text = (
-        ec.markdown_table(header, body) + f"\n\nPasskey exact match ({digits} digits, "
-        f"teacher-forced) at multiples of the training length ({train_lengths} tokens).\n"
+    caption = (
+        f"Passkey exact match ({digits} digits, teacher-forced) at multiples of the training "
+        f"length ({train_lengths} tokens)."
     )
-    with open(os.path.join(out, "demo_table.md"), "w") as f:
-        f.write(text)
-    return text
+    return ec.seed_table(cells, os.path.join(out, "demo_table"), caption, worst=("min", min))
 
 
 # ---- Command line --------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ Perplexity along the position axis (the paper's protocol): where a model stops e
 Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the
 whole sequence; the curve pools each --window positions over all sequences, ppl = exp(mean CE).
 Writes to --out: ppl_samples.jsonl (per checkpoint x sequence; a rerun resumes it),
-ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png.
+ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png; for runs named
+<variant>-s<seed> (make demo-text SEEDS=N) also ppl_table.{md,csv,json}: the perplexity at 1, 2,
+4, ... times the training length per run, then the median and the worst seed per variant.
 """
 
 import argparse
@@ -36,6 +38,7 @@ from eval_common import (
     reset_peak_memory,
     resolve_dtype,
     run_script,
+    seed_table,
     training_data_dir,
     write_table,
 )
@@ -271,6 +274,36 @@ def summarize(records, base):
     ]
 
 
+def ppl_seed_table(rows, args, data_desc, n_seqs):
+    """For runs named <variant>-s<seed>: the perplexity at 1, 2, 4, ... times the training length L
+    per run, then the median and the worst seed per variant (eval_common.seed_table):
+    <out>/ppl_table.{md,csv,json}. None without seeded names.
+
+    The cell at k x L pools every window that ends in (k L / 2, k L] (in (0, L] for k = 1): an
+    octave of positions, as wide as the step to the next column on the log axis, and long ranges get
+    the many tokens that a small --num_seqs leaves each window."""
+    pooled = {}  # (label, k) -> [sum of losses, tokens]
+    for r in rows:
+        if r["scope"] != "window":
+            continue
+        k = 2 ** max(0, math.ceil(math.log2(r["window_end"] / r["train_length"])))
+        if k * r["train_length"] <= args.seq_len:  # whole octaves only
+            cell = pooled.setdefault((r["label"], k), [0.0, 0])
+            cell[0] += r["loss"] * r["n_tokens"]
+            cell[1] += r["n_tokens"]
+    cells = {}
+    for (label, k), (loss_sum, n_tokens) in pooled.items():
+        cells.setdefault(label, {})[k] = math.exp(loss_sum / n_tokens)
+
+    lengths = ", ".join(str(t) for t in sorted({r["train_length"] for r in rows}))
+    caption = (
+        f"Perplexity at k times the training length ({lengths} tokens): every target at a position "
+        f"in (k/2, k] times that length (in (0, 1] for k = 1); {n_seqs} sequences of "
+        f"{args.seq_len} tokens ({data_desc.split(':')[0]})."
+    )
+    return seed_table(cells, os.path.join(args.out, "ppl_table"), caption, worst=("max", max))
+
+
 # ---- Command line --------------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
@@ -360,6 +393,9 @@ def main(argv=None):
 
     prefix = os.path.join(args.out, "ppl_summary")
     write_table(rows, prefix)
+    table = ppl_seed_table(rows, args, data_desc, len(seqs))
+    if table:
+        print(table)
     figure = report(args, runs, rows, data_desc, len(seqs))
     if figure:
         print(f"wrote {prefix}.json, {prefix}.csv, {figure}")

@@ -18,12 +18,13 @@ import torch
 
 import model
 import train
+from data import write_shard
 from configurator import ConfigError, configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS = ("python ", "torchrun ", "bash ", "make ", "OMP_NUM_THREADS=", "TRITON_INTERPRET=")
-RUN = ("eval_passkey.py", "plot_prior.py")  # cheap on tiny checkpoints: run as written
-WITH_COMMANDS = ("README.md", "dev/README.md", "results/demo/README.md")  # each must hold commands
+RUN = ("eval_passkey.py", "eval_ppl.py", "plot_prior.py")  # cheap on tiny checkpoints: run as written
+WITH_COMMANDS = ("README.md", "dev/README.md", "results/demo/README.md", "results/text/README.md")  # each holds commands
 
 
 def repo_files(*suffixes):
@@ -208,8 +209,29 @@ def stand_ins(tmp_path):
             model.save_checkpoint(str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000)
 
 
+TEXT_VARIANTS = (("nope", "nope", False), ("sinusoidal", "sinusoidal", False), ("rope", "rope", False),
+                 ("alibi", "alibi", False), ("bam", "bam", False), ("bam_ssmax", "bam", True))
+
+
+def text_stand_ins(tmp_path):
+    """Tiny byte-level checkpoints at the text demo's run paths, trained (they say) on data/text, whose
+    validation split holds random bytes."""
+    for name, pe, ssmax in TEXT_VARIANTS:
+        gpt = model.GPT(model.GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
+                                        block_size=64, pos_encoding=pe, ssmax=ssmax))
+        for seed in (1, 2, 3):
+            path = tmp_path / "out" / "text" / f"{name}-s{seed}" / "ckpt_0002000.pt"
+            model.save_checkpoint(str(path), gpt, step=2000, config={"data_dir": "data/text"})
+    os.makedirs(tmp_path / "data" / "text")
+    tokens = torch.randint(0, 256, (262_144,), generator=torch.Generator().manual_seed(0)).numpy()
+    write_shard(str(tmp_path / "data" / "text" / "kjv_val_000000.bin"), tokens, "byte")
+
+
 def blank_forward(self, idx, targets=None, *, logits_at=None, **kwargs):
-    """Stands in for GPT.forward so that the demo's long passkey prompts cost nothing to score."""
+    """Stands in for GPT.forward so that the demo's long passkey prompts and the text demo's long
+    sequences cost nothing to score."""
+    if targets is not None:  # eval_ppl.py: a loss per target
+        return None, torch.zeros(targets.shape)
     return torch.zeros(idx.shape[0], logits_at, self.config.padded_vocab_size), None
 
 
@@ -217,6 +239,7 @@ def test_cheap_commands_run(tmp_path, monkeypatch):
     """The demo's evaluation steps, as written, in a directory holding stand-ins for the demo's checkpoints
     (the scripts' main() in this process, with a model forward that costs nothing)."""
     stand_ins(tmp_path)
+    text_stand_ins(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(model.GPT, "forward", blank_forward)
     ran = []
@@ -231,3 +254,7 @@ def test_cheap_commands_run(tmp_path, monkeypatch):
     summary = json.loads((results / "passkey_summary.json").read_text())
     assert len(summary) == 4 * 7 and all(r["n"] == 20 for r in summary)
     assert (results / "demo_table.md").exists()  # eval_passkey.py writes it for run names with a seed
+    text = tmp_path / "out" / "text" / "results"
+    windows = [r for r in json.loads((text / "ppl_summary.json").read_text()) if r["scope"] == "window"]
+    assert len({r["label"] for r in windows}) == 6 * 3 and max(r["window_end"] for r in windows) == 64 * 64
+    assert (text / "ppl_table.md").exists()  # eval_ppl.py writes it for run names with a seed
