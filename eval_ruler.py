@@ -94,9 +94,8 @@ def task_template(cfg):
     if cfg["num_needle_q"] * cfg["num_needle_v"] == 1:
         for old, new in SINGULAR:
             template = template.replace(old, new)
-        type_needle_v = type_needle_v[
-            :-1
-        ]  # numbers -> number, uuids -> uuid (needles keep the plural)
+        # numbers -> number, uuids -> uuid (needles keep the plural)
+        type_needle_v = type_needle_v[:-1]
     return template, type_needle_v
 
 
