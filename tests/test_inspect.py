@@ -322,39 +322,17 @@ def test_a_prior_with_only_the_required_fields_works_in_plot_prior_and_inspect(t
         prior="test_power",
     )
     save_checkpoint(str(tmp_path / "power" / "ckpt_1.pt"), GPT(cfg), step=1)
-    plot_prior.main(
-        [
-            "--ckpt",
-            str(tmp_path / "power"),
-            "--out",
-            str(tmp_path / "prior.png"),
-            "--max_distance",
-            "64",
-        ]
-    )
+    ckpt = str(tmp_path / "power")
+    plot_prior.main(["--ckpt", ckpt, "--out", str(tmp_path / "prior.png"), "--max_distance", "64"])
     info = json.loads((tmp_path / "prior.json").read_text())
     assert info["prior"] == "test_power" and info["formula"] == "B(d) = power(d, theta_w)"
     assert info["heads"] == 2 and info["heads_highlighted"] == 0
     head = info["layers"][0]["heads"][1]
     np.testing.assert_allclose(head["bias"], -math.e * np.sqrt(info["distances"]), rtol=1e-5)
     assert (tmp_path / "prior.png").stat().st_size > 10_000
-    rows, summary = ia.main(
-        [
-            "--ckpt",
-            str(tmp_path / "power"),
-            "--template",
-            "demo",
-            "--length",
-            "64",
-            "--samples",
-            "2",
-            "--out",
-            str(tmp_path / "inspect"),
-            "--no_progress",
-        ]
-    )
+    argv = ["--ckpt", ckpt, "--template", "demo", "--length", "64", "--samples", "2"]
+    rows, summary = ia.main(argv + ["--out", str(tmp_path / "inspect"), "--no_progress"])
     assert {(r["shape_param"], r["prior"]) for r in rows} == {("theta_w", "test_power")}
     assert [r["shape"] for r in rows if r["target_length"] == 64] == pytest.approx([-1.0, 1.0])
-    assert (
-        "θw=" in capsys.readouterr().out and (tmp_path / "inspect" / "attention_heads.png").exists()
-    )
+    assert "θw=" in capsys.readouterr().out
+    assert (tmp_path / "inspect" / "attention_heads.png").exists()
