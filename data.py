@@ -1,13 +1,15 @@
 """
-Tokenizers, the token shard format, the batch loader and the evaluations' prompt strings.
+Tokenizers, the token shard format and the batch loader.
 
-Tokenizers: "mistral" (the authors' Mistral v3 SentencePiece model, offline from mistral-common), tiktoken "gpt2",
-and "byte" (the 256 byte values plus <|endoftext|> = 256, offline). A document is BOS ... EOS with mistral (as the
-authors store it), end-of-text + text with gpt2 and byte; its first token (DOC_START) starts the document mask.
-A shard, {prefix}_{split}_{i:06d}.bin, is a 256-byte header (magic, version, token count, tokenizer name) then
-uint16 tokens. Batches are consecutive windows in stream order (the authors do not shuffle), a pure function of
-(step, micro_step, rank), so a resumed run sees exactly the batches an uninterrupted one would.
+Tokenizers: "mistral" (the authors' Mistral v3 SentencePiece model, offline from mistral-common),
+tiktoken "gpt2", and "byte" (the 256 byte values plus <|endoftext|> = 256, offline). A document is
+BOS ... EOS with mistral (as the authors store it), end-of-text + text with gpt2 and byte; its first
+token (DOC_START) starts the document mask. A shard, {prefix}_{split}_{i:06d}.bin, is a 256-byte
+header (magic, version, token count, tokenizer name) then uint16 tokens. Batches are consecutive
+windows in stream order (the authors do not shuffle), a pure function of (step, micro_step, rank),
+so a resumed run sees exactly the batches an uninterrupted one would.
 """
+
 import functools
 import os
 import re
@@ -19,43 +21,54 @@ import numpy as np
 import torch
 
 TOKENIZERS = ("gpt2", "byte", "mistral")
-# Known without building the tokenizer, so a trainer on an offline node can size the model from a shard.
+# Known without building the tokenizer, so a trainer on an offline node can size the model from a
+# shard.
 VOCAB_SIZE = {"gpt2": 50257, "byte": 257, "mistral": 32768}
-EOT = {"gpt2": 50256, "byte": 256, "mistral": 2}        # ends a text: end-of-text, or SentencePiece's EOS
-DOC_START = {"gpt2": 50256, "byte": 256, "mistral": 1}  # opens every document and drives the document mask
-DOC_END = {"gpt2": None, "byte": None, "mistral": 2}    # closes every document (the authors' BOS ... EOS)
-VAL_TOKENS = 3_932_160  # the validation split: the first 3,932,160 tokens of the stream (the authors' split)
-GAP_TOKENS = 1_000_000  # the authors skip this many tokens between the validation and the training data
+# ends a text: end-of-text, or SentencePiece's EOS
+EOT = {"gpt2": 50256, "byte": 256, "mistral": 2}
+# opens every document and drives the document mask
+DOC_START = {"gpt2": 50256, "byte": 256, "mistral": 1}
+# closes every document (the authors' BOS ... EOS)
+DOC_END = {"gpt2": None, "byte": None, "mistral": 2}
+# the validation split: the first 3,932,160 tokens of the stream (the authors' split)
+VAL_TOKENS = 3_932_160
+# the authors skip this many tokens between the validation and the training data
+GAP_TOKENS = 1_000_000
 MISTRAL_MODEL = ("mistral_common", "data/mistral_instruct_tokenizer_240323.model.v3")
 
 MAGIC = 0x42414D31  # "BAM1"
 VERSION = 1
 HEADER_BYTES = 256
-_HEADER = struct.Struct("<IIq32s")  # magic, version, token count, tokenizer name (null-padded ASCII)
+# magic, version, token count, tokenizer name (null-padded ASCII)
+_HEADER = struct.Struct("<IIq32s")
 SHARD_RE = re.compile(r"^(.+)_(train|val)_(\d{6})\.bin$")  # prefix, split, index
 
 
 class DataError(ValueError):
-    """A data directory or shard that cannot be used (corrupt, mixed, too short); the message says what to do."""
+    """A data directory or shard that cannot be used (corrupt, mixed, too short); the message says
+    what to do."""
 
 
 def shard_name(prefix, split, index):  # SHARD_RE parses it back
     return f"{prefix}_{split}_{index:06d}.bin"
 
 
-# ---- Tokenizers ------------------------------------------------------------------------------------------------
+# ---- Tokenizers ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tokenizer:
-    """What every caller needs from a tokenizer, whichever library is behind it (tiktoken or SentencePiece)."""
+    """What every caller needs from a tokenizer, whichever library is behind it (tiktoken or
+    SentencePiece)."""
+
     name: str
     n_vocab: int
-    eot_token: int           # ends a text: generation stops at it
-    doc_start: int           # the first token of every document
-    doc_end: Optional[int]   # the last token of every document (None: documents are not closed)
-    word_boundary: bool      # every separately encoded text starts a word (SentencePiece's dummy prefix)
+    eot_token: int  # ends a text: generation stops at it
+    doc_start: int  # the first token of every document
+    doc_end: Optional[int]  # the last token of every document (None: documents are not closed)
+    # every separately encoded text starts a word (SentencePiece's dummy prefix)
+    word_boundary: bool
     encode_ordinary: Callable[[str], List[int]]  # text -> ids; special-token strings are plain text
-    decode: Callable[[List[int]], str]           # ids -> text; a cut multi-byte character becomes U+FFFD
-    token_bytes: Callable[[int], bytes]          # the bytes one token stands for (b"" for a control token)
+    decode: Callable[[List[int]], str]  # ids -> text; a cut multi-byte character becomes U+FFFD
+    token_bytes: Callable[[int], bytes]  # the bytes one token stands for (b"" for a control token)
 
     def document(self, text):
         """One document as the shards hold it: doc_start + tokens (+ doc_end)."""
@@ -65,8 +78,9 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str) -> Tokenizer:
-    """gpt2 (tiktoken; needs the network once), byte or mistral (see the module docstring). Decode with
-    tok.decode(tokens), never .decode() on raw bytes: a byte-level window can cut a character."""
+    """gpt2 (tiktoken; needs the network once), byte or mistral (see the module docstring). Decode
+    with tok.decode(tokens), never .decode() on raw bytes: a byte-level window can cut a
+    character."""
     if name == "mistral":
         return _sentencepiece(name)
     import tiktoken
@@ -75,26 +89,43 @@ def get_tokenizer(name: str) -> Tokenizer:
         try:
             enc = tiktoken.get_encoding("gpt2")
         except Exception as e:  # tiktoken downloads the gpt2 ranks on first use
-            raise RuntimeError(f"could not load the tiktoken 'gpt2' encoding ({type(e).__name__}: {e}). It is "
-                               "downloaded on first use, so this needs network access once; offline, use "
-                               "--tokenizer mistral (the authors') or --tokenizer byte") from e
+            raise RuntimeError(
+                f"could not load the tiktoken 'gpt2' encoding ({type(e).__name__}: {e}). It is "
+                "downloaded on first use, so this needs network access once; offline, use "
+                "--tokenizer mistral (the authors') or --tokenizer byte"
+            ) from e
     elif name == "byte":
         # no merges, so the split pattern cannot change the result; short chunks are the fastest
-        enc = tiktoken.Encoding("byte", pat_str=r"[\s\S]{1,64}", mergeable_ranks={bytes([i]): i for i in range(256)},
-                                special_tokens={"<|endoftext|>": EOT["byte"]})
+        enc = tiktoken.Encoding(
+            "byte",
+            pat_str=r"[\s\S]{1,64}",
+            mergeable_ranks={bytes([i]): i for i in range(256)},
+            special_tokens={"<|endoftext|>": EOT["byte"]},
+        )
     else:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
     return tiktoken_tokenizer(enc, EOT[name])
 
 
 def tiktoken_tokenizer(enc, eot):
-    """A tiktoken Encoding as a Tokenizer whose documents are eot + text (gpt2, byte, and tests' own encodings)."""
-    return Tokenizer(enc.name, enc.n_vocab, eot, eot, None, False, enc.encode_ordinary, enc.decode,
-                     enc.decode_single_token_bytes)
+    """A tiktoken Encoding as a Tokenizer whose documents are eot + text (gpt2, byte, and tests' own
+    encodings)."""
+    return Tokenizer(
+        enc.name,
+        enc.n_vocab,
+        eot,
+        eot,
+        None,
+        False,
+        enc.encode_ordinary,
+        enc.decode,
+        enc.decode_single_token_bytes,
+    )
 
 
 def _sentencepiece(name):
-    """The model file ships inside the installed mistral-common wheel: nothing is downloaded or copied."""
+    """The model file ships inside the installed mistral-common wheel: nothing is downloaded or
+    copied."""
     import importlib.resources
 
     package, path = MISTRAL_MODEL
@@ -103,13 +134,18 @@ def _sentencepiece(name):
 
         proto = importlib.resources.files(package).joinpath(path).read_bytes()
     except (ImportError, OSError) as e:
-        raise RuntimeError(f"the {name} tokenizer needs the sentencepiece and mistral-common packages "
-                           f"({type(e).__name__}: {e}); pip install -r requirements.txt") from e
+        raise RuntimeError(
+            f"the {name} tokenizer needs the sentencepiece and mistral-common packages "
+            f"({type(e).__name__}: {e}); pip install -r requirements.txt"
+        ) from e
+
     sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
     found = (sp.get_piece_size(), sp.eos_id(), sp.bos_id())
     if found != (VOCAB_SIZE[name], EOT[name], DOC_START[name]):
-        raise RuntimeError(f"{package}/{path} has vocab, EOS, BOS = {found}, expected "
-                           f"{(VOCAB_SIZE[name], EOT[name], DOC_START[name])}: another mistral-common release?")
+        raise RuntimeError(
+            f"{package}/{path} has vocab, EOS, BOS = {found}, expected "
+            f"{(VOCAB_SIZE[name], EOT[name], DOC_START[name])}: another mistral-common release?"
+        )
 
     def token_bytes(t):
         if sp.is_byte(t):  # byte fallback pieces "<0x0A>"
@@ -118,20 +154,34 @@ def _sentencepiece(name):
             return b""
         return sp.id_to_piece(t).replace("\u2581", " ").encode("utf-8")
 
-    return Tokenizer(name, sp.get_piece_size(), EOT[name], DOC_START[name], DOC_END[name], True,
-                     lambda text: sp.encode(text), lambda ids: sp.decode([int(t) for t in ids]), token_bytes)
+    return Tokenizer(
+        name,
+        sp.get_piece_size(),
+        EOT[name],
+        DOC_START[name],
+        DOC_END[name],
+        True,
+        lambda text: sp.encode(text),
+        lambda ids: sp.decode([int(t) for t in ids]),
+        token_bytes,
+    )
 
 
-# ---- Shards ----------------------------------------------------------------------------------------------------
+# ---- Shards --------------------------------------------------------------------------------------
 def write_shard(path, tokens, tokenizer_name):
-    """Write tokens (any integer array) as a shard, atomically: never a partial shard under the final name."""
+    """Write tokens (any integer array) as a shard, atomically: never a partial shard under the
+    final name."""
     tokens = np.asarray(tokens)
     if tokens.size == 0:
         raise ValueError(f"refusing to write an empty shard: {path}")
     if tokens.min() < 0 or tokens.max() >= 65536:
-        raise ValueError(f"token ids must lie in [0, 65536) to be stored as uint16; got min {tokens.min()}, "
-                         f"max {tokens.max()} for {path}")
-    header = _HEADER.pack(MAGIC, VERSION, tokens.size, tokenizer_name.encode("ascii")).ljust(HEADER_BYTES, b"\0")
+        raise ValueError(
+            f"token ids must lie in [0, 65536) to be stored as uint16; got min {tokens.min()}, "
+            f"max {tokens.max()} for {path}"
+        )
+    header = _HEADER.pack(MAGIC, VERSION, tokens.size, tokenizer_name.encode("ascii"))
+    header = header.ljust(HEADER_BYTES, b"\0")
+
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(header)
@@ -145,27 +195,42 @@ def _read_header(path):
     """(token count, tokenizer name) after checking magic, version and file size."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
-    rerun = "rerun the preparation script that wrote it (prepare_fineweb.py resumes and rewrites broken shards)"
+    rerun = (
+        "rerun the preparation script that wrote it "
+        "(prepare_fineweb.py resumes and rewrites broken shards)"
+    )
     if len(raw) < HEADER_BYTES:
-        raise DataError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {rerun}")
+        raise DataError(
+            f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {rerun}"
+        )
     magic, version, count, name = _HEADER.unpack_from(raw)
     if magic != MAGIC:
-        raise DataError(f"{path}: not a bam-gpt token shard (magic {magic:#x}, expected {MAGIC:#x})")
+        raise DataError(
+            f"{path}: not a bam-gpt token shard (magic {magic:#x}, expected {MAGIC:#x})"
+        )
     if version != VERSION:
-        raise DataError(f"{path}: shard format version {version}, this code reads version {VERSION}; {rerun}")
-    size, expected = os.path.getsize(path), HEADER_BYTES + 2 * count
+        raise DataError(
+            f"{path}: shard format version {version}, this code reads version {VERSION}; {rerun}"
+        )
+    size = os.path.getsize(path)
+    expected = HEADER_BYTES + 2 * count
     if size != expected:
-        raise DataError(f"{path}: truncated or corrupt shard ({size} bytes, the header promises {count} tokens = "
-                         f"{expected} bytes); {rerun}")
+        raise DataError(
+            f"{path}: truncated or corrupt shard ({size} bytes, the header promises {count} "
+            f"tokens = {expected} bytes); {rerun}"
+        )
     return count, name.rstrip(b"\0").decode("ascii")
 
 
 def open_shard(path, tokenizer=None):
-    """The shard's tokens as a read-only uint16 memmap, after validating the header (and the tokenizer, if given)."""
+    """The shard's tokens as a read-only uint16 memmap, after validating the header (and the
+    tokenizer, if given)."""
     count, name = _read_header(path)
     if tokenizer is not None and tokenizer != name:
-        raise DataError(f"{path} was made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
-                         f"or prepare the data again with --tokenizer {tokenizer}")
+        raise DataError(
+            f"{path} was made with the {name!r} tokenizer, not {tokenizer!r}; "
+            f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}"
+        )
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
@@ -175,26 +240,38 @@ def shard_tokenizer(path):
 
 def shard_paths(data_dir, split):
     """Sorted shard paths of one split. Errors, saying how to make them, if there are none."""
-    how = ("create them with `python prepare_fineweb.py` (FineWeb, mistral tokens, writes data/fineweb_mistral), "
-           "`python prepare_demo.py` (the CPU demo data), or `python prepare_fineweb.py --local_files FILE.jsonl "
-           f"--tokenizer byte --out_dir {data_dir}` for your own text")
+    how = (
+        "create them with `python prepare_fineweb.py` (FineWeb, mistral tokens, writes "
+        "data/fineweb_mistral), `python prepare_demo.py` (the CPU demo data), or "
+        "`python prepare_fineweb.py --local_files FILE.jsonl "
+        f"--tokenizer byte --out_dir {data_dir}` for your own text"
+    )
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"data directory {data_dir} does not exist; {how}")
-    found = sorted((m.group(1), f) for f in os.listdir(data_dir)
-                   if (m := SHARD_RE.match(f)) and m.group(2) == split)
+
+    found = []  # (prefix, file name)
+    for name in os.listdir(data_dir):
+        match = SHARD_RE.match(name)
+        if match and match.group(2) == split:
+            found.append((match.group(1), name))
+    found.sort()
     if not found:
         raise FileNotFoundError(f"no {split} shards (*_{split}_NNNNNN.bin) in {data_dir}; {how}")
     prefixes = sorted({p for p, _ in found})
     if len(prefixes) > 1:  # two datasets in one directory would silently be mixed
-        raise DataError(f"{data_dir} holds {split} shards of several datasets (prefixes {prefixes}); "
-                         "keep one dataset per directory")
+        raise DataError(
+            f"{data_dir} holds {split} shards of several datasets (prefixes {prefixes}); "
+            "keep one dataset per directory"
+        )
     return [os.path.join(data_dir, f) for _, f in found]
 
 
 def _split_extents(data_dir, split, tokenizer=None):
-    """[(path, tokens used)] for a split, and the tokenizer name all its shards agree on. val is capped at the
-    first VAL_TOKENS tokens: every consumer measures on the same tokens whatever --val_tokens wrote."""
-    extents, names = [], {}
+    """[(path, tokens used)] for a split, and the tokenizer name all its shards agree on. val is
+    capped at the first VAL_TOKENS tokens: every consumer measures on the same tokens whatever
+    --val_tokens wrote."""
+    extents = []
+    names = {}  # tokenizer name -> the first shard made with it
     budget = VAL_TOKENS if split == "val" else None
     for path in shard_paths(data_dir, split):
         count, name = _read_header(path)
@@ -204,121 +281,108 @@ def _split_extents(data_dir, split, tokenizer=None):
         if count > 0:
             extents.append((path, count))
     if len(names) > 1:
-        raise DataError(f"the shards in {data_dir} were made with different tokenizers: "
-                         + ", ".join(f"{n!r} ({os.path.basename(p)})" for n, p in names.items())
-                         + "; keep one dataset per directory")
+        raise DataError(
+            f"the shards in {data_dir} were made with different tokenizers: "
+            + ", ".join(f"{n!r} ({os.path.basename(p)})" for n, p in names.items())
+            + "; keep one dataset per directory"
+        )
     name = next(iter(names))
     if tokenizer is not None and tokenizer != name:
-        raise DataError(f"the shards in {data_dir} were made with the {name!r} tokenizer, not {tokenizer!r}; "
-                         f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}")
+        raise DataError(
+            f"the shards in {data_dir} were made with the {name!r} tokenizer, not {tokenizer!r}; "
+            f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}"
+        )
     return extents, name
 
 
 def read_tokens(data_dir, split, n_tokens, offset=0):
-    """n_tokens consecutive tokens of a split's stream starting at offset, as int64 (across shards in order)."""
+    """n_tokens consecutive tokens of a split's stream starting at offset, as int64 (across shards
+    in order)."""
     extents, _ = _split_extents(data_dir, split)
     total = sum(n for _, n in extents)
     if offset < 0 or n_tokens < 0 or offset + n_tokens > total:
-        raise ValueError(f"asked for tokens [{offset}, {offset + n_tokens}) of the {split} split in {data_dir}, "
-                         f"which has {total} tokens")
-    out, start = [], 0
+        raise ValueError(
+            f"asked for tokens [{offset}, {offset + n_tokens}) of the {split} split in {data_dir}, "
+            f"which has {total} tokens"
+        )
+    out = []
+    shard_start = 0  # the shard's first token in the stream
     for path, n in extents:
-        a, b = max(offset, start), min(offset + n_tokens, start + n)
-        if a < b:
-            out.append(np.asarray(open_shard(path)[a - start:b - start], dtype=np.int64))
-        start += n
+        first = max(offset, shard_start) - shard_start
+        end = min(offset + n_tokens, shard_start + n) - shard_start
+        if first < end:
+            out.append(np.asarray(open_shard(path)[first:end], dtype=np.int64))
+        shard_start += n
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-# ---- Batches ---------------------------------------------------------------------------------------------------
+# ---- Batches -------------------------------------------------------------------------------------
 def doc_starts(x, start_token):
-    """For each position t, the last s <= t with x[s] == start_token (DOC_START of the tokenizer), else 0.
-    Key j is visible to query i iff doc_start[i] <= j <= i."""
+    """For each position t, the last s <= t with x[s] == start_token (DOC_START of the tokenizer),
+    else 0. Key j is visible to query i iff doc_start[i] <= j <= i."""
     pos = torch.arange(x.shape[-1], device=x.device).expand_as(x)
     return torch.where(x == start_token, pos, torch.zeros_like(pos)).cummax(dim=-1).values
 
 
 class TokenLoader:
-    """Windows of block_size + 1 tokens at stride block_size (y is x shifted by one), in stream order, no seed:
-    window g = ((step * grad_accum + micro_step) * world_size + rank) * batch_size + b, modulo num_windows (an
-    epoch wraps around). Windows never straddle two shards."""
+    """Windows of block_size + 1 tokens at stride block_size (y is x shifted by one), in stream
+    order, no seed: row b of a batch is window
+    ((step * grad_accum + micro_step) * world_size + rank) * batch_size + b, modulo num_windows
+    (an epoch wraps around). Windows never straddle two shards."""
 
-    def __init__(self, data_dir, split, block_size, batch_size, rank=0, world_size=1, tokenizer=None):
-        self.block_size, self.batch_size, self.rank, self.world_size = block_size, batch_size, rank, world_size
+    def __init__(
+        self, data_dir, split, block_size, batch_size, rank=0, world_size=1, tokenizer=None
+    ):
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
         self.extents, self.tokenizer = _split_extents(data_dir, split, tokenizer)
-        self.doc_start, self.vocab_size = DOC_START[self.tokenizer], VOCAB_SIZE[self.tokenizer]
+        self.doc_start = DOC_START[self.tokenizer]
+        self.vocab_size = VOCAB_SIZE[self.tokenizer]
+
         windows = np.array([(n - 1) // block_size for _, n in self.extents], dtype=np.int64)
         self.num_windows = int(windows.sum())
         if self.num_windows == 0:
             longest = max(n for _, n in self.extents)
             if split == "val":
-                raise DataError(f"block_size {block_size} is longer than the validation split ({longest} tokens)")
-            raise DataError(f"block_size {block_size} is longer than every train shard in {data_dir} "
-                            f"(the longest has {longest} tokens); prepare more data (prepare_fineweb.py "
-                            "--max_tokens) or use a smaller block_size")
+                raise DataError(
+                    f"block_size {block_size} is longer than the validation split "
+                    f"({longest} tokens)"
+                )
+            raise DataError(
+                f"block_size {block_size} is longer than every train shard in {data_dir} "
+                f"(the longest has {longest} tokens); prepare more data (prepare_fineweb.py "
+                "--max_tokens) or use a smaller block_size"
+            )
         self.cum_windows = np.cumsum(windows)  # shard s holds windows [cum[s-1], cum[s])
 
     def __len__(self):
         return self.num_windows
 
     def window_indices(self, step, micro_step=0, grad_accum=1):
+        """The windows of one batch (one micro step of one rank)."""
         first = ((step * grad_accum + micro_step) * self.world_size + self.rank) * self.batch_size
         return (first + np.arange(self.batch_size, dtype=np.int64)) % self.num_windows
 
     def get_batch(self, step, micro_step=0, grad_accum=1):
         """(x, y, doc_start), each an int64 CPU tensor of shape (batch_size, block_size)."""
-        g = self.window_indices(step, micro_step, grad_accum)
-        shard = np.searchsorted(self.cum_windows, g, side="right")
-        first = np.concatenate([[0], self.cum_windows[:-1]])[shard]
+        windows = self.window_indices(step, micro_step, grad_accum)
+        shard_of = np.searchsorted(self.cum_windows, windows, side="right")
+        first_window = np.concatenate([[0], self.cum_windows[:-1]])[shard_of]
         T = self.block_size
-        rows = []
-        for s in np.unique(shard):
-            # A fresh memmap per batch, as nanoGPT does: a long-lived one keeps every page it touched mapped,
-            # which shows up as resident memory growing through an epoch.
-            path, n = self.extents[s]
+        rows = []  # (row of the batch, its T + 1 tokens)
+        for shard in np.unique(shard_of):
+            # A fresh memmap per batch, as nanoGPT does: a long-lived one keeps every page it
+            # touched mapped, which shows up as resident memory growing through an epoch.
+            path, n = self.extents[shard]
             tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
-            for b in np.flatnonzero(shard == s):
-                a = (g[b] - first[b]) * T
-                rows.append((b, np.array(tokens[a:a + T + 1], dtype=np.int64)))
+            for row in np.flatnonzero(shard_of == shard):
+                start = (windows[row] - first_window[row]) * T
+                rows.append((row, np.array(tokens[start : start + T + 1], dtype=np.int64)))
+
         rows.sort(key=lambda r: r[0])
-        buf = torch.from_numpy(np.stack([r for _, r in rows]))
-        x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+        buf = torch.from_numpy(np.stack([tokens for _, tokens in rows]))
+        x = buf[:, :-1].contiguous()
+        y = buf[:, 1:].contiguous()
         return x, y, doc_starts(x, self.doc_start)
-
-
-# ---- Prompt strings (eval_passkey.py, prepare_demo.py, eval_ruler.py) -----------------------------------------
-# "paper" (the authors' evaluate.py) and the RULER strings are their text, verbatim. Each template: task, filler,
-# needle ({pass_key}), question, digits; optional: sep (before each later piece), document (open with doc_start).
-PASSKEY_TEMPLATES = {
-    "paper": {
-        "task": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-                "I will quiz you about the important information there.",
-        "filler": "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
-        "needle": "The pass key is {pass_key}. Remember it. {pass_key} is the pass key.",
-        "question": "What is the pass key? The pass key is",
-        "digits": 5,
-    },
-    # The CPU demo (prepare_demo.py trains on exactly these pieces, byte tokenizer): "@" opens the task, the
-    # filler is a closed walk of prepare_demo.CHAIN (training documents use fresh random walks of that chain),
-    # "#" announces the key and "?" asks for it. No separator: every byte is one symbol. Opens like a document.
-    "demo": {
-        "task": "@",
-        "filler": "bgnfmheldi",
-        "needle": "#{pass_key}",
-        "question": "?",
-        "digits": 5,
-        "sep": "",
-        "document": True,
-    },
-}
-PIECE_SEP = " "
-
-# ---- RULER's needle in a haystack (NVIDIA/RULER @ c3f5e3b, scripts/data/synthetic/constants.py and niah.py) ----
-RULER_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
-                  "it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
-                  "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
-RULER_ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
-RULER_MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
-RULER_NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
-RULER_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-RULER_SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))  # applied in this order

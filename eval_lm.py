@@ -1,82 +1,107 @@
 """
-Downstream tasks: every checkpoint as a model of EleutherAI's lm-evaluation-harness (lm-eval 0.4.x), registered
-as "bam-gpt", on the paper's MMLU, ARC and HellaSwag (arXiv 2505.22842) or on any local task YAML.
+Downstream tasks: every checkpoint as a model of EleutherAI's lm-evaluation-harness (lm-eval 0.4.x),
+registered as "bam-gpt", on the paper's MMLU, ARC and HellaSwag (arXiv 2505.22842) or on any local
+task YAML.
 
-    python eval_lm.py --ckpt RUN [--ckpt RUN2 ...] --tasks arc_easy,arc_challenge,mmlu,hellaswag [--num_fewshot N]
-                      [--limit N] [--batch_size N] [--max_length N] [--include_path DIR] --out DIR
+    python eval_lm.py --ckpt RUN [--ckpt RUN2 ...] --tasks arc_easy,arc_challenge,mmlu,hellaswag
+        [--num_fewshot N] [--limit N] [--batch_size N] [--max_length N] [--include_path DIR]
+        --out DIR
 
 Every request is one document, as in training: the tokenizer's document-start token, then the text.
---max_length (default: each checkpoint's training length) caps the tokens of one forward; a longer context loses
-its oldest tokens (left truncation, as the harness's own models do). The default keeps every model at the length
-it was trained on, so that positional encodings are compared on equal terms; a larger value measures
-extrapolation, the point of BAM. The harness downloads its tasks' datasets from the Hugging Face hub; a local task
-(--include_path, e.g. tests/lm_tasks) needs no network.
-Outputs in --out: <label>.json per checkpoint (lm-eval's results plus the checkpoint's identity) and
-lm_eval_summary.json/.csv (one row per checkpoint x task x metric) and .md (task x checkpoint).
+--max_length (default: each checkpoint's training length) caps the tokens of one forward; a longer
+context loses its oldest tokens (left truncation, as the harness's own models do). The default keeps
+every model at the length it was trained on, so that positional encodings are compared on equal
+terms; a larger value measures extrapolation, the point of BAM. The harness downloads its tasks'
+datasets from the Hugging Face hub; a local task (--include_path, e.g. tests/lm_tasks) needs no
+network. Outputs in --out: <label>.json per checkpoint (lm-eval's results plus the checkpoint's
+identity) and lm_eval_summary.json/.csv (one row per checkpoint x task x metric) and .md (task x
+checkpoint).
 """
+
 import argparse
 import difflib
 import json
 import os
 import sys
 
-import torch
-from tqdm import tqdm
-
 import lm_eval
+import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
+from tqdm import tqdm
 
 from data import get_tokenizer
-from eval_common import (EvalError, identity, load_runs, markdown_table, model_device, pick_device, resolve_dtype,
-                         run_script, write_table)
+from eval_common import (
+    EvalError,
+    identity,
+    load_runs,
+    markdown_table,
+    model_device,
+    pick_device,
+    resolve_dtype,
+    run_script,
+    write_table,
+)
 from model import autocast
 
-MAX_GEN_TOKS = 256  # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
-STOP_TAIL = 8       # context tokens decoded with the generated ones, so the first word keeps its leading space
+MAX_GEN_TOKS = (
+    256  # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
+)
+STOP_TAIL = (
+    8  # context tokens decoded with the generated ones, so the first word keeps its leading space
+)
 
 
 @register_model("bam-gpt")
 class BamGPT(LM):
-    """A bam-gpt model for lm-eval. ckpt: a checkpoint file or run directory (what `--model_args ckpt=...` passes),
-    or a loaded GPT; the tokenizer is the one the model was trained with."""
+    """A bam-gpt model for lm-eval. ckpt: a checkpoint file or run directory (what `--model_args
+    ckpt=...` passes), or a loaded GPT; the tokenizer is the one the model was trained with."""
 
-    def __init__(self, ckpt, batch_size=1, max_length=None, device=None, dtype="auto",
-                 max_batch_size=None):  # max_batch_size: lm-eval passes it; batches here are fixed-size
+    # max_batch_size: lm-eval passes it; batches here are fixed-size
+    def __init__(
+        self, ckpt, batch_size=1, max_length=None, device=None, dtype="auto", max_batch_size=None
+    ):
         super().__init__()
+        model = ckpt
         if isinstance(ckpt, str):
             (run,), _ = load_runs([ckpt], pick_device(device or "auto"))
-            ckpt = run["model"]
-        self.model = ckpt.eval()
+            model = run["model"]
+        self.model = model.eval()
         self.tok = get_tokenizer(self.model.config.tokenizer)
         self._device = model_device(self.model)
         self.dtype = resolve_dtype(self._device, dtype)
         self.batch_size = int(batch_size)
         self.max_length = int(max_length or self.model.config.block_size)
         if self.batch_size < 1 or self.max_length < 2:
-            raise EvalError(f"batch_size must be >= 1 and max_length >= 2, got {self.batch_size} and {self.max_length}")
+            raise EvalError(
+                f"batch_size must be >= 1 and max_length >= 2, "
+                f"got {self.batch_size} and {self.max_length}"
+            )
 
-    # ---- loglikelihood -------------------------------------------------------------------------------------
+    # ---- loglikelihood ---------------------------------------------------------------------------
     def _encode_pair(self, context, continuation):
-        """(document start + context tokens, continuation tokens). The pair is encoded whole and split, and a
-        context's trailing whitespace goes to the continuation, as the harness does: a BPE token carries the
-        space in front of its word."""
-        n = len(context) - len(context.rstrip())
-        if n:
-            context, continuation = context[:-n], context[-n:] + continuation
-        ctx = self.tok.encode_ordinary(context)
+        """(document start + context tokens, continuation tokens). The pair is encoded whole and
+        split, and a context's trailing whitespace goes to the continuation, as the harness does: a
+        BPE token carries the space in front of its word."""
+        n_space = len(context) - len(context.rstrip())
+        if n_space:
+            continuation = context[-n_space:] + continuation
+            context = context[:-n_space]
+        context_tokens = self.tok.encode_ordinary(context)
         whole = self.tok.encode_ordinary(context + continuation)
-        return [self.tok.doc_start] + ctx, whole[len(ctx):]
+        return [self.tok.doc_start] + context_tokens, whole[len(context_tokens) :]
 
     def loglikelihood(self, requests):
         return self._score([self._encode_pair(*r.args) for r in requests], "loglikelihood")
 
     def loglikelihood_rolling(self, requests):
-        """Each text scored whole, in disjoint windows of max_length tokens after the document start (the
-        harness's rolling windows): every token is predicted once, with the context of its window."""
-        pairs, owner = [], []
+        """Each text scored whole, in disjoint windows of max_length tokens after the document start
+        (the harness's rolling windows): every token is predicted once, with the context of its
+        window."""
+        pairs = []
+        owner = []  # the request of each window
         for i, r in enumerate(requests):
             tokens = self.tok.encode_ordinary(r.args[0])
             for pair in get_rolling_token_windows(tokens, self.tok.doc_start, self.max_length, 1):
@@ -88,75 +113,97 @@ class BamGPT(LM):
         return totals
 
     def _score(self, pairs, desc):
-        """[(log p(continuation | context), greedy)] for (context, continuation) token lists. One window is the last
-        max_length + 1 tokens of context + continuation: all but the last go in, the continuation is scored."""
-        for ctx, cont in pairs:
-            if len(cont) > self.max_length:
-                raise EvalError(f"a continuation of {len(cont)} tokens leaves no room for its context within "
-                                f"--max_length {self.max_length}; raise --max_length")
-        # longest first, so that similar lengths share a batch and a batch that does not fit fails at once
+        """[(log p(continuation | context), greedy)] for (context, continuation) token lists. One
+        window is the last max_length + 1 tokens of context + continuation: all but the last go in,
+        the continuation is scored."""
+        for _, continuation in pairs:
+            if len(continuation) > self.max_length:
+                raise EvalError(
+                    f"a continuation of {len(continuation)} tokens leaves no room for its context "
+                    f"within --max_length {self.max_length}; raise --max_length"
+                )
+
+        # longest first, so that similar lengths share a batch and a batch that does not fit
+        # fails at once
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         out = [None] * len(pairs)
         with tqdm(total=len(pairs), desc=desc, unit="req", file=sys.stderr) as bar:
-            for b in range(0, len(order), self.batch_size):
-                batch = order[b:b + self.batch_size]
-                seqs = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1):] for i in batch]
-                for i, res in zip(batch, self._score_batch(seqs, [len(pairs[i][1]) for i in batch])):
-                    out[i] = res
+            for first in range(0, len(order), self.batch_size):
+                batch = order[first : first + self.batch_size]
+                seqs = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in batch]
+                n_scored = [len(pairs[i][1]) for i in batch]
+                for i, result in zip(batch, self._score_batch(seqs, n_scored)):
+                    out[i] = result
                 bar.update(len(batch))
         return out
 
     @torch.inference_mode()
     def _score_batch(self, seqs, n_scored):
-        """Score the last n tokens of each token sequence in one forward. Right padding: a causal model's outputs
-        at the real positions do not depend on what follows them. Only the positions that predict a scored
-        token get logits, so no (batch x length x vocab) tensor is built."""
+        """Score the last n tokens of each token sequence in one forward. Right padding: a causal
+        model's outputs at the real positions do not depend on what follows them. Only the positions
+        that predict a scored token get logits, so no (batch x length x vocab) tensor is built."""
         T = max(len(s) for s in seqs) - 1
         x = torch.zeros(len(seqs), T, dtype=torch.long)
-        for r, s in enumerate(seqs):
-            x[r, :len(s) - 1] = torch.tensor(s[:-1])
-        first = [len(s) - 1 - n for s, n in zip(seqs, n_scored)]  # the position predicting the first scored token
+        for row, seq in enumerate(seqs):
+            x[row, : len(seq) - 1] = torch.tensor(seq[:-1])
+        # the position predicting each sequence's first scored token
+        first = [len(seq) - 1 - n for seq, n in zip(seqs, n_scored)]
         lo = min(first)
         with autocast(self._device, self.dtype):
-            logits, _ = self.model(x.to(self._device), logits_at=torch.arange(lo, T, device=self._device))
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        vocab = self.model.config.vocab_size  # greedy decoding never picks a padded id (GPT.generate)
-        res = []
-        for r, (s, n, a) in enumerate(zip(seqs, n_scored, first)):
-            target = torch.tensor(s[len(s) - n:], device=logp.device)
-            lp = logp[r, a - lo:a - lo + n]
-            greedy = bool((lp[:, :vocab].argmax(-1) == target).all())
-            res.append((float(lp.gather(-1, target[:, None]).sum()), greedy))
-        return res
+            positions = torch.arange(lo, T, device=self._device)
+            logits, _ = self.model(x.to(self._device), logits_at=positions)
 
-    # ---- generation ----------------------------------------------------------------------------------------
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        vocab = self.model.config.vocab_size  # greedy decoding never picks a padded id
+        results = []
+        for row, (seq, n, start) in enumerate(zip(seqs, n_scored, first)):
+            target = torch.tensor(seq[len(seq) - n :], device=logp.device)
+            target_logp = logp[row, start - lo : start - lo + n]
+            greedy = bool((target_logp[:, :vocab].argmax(-1) == target).all())
+            results.append((float(target_logp.gather(-1, target[:, None]).sum()), greedy))
+        return results
+
+    # ---- generation ------------------------------------------------------------------------------
     def generate_until(self, requests):
-        return [self._generate(*r.args) for r in tqdm(requests, desc="generate_until", file=sys.stderr)]
+        return [
+            self._generate(*r.args) for r in tqdm(requests, desc="generate_until", file=sys.stderr)
+        ]
 
     def _generate(self, context, gen_kwargs):
-        """Greedy (or, with do_sample, sampled) decoding with the KV cache until a stop string, end of text or
-        max_gen_toks; the context is left-truncated so that it and the generated tokens fit in max_length."""
+        """Greedy (or, with do_sample, sampled) decoding with the KV cache until a stop string, end
+        of text or max_gen_toks; the context is left-truncated so that it and the generated tokens
+        fit in max_length."""
         until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
         max_gen = int(gen_kwargs.get("max_gen_toks", MAX_GEN_TOKS))
-        temperature = float(gen_kwargs.get("temperature", 1.0)) if gen_kwargs.get("do_sample") else 0.0
+        temperature = 0.0  # greedy
+        if gen_kwargs.get("do_sample"):
+            temperature = float(gen_kwargs.get("temperature", 1.0))
         top_k = gen_kwargs.get("top_k")
         room = self.max_length - max_gen
         if room < 1:
-            raise EvalError(f"max_gen_toks {max_gen} leaves no room for the context within --max_length "
-                            f"{self.max_length}; raise --max_length")
-        ctx = ([self.tok.doc_start] + self.tok.encode_ordinary(context))[-room:]
-        tail = ctx[-STOP_TAIL:]
+            raise EvalError(
+                f"max_gen_toks {max_gen} leaves no room for the context within --max_length "
+                f"{self.max_length}; raise --max_length"
+            )
+
+        context_tokens = ([self.tok.doc_start] + self.tok.encode_ordinary(context))[-room:]
+        tail = context_tokens[-STOP_TAIL:]
         head = self.tok.decode(tail)
 
         def text(new):
-            return self.tok.decode(tail + new)[len(head):]
+            return self.tok.decode(tail + new)[len(head) :]
 
-        x = torch.tensor([ctx], device=self._device)
+        x = torch.tensor([context_tokens], device=self._device)
         with autocast(self._device, self.dtype):
-            new = self.model.generate(x, max_gen, stop_tokens=(self.tok.eot_token,), temperature=temperature,
-                                      top_k=None if top_k is None else int(top_k),
-                                      stop=lambda new: any(u in text(new) for u in until))
+            new = self.model.generate(
+                x,
+                max_gen,
+                stop_tokens=(self.tok.eot_token,),
+                temperature=temperature,
+                top_k=None if top_k is None else int(top_k),
+                stop=lambda new: any(u in text(new) for u in until),
+            )
         if new and new[-1] == self.tok.eot_token:
             new = new[:-1]
         out = text(new)
@@ -167,26 +214,61 @@ class BamGPT(LM):
     def get_model_info(self):
         """Recorded by lm-eval in its results' "config"."""
         cfg = self.model.config
-        return dict(pos_encoding=cfg.pos_encoding, ssmax=cfg.ssmax, prior=cfg.prior, tokenizer=self.tok.name,
-                    max_length=self.max_length, train_length=cfg.block_size, dtype=self.dtype)
+        return dict(
+            pos_encoding=cfg.pos_encoding,
+            ssmax=cfg.ssmax,
+            prior=cfg.prior,
+            tokenizer=self.tok.name,
+            max_length=self.max_length,
+            train_length=cfg.block_size,
+            dtype=self.dtype,
+        )
 
 
-# ---- the command line --------------------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 def build_parser():
-    p = argparse.ArgumentParser(description="Score checkpoints on lm-evaluation-harness tasks (lm-eval 0.4.x).")
-    p.add_argument("--ckpt", action="append", required=True,
-                   help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several")
-    p.add_argument("--tasks", required=True, help="comma-separated task, group or tag names, e.g. "
-                   "arc_easy,arc_challenge,mmlu,hellaswag (lm-eval's), or a local task of --include_path")
-    p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own, or 0)")
-    p.add_argument("--limit", type=float, default=None,
-                   help="at most this many documents per task (below 1: this fraction of them); for quick looks")
+    p = argparse.ArgumentParser(
+        description="Score checkpoints on lm-evaluation-harness tasks (lm-eval 0.4.x)."
+    )
+    p.add_argument(
+        "--ckpt",
+        action="append",
+        required=True,
+        help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several",
+    )
+    p.add_argument(
+        "--tasks",
+        required=True,
+        help="comma-separated task, group or tag names, e.g. "
+        "arc_easy,arc_challenge,mmlu,hellaswag (lm-eval's), or a local task of --include_path",
+    )
+    p.add_argument(
+        "--num_fewshot",
+        type=int,
+        default=None,
+        help="few-shot examples (default: each task's own, or 0)",
+    )
+    p.add_argument(
+        "--limit",
+        type=float,
+        default=None,
+        help="at most this many documents per task (below 1: this fraction of them); "
+        "for quick looks",
+    )
     p.add_argument("--batch_size", type=int, default=8, help="loglikelihood requests per forward")
-    p.add_argument("--max_length", type=int, default=None,
-                   help="tokens per forward (default: each checkpoint's training length); longer contexts are "
-                        "left-truncated. BAM extrapolates: try several times the training length")
-    p.add_argument("--include_path", default=None, help="a directory of extra task YAMLs (e.g. tests/lm_tasks)")
-    p.add_argument("--out", required=True, help="output directory for the results JSON, CSV and Markdown")
+    p.add_argument(
+        "--max_length",
+        type=int,
+        default=None,
+        help="tokens per forward (default: each checkpoint's training length); longer contexts are "
+        "left-truncated. BAM extrapolates: try several times the training length",
+    )
+    p.add_argument(
+        "--include_path", default=None, help="a directory of extra task YAMLs (e.g. tests/lm_tasks)"
+    )
+    p.add_argument(
+        "--out", required=True, help="output directory for the results JSON, CSV and Markdown"
+    )
     return p
 
 
@@ -206,19 +288,23 @@ def parse_args(argv=None):
 
 
 def task_manager(include_path, tasks):
-    """lm-eval's tasks plus those of include_path; an unknown name is an EvalError (before any work is done)."""
+    """lm-eval's tasks plus those of include_path; an unknown name is an EvalError (before any work
+    is done)."""
     if include_path and not os.path.isdir(include_path):
         raise EvalError(f"--include_path {include_path!r} is not a directory")
+    # indexing lm-eval's own tasks takes seconds: only when the local ones do not suffice
     tm = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
-    if tm is None or not set(tasks) <= set(tm.all_tasks):  # indexing lm-eval's own tasks takes seconds
+    if tm is None or not set(tasks) <= set(tm.all_tasks):
         tm = TaskManager(include_path=include_path)
     known = set(tm.all_tasks)
     for name in tasks:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
-            raise EvalError(f"unknown task {name!r}; {hint}lm-eval's tasks are listed by `lm_eval ls tasks`, "
-                            "local ones are added with --include_path DIR")
+            raise EvalError(
+                f"unknown task {name!r}; {hint}lm-eval's tasks are listed by `lm_eval ls tasks`, "
+                "local ones are added with --include_path DIR"
+            )
     return tm
 
 
@@ -227,27 +313,45 @@ def summary_rows(run, results, max_length):
     rows = []
     for task, metrics in results["results"].items():
         for key, value in metrics.items():
+            # "metric,filter" keys hold the scores
             metric, comma, filt = key.partition(",")
-            if not comma or metric.endswith("_stderr"):  # "metric,filter" keys hold the scores
+            if not comma or metric.endswith("_stderr"):
                 continue
             stderr = metrics.get(f"{metric}_stderr,{filt}")
-            rows.append(dict(label=run["label"], **identity(run), task=task, metric=metric, filter=filt,
-                             value=value, stderr=stderr if isinstance(stderr, (int, float)) else None,
-                             num_fewshot=results.get("n-shot", {}).get(task), limit=results["config"]["limit"],
-                             max_length=max_length, train_length=run["block_size"]))
+            rows.append(
+                dict(
+                    label=run["label"],
+                    **identity(run),
+                    task=task,
+                    metric=metric,
+                    filter=filt,
+                    value=value,
+                    stderr=stderr if isinstance(stderr, (int, float)) else None,
+                    num_fewshot=results.get("n-shot", {}).get(task),
+                    limit=results["config"]["limit"],
+                    max_length=max_length,
+                    train_length=run["block_size"],
+                )
+            )
     return rows
 
 
 def markdown_summary(rows):
-    """Task x checkpoint: one line per task and metric, "value ± stderr" in each checkpoint's column."""
+    """Task x checkpoint: one line per task and metric, "value ± stderr" in each checkpoint's
+    column."""
     labels = list(dict.fromkeys(r["label"] for r in rows))
     cells = {}
     for r in rows:
         name = r["metric"] if r["filter"] in ("none", "") else f"{r['metric']} ({r['filter']})"
-        cell = f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if r["stderr"] is not None else "")
+        cell = f"{r['value']:.4f}"
+        if r["stderr"] is not None:
+            cell += f" ± {r['stderr']:.4f}"
         cells.setdefault((r["task"], name), {})[r["label"]] = cell
-    return markdown_table(["task", "metric", *labels],
-                          [[t, m, *(by.get(label, "") for label in labels)] for (t, m), by in cells.items()])
+    table = [
+        [task, metric, *(by_label.get(label, "") for label in labels)]
+        for (task, metric), by_label in cells.items()
+    ]
+    return markdown_table(["task", "metric", *labels], table)
 
 
 def write_json(obj, path):
@@ -267,11 +371,21 @@ def main(argv=None):
     rows = []
     for run in runs:
         lm = BamGPT(run["model"], batch_size=args.batch_size, max_length=args.max_length)
-        print(f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), max_length {lm.max_length} "
-              f"(trained at {run['block_size']})", file=sys.stderr)
-        results = lm_eval.simple_evaluate(model=lm, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-                                          batch_size=args.batch_size, device=device, task_manager=tm,
-                                          log_samples=False)
+        print(
+            f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), "
+            f"max_length {lm.max_length} (trained at {run['block_size']})",
+            file=sys.stderr,
+        )
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=args.tasks,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            batch_size=args.batch_size,
+            device=device,
+            task_manager=tm,
+            log_samples=False,
+        )
         results["bam_gpt"] = dict(label=run["label"], **identity(run))
         write_json(results, os.path.join(args.out, f"{run['label']}.json"))
         rows += summary_rows(run, results, lm.max_length)
@@ -281,7 +395,8 @@ def main(argv=None):
     with open(prefix + ".md", "w") as f:
         f.write(table + "\n")
     print(table)
-    print(f"wrote {', '.join(os.path.join(args.out, r['label'] + '.json') for r in runs)}, {prefix}.csv, {prefix}.md")
+    written = ", ".join(os.path.join(args.out, run["label"] + ".json") for run in runs)
+    print(f"wrote {written}, {prefix}.csv, {prefix}.md")
     return rows
 
 

@@ -4,12 +4,14 @@ Perplexity along the position axis (the paper's protocol): where a model stops e
     python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 [--window 1024]
         [--data val | hf:wikimedia/wikipedia:20231101.en] [--num_seqs 64]
 
-Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the whole sequence; the
-curve pools each --window positions over all sequences, ppl = exp(mean CE). Writes to --out: ppl_samples.jsonl (per
-checkpoint x sequence; a rerun resumes it), ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png;
-for runs named <variant>-s<seed> (make demo-text SEEDS=N) also ppl_table.{md,csv,json}: the perplexity at 1, 2, 4, ...
-times the training length per run, then the median and the worst seed per variant.
+Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the
+whole sequence; the curve pools each --window positions over all sequences, ppl = exp(mean CE).
+Writes to --out: ppl_samples.jsonl (per checkpoint x sequence; a rerun resumes it),
+ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png; for runs named
+<variant>-s<seed> (make demo-text SEEDS=N) also ppl_table.{md,csv,json}: the perplexity at 1, 2,
+4, ... times the training length per run, then the median and the worst seed per variant.
 """
+
 import argparse
 import hashlib
 import math
@@ -21,53 +23,81 @@ import torch
 from tqdm import tqdm
 
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (EvalError, ResultLog, add_common_args, identity, load_runs, markdown_table, memory_shortfall,
-                         model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
-                         run_script, seed_table, training_data_dir, write_table)
+from eval_common import (
+    EvalError,
+    ResultLog,
+    add_common_args,
+    identity,
+    load_runs,
+    markdown_table,
+    memory_shortfall,
+    model_device,
+    peak_memory_bytes,
+    pick_device,
+    plot_curves,
+    reset_peak_memory,
+    resolve_dtype,
+    run_script,
+    seed_table,
+    training_data_dir,
+    write_table,
+)
 from model import autocast
 
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
 
 
-# ---- Scoring: per-target cross-entropy of one sequence ---------------------------------------------------------
+# ---- Scoring: per-target cross-entropy of one sequence -------------------------------------------
 @torch.no_grad()
 def full_token_losses(model, seq):
-    """The CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,) fp32."""
+    """The CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,)
+    fp32."""
     seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
 
 def window_sums(losses, window):
-    """(window_ends, loss_sums in float64, counts) of the losses in windows of `window` positions."""
+    """(window_ends, loss_sums in float64, counts) of the losses in windows of `window`
+    positions."""
     chunks = torch.as_tensor(losses).double().split(window)
     counts = [c.numel() for c in chunks]
     return np.cumsum(counts).tolist(), [float(c.sum()) for c in chunks], counts
 
 
-# ---- Data ------------------------------------------------------------------------------------------------------
+# ---- Data ----------------------------------------------------------------------------------------
 def val_sequences(data_dir, tokenizer_name, seq_len):
-    """(rows (N, seq_len + 1), description) from the validation split's first VAL_TOKENS tokens, document
-    tokens removed so that documents run together with no document mask, as the authors did on FineWeb."""
+    """(rows (N, seq_len + 1), description) from the validation split's first VAL_TOKENS tokens,
+    document tokens removed so that documents run together with no document mask, as the authors did
+    on FineWeb."""
     available = sum(len(open_shard(p, tokenizer_name)) for p in shard_paths(data_dir, "val"))
     if available < VAL_TOKENS:
-        print(f"note: the validation split in {data_dir} holds {available} tokens, fewer than the {VAL_TOKENS} of "
-              "the protocol; using all of them")
+        print(
+            f"note: the validation split in {data_dir} holds {available} tokens, fewer than the "
+            f"{VAL_TOKENS} of the protocol; using all of them"
+        )
+
     tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, available))
-    tokens = tokens[~np.isin(tokens, [t for t in (DOC_START[tokenizer_name], DOC_END[tokenizer_name]) if t])]
+    document_tokens = [DOC_START[tokenizer_name], DOC_END[tokenizer_name]]
+    tokens = tokens[~np.isin(tokens, [t for t in document_tokens if t])]
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
-        raise EvalError(f"{len(tokens)} validation tokens in {data_dir} do not make one sequence of seq_len + 1 = "
-                        f"{seq_len + 1} tokens; use a smaller --seq_len or more validation data")
-    return tokens[:rows * (seq_len + 1)].reshape(rows, seq_len + 1), f"val:{os.path.abspath(data_dir)}:no_eot"
+        raise EvalError(
+            f"{len(tokens)} validation tokens in {data_dir} do not make one sequence of "
+            f"seq_len + 1 = {seq_len + 1} tokens; use a smaller --seq_len or more validation data"
+        )
+    sequences = tokens[: rows * (seq_len + 1)].reshape(rows, seq_len + 1)
+    return sequences, f"val:{os.path.abspath(data_dir)}:no_eot"
 
 
 def parse_hf(spec):
     """'hf:NAME[:CONFIG]' -> (NAME, CONFIG or None)."""
-    parts = spec[len("hf:"):].split(":")
+    parts = spec[len("hf:") :].split(":")
     if not spec.startswith("hf:") or not parts[0] or len(parts) > 2:
-        raise EvalError(f"--data {spec!r}: expected val, hf:NAME or hf:NAME:CONFIG (e.g. "
-                        "hf:wikimedia/wikipedia:20231101.en)")
+        raise EvalError(
+            f"--data {spec!r}: expected val, hf:NAME or hf:NAME:CONFIG (e.g. "
+            "hf:wikimedia/wikipedia:20231101.en)"
+        )
     return parts[0], (parts[1] if len(parts) == 2 and parts[1] else None)
 
 
@@ -75,32 +105,40 @@ def hf_texts(name, config):
     """The "text" column of a streamed Hugging Face dataset's train split, in dataset order."""
     try:
         from datasets import load_dataset
-        it = iter(load_dataset(name, config, split="train", streaming=True))
-        first = next(it, None)
+
+        stream = iter(load_dataset(name, config, split="train", streaming=True))
+        first = next(stream, None)
     except Exception as e:
-        raise EvalError(f"could not stream the Hugging Face dataset {name!r} (config {config!r}): "
-                        f"{type(e).__name__}: {e}; this needs network access to huggingface.co; offline, use "
-                        "--data val (the prepared validation split)") from e
+        raise EvalError(
+            f"could not stream the Hugging Face dataset {name!r} (config {config!r}): "
+            f"{type(e).__name__}: {e}; this needs network access to huggingface.co; offline, use "
+            "--data val (the prepared validation split)"
+        ) from e
     if first is None:
         return
     if "text" not in first:
         raise EvalError(f"{name!r} has no column 'text' (columns: {sorted(first)})")
     yield first["text"]
-    yield from (row["text"] for row in it)
+    yield from (row["text"] for row in stream)
 
 
 def hf_sequences(texts, tokenizer, seq_len, num_seqs):
-    """(rows, texts read): the first num_seqs texts with >= seq_len + 1 tokens ([doc_start] + text), truncated."""
-    rows, read = [], 0
+    """(rows, texts read): the first num_seqs texts with >= seq_len + 1 tokens ([doc_start] + text),
+    truncated."""
+    rows = []
+    read = 0
     for text in texts:
         read += 1
-        toks = [tokenizer.doc_start] + tokenizer.encode_ordinary(text) if text else []
-        if len(toks) >= seq_len + 1:
-            rows.append(np.asarray(toks[:seq_len + 1], dtype=np.int64))
+        tokens = [tokenizer.doc_start] + tokenizer.encode_ordinary(text) if text else []
+        if len(tokens) >= seq_len + 1:
+            rows.append(np.asarray(tokens[: seq_len + 1], dtype=np.int64))
             if len(rows) == num_seqs:
                 break
     if not rows:
-        raise EvalError(f"none of the {read} texts has seq_len + 1 = {seq_len + 1} tokens; use a smaller --seq_len")
+        raise EvalError(
+            f"none of the {read} texts has seq_len + 1 = {seq_len + 1} tokens; "
+            "use a smaller --seq_len"
+        )
     return np.stack(rows), read
 
 
@@ -108,73 +146,132 @@ def load_sequences(args, runs):
     """(rows (N, seq_len + 1), data description) for --data, at most --num_seqs rows."""
     tokenizer_name = runs[0]["tokenizer"]
     if args.data == "val":
-        rows, desc = val_sequences(training_data_dir(runs, args.data_dir), tokenizer_name, args.seq_len)
+        data_dir = training_data_dir(runs, args.data_dir)
+        rows, desc = val_sequences(data_dir, tokenizer_name, args.seq_len)
         wanted = args.num_seqs
     else:
         name, config = parse_hf(args.data)
         wanted = args.num_seqs or HF_DEFAULT_SEQS
-        rows, _ = hf_sequences(hf_texts(name, config), get_tokenizer(tokenizer_name), args.seq_len, wanted)
+        tokenizer = get_tokenizer(tokenizer_name)
+        rows, _ = hf_sequences(hf_texts(name, config), tokenizer, args.seq_len, wanted)
         desc = f"hf:{name}:{config}"
     if wanted is not None and len(rows) < wanted:
-        print(f"note: asked for {wanted} sequences of {args.seq_len + 1} tokens, the data holds {len(rows)}: "
-              f"using all {len(rows)}")
+        print(
+            f"note: asked for {wanted} sequences of {args.seq_len + 1} tokens, "
+            f"the data holds {len(rows)}: using all {len(rows)}"
+        )
     return rows[:wanted], desc
 
 
-# ---- Evaluation ------------------------------------------------------------------------------------------------
+# ---- Evaluation ----------------------------------------------------------------------------------
+def memory_needed(args, run, device):
+    """Why one forward over --seq_len tokens does not fit, or None."""
+    # the loss head on top of the forward: fp32 logits, log-softmax, autocast copy over <= 8192
+    # positions
+    head_bytes = 3 * 4 * min(args.seq_len, 8192) * run["model"].config.padded_vocab_size
+    return memory_shortfall(
+        run["model"], args.seq_len, device, args.memory_fraction, extra_bytes=head_bytes
+    )
+
+
 def evaluate(args, run, seqs, data_desc, dtype, device, log):
     """Score every sequence with one checkpoint (resuming from `log`). Returns its summary rows."""
     name = run["label"]
-    base = dict(label=name, **identity(run), window=args.window, data=data_desc, seq_len=args.seq_len,
-                n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
-    # the loss head on top of the forward: fp32 logits, log-softmax, autocast copy over <= 8192 positions
-    head = 3 * 4 * min(args.seq_len, 8192) * run["model"].config.padded_vocab_size
-    why = memory_shortfall(run["model"], args.seq_len, device, args.memory_fraction, extra_bytes=head)
+    base = dict(
+        label=name,
+        **identity(run),
+        window=args.window,
+        data=data_desc,
+        seq_len=args.seq_len,
+        n_seqs=len(seqs),
+        dtype=dtype,
+        train_length=run["block_size"],
+    )
+    why = memory_needed(args, run, device)
     if why:
-        msg = f"skipped: a forward over {args.seq_len} tokens {why}"
-        print(f"{name}: {msg}")
-        return [dict(base, scope="skipped", note=msg)]
+        message = f"skipped: a forward over {args.seq_len} tokens {why}"
+        print(f"{name}: {message}")
+        return [dict(base, scope="skipped", note=message)]
+
     key = dict(identity(run), data=data_desc, seq_len=args.seq_len, window=args.window, dtype=dtype)
     by_key = {log.key(r): r for r in log.records}
-    records, t0, resumed = [], time.time(), 0
+    records = []
+    resumed = 0
+    t0 = time.time()
     reset_peak_memory(device)
     for i in tqdm(range(len(seqs)), desc=name, unit="seq"):
-        digest = hashlib.sha1(np.ascontiguousarray(seqs[i], dtype="<i8").tobytes()).hexdigest()[:16]
+        digest = hashlib.sha1(np.ascontiguousarray(seqs[i], dtype="<i8").tobytes()).hexdigest()
+        digest = digest[:16]
         rec = by_key.get(log.key(dict(key, seq=i)))
-        if rec is not None and rec["tokens_sha1"] != digest:
-            raise EvalError(f"{log.path} holds a result for sequence {i} computed on other tokens (the data "
-                            "changed since); use a fresh --out or delete that file")
-        resumed += rec is not None
         if rec is None:
-            t = time.time()
-            with autocast(device, dtype):
-                losses = full_token_losses(run["model"], seqs[i])
-            ends, sums, counts = window_sums(losses, args.window)
-            rec = dict(key, seq=i, tokens_sha1=digest, window_ends=ends, loss_sums=sums, counts=counts,
-                       seconds=round(time.time() - t, 3))
+            rec = score_sequence(run["model"], seqs[i], args.window, device, dtype)
+            rec = dict(key, seq=i, tokens_sha1=digest, **rec)
             log.add(rec)
+        elif rec["tokens_sha1"] != digest:
+            raise EvalError(
+                f"{log.path} holds a result for sequence {i} computed on other tokens (the data "
+                "changed since); use a fresh --out or delete that file"
+            )
+        else:
+            resumed += 1
         records.append(rec)
     if resumed:
         print(f"{name}: {resumed} of {len(seqs)} sequences resumed from {log.path}")
+
     out = summarize(records, base)
-    # compute time summed over every sitting; peak memory of this sitting (CPU: the process's peak RSS)
-    out[-1].update(seconds=round(sum(r["seconds"] for r in records), 3),
-                   peak_mem_bytes=peak_memory_bytes(device) if resumed < len(seqs) else None)
-    print(f"{name}: overall ppl {out[-1]['ppl']:.4f} over {out[-1]['n_tokens']} tokens ({time.time() - t0:.1f}s)")
+    # compute time summed over every sitting; peak memory of this sitting (CPU: the process's
+    # peak RSS)
+    out[-1].update(
+        seconds=round(sum(r["seconds"] for r in records), 3),
+        peak_mem_bytes=peak_memory_bytes(device) if resumed < len(seqs) else None,
+    )
+    overall = out[-1]
+    print(
+        f"{name}: overall ppl {overall['ppl']:.4f} over {overall['n_tokens']} tokens "
+        f"({time.time() - t0:.1f}s)"
+    )
     return out
 
 
+def score_sequence(model, seq, window, device, dtype):
+    """One sequence's window sums of the losses, as its record stores them."""
+    t0 = time.time()
+    with autocast(device, dtype):
+        losses = full_token_losses(model, seq)
+    ends, sums, counts = window_sums(losses, window)
+    return dict(window_ends=ends, loss_sums=sums, counts=counts, seconds=round(time.time() - t0, 3))
+
+
 def summarize(records, base):
-    """Summary rows: per window, ppl = exp(mean CE over that window in every sequence), then 'overall'."""
+    """Summary rows: per window, ppl = exp(mean CE over that window in every sequence), then
+    'overall'."""
     ends = records[0]["window_ends"]
     sums = np.sum([r["loss_sums"] for r in records], axis=0)
     counts = np.sum([r["counts"] for r in records], axis=0)
-    rows = [dict(base, scope="window", window_start=ends[k - 1] if k else 0, window_end=end,
-                 n_tokens=int(counts[k]), loss=float(sums[k] / counts[k]), ppl=math.exp(sums[k] / counts[k]))
-            for k, end in enumerate(ends)]
+    rows = [
+        dict(
+            base,
+            scope="window",
+            window_start=ends[k - 1] if k else 0,
+            window_end=end,
+            n_tokens=int(counts[k]),
+            loss=float(sums[k] / counts[k]),
+            ppl=math.exp(sums[k] / counts[k]),
+        )
+        for k, end in enumerate(ends)
+    ]
     loss = float(sums.sum() / counts.sum())
-    return rows + [dict(base, scope="overall", window_start=0, window_end=ends[-1], n_tokens=int(counts.sum()),
-                        loss=loss, ppl=math.exp(loss))]
+    return rows + [
+        dict(
+            base,
+            scope="overall",
+            window_start=0,
+            window_end=ends[-1],
+            n_tokens=int(counts.sum()),
+            loss=loss,
+            ppl=math.exp(loss),
+        )
+    ]
 
 
 def ppl_seed_table(rows, args, data_desc, n_seqs):
@@ -182,9 +279,9 @@ def ppl_seed_table(rows, args, data_desc, n_seqs):
     per run, then the median and the worst seed per variant (eval_common.seed_table):
     <out>/ppl_table.{md,csv,json}. None without seeded names.
 
-    The cell at k x L pools every window that ends in (k L / 2, k L] (in (0, L] for k = 1): an octave
-    of positions, as wide as the step to the next column on the log axis, and long ranges get the
-    many tokens that a small --num_seqs leaves each window."""
+    The cell at k x L pools every window that ends in (k L / 2, k L] (in (0, L] for k = 1): an
+    octave of positions, as wide as the step to the next column on the log axis, and long ranges get
+    the many tokens that a small --num_seqs leaves each window."""
     pooled = {}  # (label, k) -> [sum of losses, tokens]
     for r in rows:
         if r["scope"] != "window":
@@ -207,55 +304,103 @@ def ppl_seed_table(rows, args, data_desc, n_seqs):
     return seed_table(cells, os.path.join(args.out, "ppl_table"), caption, worst=("max", max))
 
 
-# ---- Command line ----------------------------------------------------------------------------------------------
+# ---- Command line --------------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
     add_common_args(p, default_out="results/ppl")
-    p.add_argument("--seq_len", type=int, default=32768, help="targets per sequence (a row has seq_len + 1 tokens)")
-    p.add_argument("--num_seqs", type=int, help=f"sequences to score (default: all of val, {HF_DEFAULT_SEQS} for hf:)")
-    p.add_argument("--window", type=int, default=1024, help="averaging window along the position axis (the curve)")
-    p.add_argument("--data", default="val",
-                   help="val (the prepared validation split, document tokens removed), or hf:NAME[:CONFIG] (streamed, "
-                        "the first texts with seq_len + 1 tokens; the paper's: hf:wikimedia/wikipedia:20231101.en)")
-    p.add_argument("--data_dir", help="prepared shards for --data val; default: the checkpoint's training data")
+    p.add_argument(
+        "--seq_len",
+        type=int,
+        default=32768,
+        help="targets per sequence (a row has seq_len + 1 tokens)",
+    )
+    p.add_argument(
+        "--num_seqs",
+        type=int,
+        help=f"sequences to score (default: all of val, {HF_DEFAULT_SEQS} for hf:)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=1024,
+        help="averaging window along the position axis (the curve)",
+    )
+    p.add_argument(
+        "--data",
+        default="val",
+        help="val (the prepared validation split, document tokens removed), or "
+        "hf:NAME[:CONFIG] (streamed, the first texts with seq_len + 1 tokens; the paper's: "
+        "hf:wikimedia/wikipedia:20231101.en)",
+    )
+    p.add_argument(
+        "--data_dir", help="prepared shards for --data val; default: the checkpoint's training data"
+    )
     return p
+
+
+def report(args, runs, rows, data_desc, n_seqs):
+    """Print the curves and the overall perplexity of every evaluated checkpoint, and draw them."""
+    series = {}  # label -> (window ends, ppl per window)
+    overall = {}  # label -> overall ppl
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = [r for r in rows if r["label"] == label]
+        if mine[-1]["scope"] != "overall":
+            continue
+        series[label] = ([r["window_end"] for r in mine[:-1]], [r["ppl"] for r in mine[:-1]])
+        overall[label] = mine[-1]["ppl"]
+    if not series:
+        return None
+
+    ends = next(iter(series.values()))[0]  # the same windows for every checkpoint
+    table = [[end, *(f"{ppl[k]:.4f}" for _, ppl in series.values())] for k, end in enumerate(ends)]
+    table.append(["overall", *(f"{ppl:.4f}" for ppl in overall.values())])
+    print(markdown_table(["window end", *series], table))
+    figure = os.path.join(args.out, "ppl_vs_position.png")
+    data_name = data_desc.split(":")[0]
+    plot_curves(
+        series,
+        [r["block_size"] for r in runs],
+        figure,
+        ylabel="perplexity",
+        logy=True,
+        xlabel=f"position (end of {args.window}-token window)",
+        title=f"Perplexity vs position: {data_name}, {n_seqs} x {args.seq_len} tokens",
+    )
+    return figure
 
 
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    for k in ("seq_len", "window", "num_seqs"):
-        if getattr(args, k) is not None and getattr(args, k) < 1:
-            p.error(f"--{k} must be at least 1, got {getattr(args, k)}")
+    for name in ("seq_len", "window", "num_seqs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name} must be at least 1, got {value}")
+
     device = pick_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
     runs, _ = load_runs(args.ckpt, device, args.attn_impl)
     seqs, data_desc = load_sequences(args, runs)
-    print(f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of {args.window} tokens; "
-          f"device {device}, {dtype}")
-    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), ("ckpt", "ckpt_sha256", "data", "seq_len", "window",
-                                                                  "dtype", "seq"), runs)
-    rows, series, overall = [], {}, {}  # per evaluated checkpoint: its curve, its overall ppl
+    print(
+        f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of "
+        f"{args.window} tokens; device {device}, {dtype}"
+    )
+    key_fields = ("ckpt", "ckpt_sha256", "data", "seq_len", "window", "dtype", "seq")
+    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), key_fields, runs)
+    rows = []
     for run in runs:
-        out = evaluate(args, run, seqs, data_desc, dtype, device, log)
-        rows += out
-        if out[-1]["scope"] == "overall":
-            series[run["label"]] = ([r["window_end"] for r in out[:-1]], [r["ppl"] for r in out[:-1]])
-            overall[run["label"]] = out[-1]["ppl"]
+        rows += evaluate(args, run, seqs, data_desc, dtype, device, log)
+
     prefix = os.path.join(args.out, "ppl_summary")
     write_table(rows, prefix)
     table = ppl_seed_table(rows, args, data_desc, len(seqs))
     if table:
         print(table)
-    if series:
-        ends = next(iter(series.values()))[0]  # the same windows for every checkpoint
-        table = [[end, *(f"{ppl[k]:.4f}" for _, ppl in series.values())] for k, end in enumerate(ends)]
-        print(markdown_table(["window end", *series], table + [["overall", *(f"{p:.4f}" for p in overall.values())]]))
-        fig = os.path.join(args.out, "ppl_vs_position.png")
-        plot_curves(series, [r["block_size"] for r in runs], fig, ylabel="perplexity", logy=True,
-                    xlabel=f"position (end of {args.window}-token window)",
-                    title=f"Perplexity vs position: {data_desc.split(':')[0]}, {len(seqs)} x {args.seq_len} tokens")
-    print(f"wrote {prefix}.json, {prefix}.csv" + (f", {fig}" if series else " (no figure: nothing was evaluated)"))
+    figure = report(args, runs, rows, data_desc, len(seqs))
+    if figure:
+        print(f"wrote {prefix}.json, {prefix}.csv, {figure}")
+    else:
+        print(f"wrote {prefix}.json, {prefix}.csv (no figure: nothing was evaluated)")
     return rows
 
 

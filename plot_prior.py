@@ -1,13 +1,16 @@
 """
-The learned positional prior of a checkpoint: per layer (a panel) and head (a line), the log-prior B_h(d) the model
-adds to the logits against the distance |d| on a log axis, computed by the registered prior (priors.py).
+The learned positional prior of a checkpoint: per layer (a panel) and head (a line), the log-prior
+B_h(d) the model adds to the logits against the distance |d| on a log axis, computed by the
+registered prior (priors.py).
 
-    python plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png] [--max_distance 4096]
+    python plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png]
+        [--max_distance 4096]
 
-Heads the prior's highlight rule picks (GGD: theta_beta < 0, the anti-local heads that retrieve beyond the
-training context) are drawn thick and warm; SSMax's s_h is in the legend. Writes the PNG and <out>.json with the
-same numbers. bam and alibi only.
+Heads the prior's highlight rule picks (GGD: theta_beta < 0, the anti-local heads that retrieve
+beyond the training context) are drawn thick and warm; SSMax's s_h is in the legend. Writes the PNG
+and <out>.json with the same numbers. bam and alibi only.
 """
+
 import argparse
 import json
 import os
@@ -28,22 +31,35 @@ def distances(max_distance, per_octave=8):
 
 @torch.no_grad()
 def prior_tables(model, dist):
-    """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0, bias}]}] per layer
-    with a prior; bias[k] = B(d = -dist[k])."""
+    """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0,
+    bias}]}] per layer with a prior; bias[k] = B(d = -dist[k])."""
     summary = {row["layer"]: row for row in model.prior_summary()}
-    d = -torch.tensor([0] + list(dist), dtype=torch.float64)
+    offsets = -torch.tensor([0] + list(dist), dtype=torch.float64)  # d = j - i <= 0
     layers = []
     for i, block in enumerate(model.blocks):
         bound = block.attn.prior()
         if bound is None:
             continue
-        table = bound.table(d).double()  # (H, 1 + len(dist))
+
+        table = bound.table(offsets).double()  # (H, 1 + len(dist))
         rule = bound.prior.highlight
-        highlighted = rule(*bound.params).tolist() if rule is not None else [False] * table.shape[0]
+        if rule is None:
+            highlighted = [False] * table.shape[0]
+        else:
+            highlighted = rule(*bound.params).tolist()
         row = summary[i]
-        per_head = [k for k in row if k not in ("layer", "prior")]  # the parameters, mu (ggd), ssmax_s
-        heads = [dict(head=h, **{k: row[k][h] for k in per_head}, highlighted=bool(highlighted[h]),
-                      bias_at_0=table[h, 0].item(), bias=table[h, 1:].tolist()) for h in range(table.shape[0])]
+        # the parameters, mu (ggd), ssmax_s
+        per_head = [k for k in row if k not in ("layer", "prior")]
+        heads = [
+            dict(
+                head=h,
+                **{k: row[k][h] for k in per_head},
+                highlighted=bool(highlighted[h]),
+                bias_at_0=table[h, 0].item(),
+                bias=table[h, 1:].tolist(),
+            )
+            for h in range(table.shape[0])
+        ]
         layers.append(dict(layer=i, heads=heads))
     return layers
 
@@ -52,31 +68,44 @@ def head_label(h, prior):
     """h3: θbeta=+0.52, θalpha=-1.3, s=1.02 (the shape parameter first)."""
     names = sorted(prior.params, key=lambda n: n != prior.shape_param)
     parts = [f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in names]
-    return f"h{h['head']}: " + ", ".join(parts + ([f"s={h['ssmax_s']:.2f}"] if h.get("ssmax_s") is not None else []))
+    if h.get("ssmax_s") is not None:
+        parts.append(f"s={h['ssmax_s']:.2f}")
+    return f"h{h['head']}: " + ", ".join(parts)
 
 
 def plot(layers, dist, block_size, prior, title, path):
     plt = _plt()
-    n = len(layers)
-    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 4.4), squeeze=False, sharey=True)
-    warm, cool = plt.get_cmap("autumn"), plt.get_cmap("winter")
+    n_layers = len(layers)
+    fig, axes = plt.subplots(1, n_layers, figsize=(4.6 * n_layers, 4.4), squeeze=False, sharey=True)
+    warm = plt.get_cmap("autumn")
+    cool = plt.get_cmap("winter")
     for ax, layer in zip(axes[0], layers):
         heads = layer["heads"]
         hot = [h for h in heads if h["highlighted"]]
         rest = [h for h in heads if not h["highlighted"]]
         for group, cmap, lw, ls in ((rest, cool, 1.2, "--"), (hot, warm, 2.6, "-")):
             for k, h in enumerate(sorted(group, key=lambda h: h[prior.shape_param])):
-                ax.plot(dist, h["bias"], ls, lw=lw, color=cmap(0.85 * k / max(1, len(group) - 1)),
-                        label=head_label(h, prior))
+                color = cmap(0.85 * k / max(1, len(group) - 1))
+                ax.plot(dist, h["bias"], ls, lw=lw, color=color, label=head_label(h, prior))
+
         ax.axvline(block_size, color="gray", ls=":", lw=1)
-        ax.annotate(f"train length {block_size}", (block_size, 0.02), xycoords=("data", "axes fraction"),
-                    rotation=90, fontsize=7, color="gray", ha="right", va="bottom")
+        ax.annotate(
+            f"train length {block_size}",
+            (block_size, 0.02),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize=7,
+            color="gray",
+            ha="right",
+            va="bottom",
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("distance to the key |j - i| (tokens, log scale)")
-        ax.set_title(f"layer {layer['layer']}" + (f": {len(hot)} of {len(heads)} heads with "
-                                                  f"{prior.highlight_label}" if prior.highlight else ""),
-                     fontsize=9)
+        title_of_panel = f"layer {layer['layer']}"
+        if prior.highlight:
+            title_of_panel += f": {len(hot)} of {len(heads)} heads with {prior.highlight_label}"
+        ax.set_title(title_of_panel, fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, loc="lower left")
     axes[0][0].set_ylabel("log-prior B(d) added to the logits (symlog)")
@@ -87,10 +116,19 @@ def plot(layers, dist, block_size, prior, title, path):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description="Plot the positional prior of every layer and head of a checkpoint.")
-    ap.add_argument("--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)")
-    ap.add_argument("--out", help="PNG path (default: prior.png in the run directory), its numbers beside in .json")
-    ap.add_argument("--max_distance", type=int, help="largest distance shown (default 64 x the training length)")
+    ap = argparse.ArgumentParser(
+        description="Plot the positional prior of every layer and head of a checkpoint."
+    )
+    ap.add_argument(
+        "--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)"
+    )
+    ap.add_argument(
+        "--out",
+        help="PNG path (default: prior.png in the run directory), its numbers beside in .json",
+    )
+    ap.add_argument(
+        "--max_distance", type=int, help="largest distance shown (default 64 x the training length)"
+    )
     return ap
 
 
@@ -99,12 +137,15 @@ def main(argv=None):
     model, ckpt = load_model(args.ckpt)
     cfg = model.config
     if cfg.pos_encoding not in ("bam", "alibi"):
-        sys.exit(f"plot_prior.py: error: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, which has no "
-                 "positional prior to plot (bam and alibi do)")
+        sys.exit(
+            f"plot_prior.py: error: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, "
+            "which has no positional prior to plot (bam and alibi do)"
+        )
     out = args.out or os.path.join(os.path.dirname(ckpt["path"]), "prior.png")
     max_distance = args.max_distance or 64 * cfg.block_size
     if max_distance < 2:
         sys.exit("plot_prior.py: error: --max_distance must be at least 2")
+
     dist = distances(max_distance)
     layers = prior_tables(model, dist)
     prior = model.blocks[0].attn.prior_def
@@ -113,16 +154,32 @@ def main(argv=None):
     n_hot = sum(h["highlighted"] for layer in layers for h in layer["heads"])
     n_all = sum(len(layer["heads"]) for layer in layers)
     hot = f"{n_hot}/{n_all} heads with {prior.highlight_label}" if prior.highlight else ""
-    title = (f"{run} ({name}, step {ckpt.get('step', '?')}): {prior.name} prior {prior.formula}"
-             + (f"\n{hot}" if hot else ""))
+    step = ckpt.get("step", "?")
+    title = f"{run} ({name}, step {step}): {prior.name} prior {prior.formula}"
+    if hot:
+        title += f"\n{hot}"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     plot(layers, dist, cfg.block_size, prior, title, out)
+
+    numbers = dict(
+        ckpt=ckpt["path"],
+        step=ckpt.get("step"),
+        pos_encoding=cfg.pos_encoding,
+        prior=prior.name,
+        formula=prior.formula,
+        ssmax=cfg.ssmax,
+        ssmax_prior=cfg.ssmax_prior,
+        block_size=cfg.block_size,
+        distances=dist,
+        highlight=prior.highlight_label,
+        heads_highlighted=n_hot,
+        heads=n_all,
+        layers=layers,
+    )
     json_path = os.path.splitext(out)[0] + ".json"
     with open(json_path, "w") as f:
-        json.dump(dict(ckpt=ckpt["path"], step=ckpt.get("step"), pos_encoding=cfg.pos_encoding, prior=prior.name,
-                       formula=prior.formula, ssmax=cfg.ssmax, ssmax_prior=cfg.ssmax_prior, block_size=cfg.block_size,
-                       distances=dist, highlight=prior.highlight_label, heads_highlighted=n_hot, heads=n_all,
-                       layers=layers), f, indent=1)
+        json.dump(numbers, f, indent=1)
+
     for layer in layers:
         values = " ".join(f"{h[prior.shape_param]:+.2f}" for h in layer["heads"])
         print(f"layer {layer['layer']}: {prior.shape_param} {values}")

@@ -1,13 +1,17 @@
 """
-Text from a checkpoint, nanoGPT's sample.py: a prompt, then --num_samples continuations decoded with the KV cache.
+Text from a checkpoint, nanoGPT's sample.py: a prompt, then --num_samples continuations decoded with
+the KV cache.
 
     python sample.py --ckpt out/demo/bam_ssmax-s1 --start "@bgnfmheldi#12345bgnf?" --top_k=1
-    python sample.py --ckpt RUN --start FILE:prompt.txt --num_samples 3 --max_new_tokens 200 --temperature 0.8
+    python sample.py --ckpt RUN --start FILE:prompt.txt --num_samples 3 --max_new_tokens 200 \
+        --temperature 0.8
 
-The prompt is one document, as in training: it follows the tokenizer's document-start token. A sample ends at
-end of text or after --max_new_tokens tokens. --top_k=1 (or --temperature=0) is greedy decoding: every sample is
-the same, whatever the seed. Any other setting draws from the --top_k most likely tokens, seeded by --seed.
+The prompt is one document, as in training: it follows the tokenizer's document-start token. A
+sample ends at end of text or after --max_new_tokens tokens. --top_k=1 (or --temperature=0) is
+greedy decoding: every sample is the same, whatever the seed. Any other setting draws from the
+--top_k most likely tokens, seeded by --seed.
 """
+
 import argparse
 
 import torch
@@ -21,12 +25,23 @@ SEPARATOR = "---------------"
 
 def build_parser():
     p = argparse.ArgumentParser(description="Sample text from a bam-gpt checkpoint.")
-    p.add_argument("--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)")
-    p.add_argument("--start", default="", help='the prompt, or FILE:path to read it from a file (default: "")')
+    p.add_argument(
+        "--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)"
+    )
+    p.add_argument(
+        "--start", default="", help='the prompt, or FILE:path to read it from a file (default: "")'
+    )
     p.add_argument("--num_samples", type=int, default=10)
     p.add_argument("--max_new_tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; below 1 sharper, above 1 flatter")
-    p.add_argument("--top_k", type=int, default=200, help="sample from the k most likely tokens; 1 = greedy")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="0 = greedy; below 1 sharper, above 1 flatter",
+    )
+    p.add_argument(
+        "--top_k", type=int, default=200, help="sample from the k most likely tokens; 1 = greedy"
+    )
     p.add_argument("--seed", type=int, default=1337)
     return p
 
@@ -44,7 +59,7 @@ def parse_args(argv=None):
 def read_start(start):
     """The prompt text: --start itself, or the content of the file it names after FILE:."""
     if start.startswith("FILE:"):
-        with open(start[len("FILE:"):], encoding="utf-8") as f:
+        with open(start[len("FILE:") :], encoding="utf-8") as f:
             return f.read()
     return start
 
@@ -58,12 +73,18 @@ def main(argv=None):
     tok = get_tokenizer(model.config.tokenizer)
     prompt = [tok.doc_start] + tok.encode_ordinary(prompt_text)
     x = torch.tensor([prompt], device=device)
+
     torch.manual_seed(args.seed)
     samples = []
     for _ in range(args.num_samples):
         with autocast(device, dtype):
-            new = model.generate(x, args.max_new_tokens, stop_tokens=(tok.eot_token,), temperature=args.temperature,
-                                 top_k=args.top_k)
+            new = model.generate(
+                x,
+                args.max_new_tokens,
+                stop_tokens=(tok.eot_token,),
+                temperature=args.temperature,
+                top_k=args.top_k,
+            )
         if new and new[-1] == tok.eot_token:
             new = new[:-1]
         samples.append(tok.decode(prompt[1:] + new))  # the document-start token is not text

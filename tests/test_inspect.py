@@ -1,21 +1,24 @@
-"""inspect_attention.py: the needle's key tokens, the metrics of one attention row, a model whose attention is known
-in closed form, the answer row against the model's own attention output, and the command line end to end."""
+"""inspect_attention.py: the needle's key tokens, the metrics of one attention row, a model whose
+attention is known in closed form, the answer row against the model's own attention output, and the
+command line end to end."""
+
 import json
 import math
 
 import numpy as np
 import pytest
 import torch
-
-import eval_passkey as ep
-import inspect_attention as ia
-import plot_prior
-from data import get_tokenizer
-from priors import Prior, alibi_slopes, register
-from model import GPT, GPTConfig, save_checkpoint
 from test_passkey import merging_tokenizer
 
-DEMO, PAPER = ep.TEMPLATES["demo"], ep.TEMPLATES["paper"]
+import inspect_attention as ia
+import passkey
+import plot_prior
+from data import get_tokenizer
+from model import GPT, GPTConfig, save_checkpoint
+from priors import Prior, alibi_slopes, register
+
+DEMO = passkey.TEMPLATES["demo"]
+PAPER = passkey.TEMPLATES["paper"]
 DIGITS = range(ord("0"), ord("9") + 1)  # the byte tokenizer's digit tokens
 
 
@@ -25,15 +28,21 @@ def enc():
 
 
 def test_key_positions(enc):
-    tokens, _, info = ep.build_prompt(enc, DEMO, 200, 31415, 3)
+    tokens, _, info = passkey.build_prompt(enc, DEMO, 200, 31415, 3)
     assert ia.key_positions(enc, tokens, info) == [j for j, t in enumerate(tokens) if t in DIGITS]
     assert bytes(tokens[j] for j in ia.key_positions(enc, tokens, info)) == b"31415"
-    tokens, _, info = ep.build_prompt(enc, PAPER, 600, 27182, 2)  # the paper's needle states the key twice
+    # the paper's needle states the key twice
+    tokens, _, info = passkey.build_prompt(enc, PAPER, 600, 27182, 2)
     pos = ia.key_positions(enc, tokens, info)
-    assert bytes(tokens[j] for j in pos) == b"2718227182" and pos == [j for j, t in enumerate(tokens) if t in DIGITS]
+    assert bytes(tokens[j] for j in pos) == b"2718227182" and pos == [
+        j for j, t in enumerate(tokens) if t in DIGITS
+    ]
     merging = merging_tokenizer()  # " 12345" -> " 123" + "45": the merged tokens carry the key
-    tokens, _, info = ep.build_prompt(merging, PAPER, 600, 12345, 2)
-    assert [merging.decode([tokens[j]]) for j in ia.key_positions(merging, tokens, info)] == [" 123", "45"] * 2
+    tokens, _, info = passkey.build_prompt(merging, PAPER, 600, 12345, 2)
+    assert [merging.decode([tokens[j]]) for j in ia.key_positions(merging, tokens, info)] == [
+        " 123",
+        "45",
+    ] * 2
 
 
 def test_row_metrics():
@@ -45,14 +54,24 @@ def test_row_metrics():
 
 
 def forced_model():
-    """One layer, two heads, BAM + SSMax (s = 1), whose attention at the space token is known in closed form.
-    Embeddings after RMSNorm: digits sqrt(8) e0, the space sqrt(8) e2, every other byte sqrt(8) e1.
-    Head 0 has content score c = 1.5 on digits and 0 elsewhere, and a flat prior (theta_beta = 0);
-    head 1 has no content score and the prior -|d| (theta_alpha = 0, theta_beta = 1).
-    With SSMax both are multiplied by ln n, n = i + 1 keys: p_0(j) ~ n^(1.5 [j is a digit]), p_1(j) ~ n^-(i - j)."""
+    """One layer, two heads, BAM + SSMax (s = 1), whose attention at the space token is known in
+    closed form. Embeddings after RMSNorm: digits sqrt(8) e0, the space sqrt(8) e2, every other byte
+    sqrt(8) e1. Head 0 has content score c = 1.5 on digits and 0 elsewhere, and a flat prior
+    (theta_beta = 0); head 1 has no content score and the prior -|d| (theta_alpha = 0, theta_beta =
+    1). With SSMax both are multiplied by ln n, n = i + 1 keys: p_0(j) ~ n^(1.5 [j is a digit]),
+    p_1(j) ~ n^-(i - j)."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=8, block_size=32,
-                    pos_encoding="bam", ssmax=True, ssmax_prior=True)
+    cfg = GPTConfig(
+        vocab_size=257,
+        tokenizer="byte",
+        n_layer=1,
+        n_head=2,
+        n_embd=8,
+        block_size=32,
+        pos_encoding="bam",
+        ssmax=True,
+        ssmax_prior=True,
+    )
     model = GPT(cfg)
     r8 = math.sqrt(8)
     with torch.no_grad():
@@ -66,7 +85,8 @@ def forced_model():
         attn.wq.weight.zero_()
         attn.wk.weight.zero_()
         attn.wk.weight[0, 0] = 1 / r8  # head 0: k[0] = 1 on digits
-        attn.wq.weight[0, 2] = 1.5 * 2 / r8  # head 0: q[0] = 3 at the space; l = q.k / sqrt(4) = 1.5
+        # head 0: q[0] = 3 at the space; l = q.k / sqrt(4) = 1.5
+        attn.wq.weight[0, 2] = 1.5 * 2 / r8
         attn.theta_alpha.copy_(torch.tensor([0.7, 0.0]))
         attn.theta_beta.copy_(torch.tensor([0.0, 1.0]))
         attn.ssmax_s.fill_(1.0)
@@ -74,7 +94,8 @@ def forced_model():
 
 
 def expected_forced(tokens):
-    """(needle mass, mean distance) of both heads of forced_model at the last position, from the closed form."""
+    """(needle mass, mean distance) of both heads of forced_model at the last position, from the
+    closed form."""
     i = len(tokens) - 1
     n = i + 1
     d = i - np.arange(n, dtype=np.float64)
@@ -91,38 +112,71 @@ def test_forced_heads_measure_the_closed_form(enc):
     model = forced_model()
     run = dict(label="forced", model=model, block_size=32)
     rows, _ = ia.inspect_length(run, enc, DEMO, 96, 3, 1234, "cpu", "float32")
-    prompts = ep.make_samples(enc, DEMO, 96, 3, 1234)
-    expected = [expected_forced(p + a[:info["n_given"]]) for p, a, info in prompts]
-    assert {info["k"] for _, _, info in prompts} == {0, ep.filler_units(enc, DEMO, 96) // 2,
-                                                     ep.filler_units(enc, DEMO, 96)}  # needle at 0%, 50%, 100%
+    prompts = passkey.make_samples(enc, DEMO, 96, 3, 1234)
+    expected = [expected_forced(p + a[: info["n_given"]]) for p, a, info in prompts]
+    # needle at 0%, 50%, 100%
+    assert {info["k"] for _, _, info in prompts} == {
+        0,
+        passkey.filler_units(enc, DEMO, 96) // 2,
+        passkey.filler_units(enc, DEMO, 96),
+    }
     for h, row in enumerate(rows):
         assert (row["layer"], row["head"]) == (0, h)
-        assert row["needle_mass"] == pytest.approx(np.mean([e[h][0] for e in expected]), rel=1e-4, abs=1e-9)
-        assert row["mean_distance"] == pytest.approx(np.mean([e[h][1] for e in expected]), rel=1e-4, abs=1e-6)
+        assert row["needle_mass"] == pytest.approx(
+            np.mean([e[h][0] for e in expected]), rel=1e-4, abs=1e-9
+        )
+        assert row["mean_distance"] == pytest.approx(
+            np.mean([e[h][1] for e in expected]), rel=1e-4, abs=1e-6
+        )
         assert row["shape_param"] == "theta_beta" and row["shape"] == [0.0, 1.0][h]
         assert row["theta_alpha"] == pytest.approx([0.7, 0.0][h]) and row["ssmax_s"] == 1.0
         assert row["highlight"] is False and row["highlight_label"] == "θβ < 0"
     assert rows[0]["needle_mass"] > 0.95  # head 0 reads the key ...
-    assert rows[1]["needle_mass"] < 1e-3 and rows[1]["mean_distance"] < 0.02  # ... head 1 its own position
-    key_distance = np.mean([len(p) + info["n_given"] - 1 - np.mean(ia.key_positions(enc, p, info))
-                            for p, _, info in prompts])
+    # ... head 1 its own position
+    assert rows[1]["needle_mass"] < 1e-3 and rows[1]["mean_distance"] < 0.02
+    key_distance = np.mean(
+        [
+            len(p) + info["n_given"] - 1 - np.mean(ia.key_positions(enc, p, info))
+            for p, _, info in prompts
+        ]
+    )
     assert rows[0]["needle_distance"] == pytest.approx(key_distance)
 
 
-@pytest.mark.parametrize("pos_encoding,ssmax", [("bam", True), ("alibi", True), ("rope", True), ("nope", False)])
+@pytest.mark.parametrize(
+    "pos_encoding,ssmax", [("bam", True), ("alibi", True), ("rope", True), ("nope", False)]
+)
 def test_answer_row_is_the_models_own_attention(pos_encoding, ssmax):
-    """p @ v of the recomputed answer row equals what each layer's attention actually returned at that position."""
+    """p @ v of the recomputed answer row equals what each layer's attention actually returned at
+    that position."""
     torch.manual_seed(3)
-    cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=2, n_head=4, n_embd=32, block_size=16,
-                    pos_encoding=pos_encoding, ssmax=ssmax, bam_init="linear")
+    cfg = GPTConfig(
+        vocab_size=257,
+        tokenizer="byte",
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        block_size=16,
+        pos_encoding=pos_encoding,
+        ssmax=ssmax,
+        bam_init="linear",
+    )
     model = GPT(cfg).eval()
     if pos_encoding == "bam":
         with torch.no_grad():
             model.blocks[1].attn.theta_beta[0] = -0.5  # an anti-local head
     idx = torch.randint(0, 257, (1, 53))
-    outputs, values = [], []  # each layer's attention output at the last position (the input of wo), and v
-    hooks = [b.attn.wo.register_forward_pre_hook(lambda m, a: outputs.append(a[0][0, -1])) for b in model.blocks]
-    hooks += [b.attn.register_forward_pre_hook(lambda m, a: values.append(m.wv(a[0])[0])) for b in model.blocks]
+    # each layer's attention output at the last position (the input of wo), and v
+    outputs = []
+    values = []
+    hooks = [
+        b.attn.wo.register_forward_pre_hook(lambda m, a: outputs.append(a[0][0, -1]))
+        for b in model.blocks
+    ]
+    hooks += [
+        b.attn.register_forward_pre_hook(lambda m, a: values.append(m.wv(a[0])[0]))
+        for b in model.blocks
+    ]
     probs, logits = ia.answer_row_probs(model, idx)
     for h in hooks:
         h.remove()
@@ -140,8 +194,17 @@ def ckpts(tmp_path_factory):
     paths = []
     for i, (name, pos) in enumerate([("bam_ssmax", "bam"), ("alibi", "alibi"), ("rope", "rope")]):
         torch.manual_seed(i)
-        cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=2, n_head=4, n_embd=16, block_size=32,
-                        pos_encoding=pos, ssmax=pos == "bam", bam_init="linear")
+        cfg = GPTConfig(
+            vocab_size=257,
+            tokenizer="byte",
+            n_layer=2,
+            n_head=4,
+            n_embd=16,
+            block_size=32,
+            pos_encoding=pos,
+            ssmax=pos == "bam",
+            bam_init="linear",
+        )
         save_checkpoint(str(root / name / "ckpt_10.pt"), GPT(cfg), step=10)
         paths.append(str(root / name))
     return paths
@@ -149,16 +212,19 @@ def ckpts(tmp_path_factory):
 
 @pytest.mark.parametrize("digit", [1, 3])
 def test_digit_mass_is_the_attention_on_the_needle_digit_to_copy(enc, digit):
-    """--digit K: the query that predicts answer digit K (digits 1 .. K-1 given); digit_mass is its attention on
-    the needle's K-th digit. forced_model's head 0 has a content score only at the space (digit 1's query)."""
+    """--digit K: the query that predicts answer digit K (digits 1 .. K-1 given); digit_mass is its
+    attention on the needle's K-th digit. forced_model's head 0 has a content score only at the
+    space (digit 1's query)."""
     run = dict(label="forced", model=forced_model(), block_size=32)
     rows, _ = ia.inspect_length(run, enc, DEMO, 96, 3, 1234, "cpu", "float32", digit=digit)
     expected = [[], []]
-    for p, a, info in ep.make_samples(enc, DEMO, 96, 3, 1234):
-        tokens = p + a[:info["n_given"] + digit - 1]
+    for p, a, info in passkey.make_samples(enc, DEMO, 96, 3, 1234):
+        tokens = p + a[: info["n_given"] + digit - 1]
         n = len(tokens)
         d = n - 1 - np.arange(n, dtype=np.float64)
-        content = 1.5 * math.log(n) * np.array([t in DIGITS for t in tokens]) * (tokens[-1] == ord(" "))
+        content = (
+            1.5 * math.log(n) * np.array([t in DIGITS for t in tokens]) * (tokens[-1] == ord(" "))
+        )
         for h, logp in enumerate((content, -math.log(n) * d)):
             q = np.exp(logp - logp.max())
             expected[h].append(q[ia.key_positions(enc, p, info)[digit - 1]] / q.sum())
@@ -169,8 +235,17 @@ def test_digit_mass_is_the_attention_on_the_needle_digit_to_copy(enc, digit):
 
 def test_end_to_end(tmp_path, ckpts, capsys):
     out = tmp_path / "inspect"
-    argv = [a for c in ckpts for a in ("--ckpt", c)] + ["--template", "demo", "--length", "128", "--samples", "2",
-                                                        "--out", str(out), "--no_progress"]
+    argv = [a for c in ckpts for a in ("--ckpt", c)] + [
+        "--template",
+        "demo",
+        "--length",
+        "128",
+        "--samples",
+        "2",
+        "--out",
+        str(out),
+        "--no_progress",
+    ]
     rows, summary = ia.main(argv)
     assert len(rows) == 3 * 3 * 8  # checkpoints x lengths 32, 64, 128 x (layer, head)
     table = json.loads((out / "attention_heads.json").read_text())
@@ -181,8 +256,13 @@ def test_end_to_end(tmp_path, ckpts, capsys):
     for s in info["checkpoints"]:
         mine = [r for r in rows if r["label"] == s["label"]]
         best = max((r for r in mine if r["target_length"] == 128), key=lambda r: r["needle_mass"])
-        assert (s["top_heads"][0]["layer"], s["top_heads"][0]["head"]) == (best["layer"], best["head"])
-        assert len(s["readers"]) == sum(r["needle_mass"] >= 0.5 for r in mine if r["target_length"] == 128)
+        assert (s["top_heads"][0]["layer"], s["top_heads"][0]["head"]) == (
+            best["layer"],
+            best["head"],
+        )
+        assert len(s["readers"]) == sum(
+            r["needle_mass"] >= 0.5 for r in mine if r["target_length"] == 128
+        )
         assert [c["target_length"] for c in s["curve"]] == [32, 64, 128]
         for c in s["curve"]:
             assert c["max_needle_mass"] >= c["needle_mass"] and 0 <= c["first_token_accuracy"] <= 1
@@ -190,7 +270,8 @@ def test_end_to_end(tmp_path, ckpts, capsys):
     labelled = {r["label"]: r for r in rows}
     assert labelled["bam_ssmax"]["shape_param"] == "theta_beta"
     alibi = [r for r in rows if r["label"] == "alibi" and r["target_length"] == 32]
-    assert [r["shape"] for r in alibi] == pytest.approx(alibi_slopes(4).tolist() * 2)  # ALiBi: its fixed slopes
+    # ALiBi: its fixed slopes
+    assert [r["shape"] for r in alibi] == pytest.approx(alibi_slopes(4).tolist() * 2)
     assert all(r["shape_param"] == "slope" and "highlight" not in r for r in alibi)
     assert "shape_param" not in labelled["rope"]
     for r in rows:
@@ -202,7 +283,9 @@ def test_end_to_end(tmp_path, ckpts, capsys):
 
 
 def test_errors_are_one_line(tmp_path, ckpts):
-    with pytest.raises(SystemExit, match=r"^inspect_attention.py: error: length 4 is shorter than the demo prompt"):
+    with pytest.raises(
+        SystemExit, match=r"^inspect_attention.py: error: length 4 is shorter than the demo prompt"
+    ):
         ia.main(["--ckpt", ckpts[0], "--template", "demo", "--length", "4", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"\.py: error: no checkpoint at"):
         ia.main(["--ckpt", str(tmp_path / "missing"), "--length", "64", "--out", str(tmp_path)])
@@ -211,26 +294,45 @@ def test_errors_are_one_line(tmp_path, ckpts):
 
 
 def test_a_prior_with_only_the_required_fields_works_in_plot_prior_and_inspect(tmp_path, capsys):
-    """A forker's prior, registered with name, fn, params, init and trainable alone: a checkpoint of it goes through
-    plot_prior.py and inspect_attention.py end to end, labelled by its (defaulted) shape parameter."""
+    """A forker's prior, registered with name, fn, params, init and trainable alone: a checkpoint of
+    it goes through plot_prior.py and inspect_attention.py end to end, labelled by its (defaulted)
+    shape parameter."""
+
     def power(d, theta_w):
         return -torch.exp(theta_w.float())[:, None] * d.float().abs().sqrt()[None, :]
 
-    register(Prior(name="test_power", fn=power, params=("theta_w",), init=lambda spec, n: (torch.linspace(-1, 1, n),),
-                   trainable=("theta_w",)))
+    register(
+        Prior(
+            name="test_power",
+            fn=power,
+            params=("theta_w",),
+            init=lambda spec, n: (torch.linspace(-1, 1, n),),
+            trainable=("theta_w",),
+        )
+    )
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32,
-                    pos_encoding="bam", prior="test_power")
+    cfg = GPTConfig(
+        vocab_size=257,
+        tokenizer="byte",
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        block_size=32,
+        pos_encoding="bam",
+        prior="test_power",
+    )
     save_checkpoint(str(tmp_path / "power" / "ckpt_1.pt"), GPT(cfg), step=1)
-    plot_prior.main(["--ckpt", str(tmp_path / "power"), "--out", str(tmp_path / "prior.png"), "--max_distance", "64"])
+    ckpt = str(tmp_path / "power")
+    plot_prior.main(["--ckpt", ckpt, "--out", str(tmp_path / "prior.png"), "--max_distance", "64"])
     info = json.loads((tmp_path / "prior.json").read_text())
     assert info["prior"] == "test_power" and info["formula"] == "B(d) = power(d, theta_w)"
     assert info["heads"] == 2 and info["heads_highlighted"] == 0
     head = info["layers"][0]["heads"][1]
     np.testing.assert_allclose(head["bias"], -math.e * np.sqrt(info["distances"]), rtol=1e-5)
     assert (tmp_path / "prior.png").stat().st_size > 10_000
-    rows, summary = ia.main(["--ckpt", str(tmp_path / "power"), "--template", "demo", "--length", "64",
-                             "--samples", "2", "--out", str(tmp_path / "inspect"), "--no_progress"])
+    argv = ["--ckpt", ckpt, "--template", "demo", "--length", "64", "--samples", "2"]
+    rows, summary = ia.main(argv + ["--out", str(tmp_path / "inspect"), "--no_progress"])
     assert {(r["shape_param"], r["prior"]) for r in rows} == {("theta_w", "test_power")}
     assert [r["shape"] for r in rows if r["target_length"] == 64] == pytest.approx([-1.0, 1.0])
-    assert "θw=" in capsys.readouterr().out and (tmp_path / "inspect" / "attention_heads.png").exists()
+    assert "θw=" in capsys.readouterr().out
+    assert (tmp_path / "inspect" / "attention_heads.png").exists()

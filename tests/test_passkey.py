@@ -1,4 +1,6 @@
-"""eval_passkey.py: prompt construction, scoring, the command line end to end, resume and determinism (CPU, fast)."""
+"""eval_passkey.py: prompt construction, scoring, the command line end to end, resume and
+determinism (CPU, fast)."""
+
 import json
 import os
 import re
@@ -14,10 +16,11 @@ import torch.nn as nn
 import eval_common
 import eval_passkey as ep
 import model as model_mod
+import passkey
 from data import get_tokenizer, tiktoken_tokenizer
 from model import GPT, GPTConfig, save_checkpoint
 
-PAPER = ep.TEMPLATES["paper"]
+PAPER = passkey.TEMPLATES["paper"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,13 +36,20 @@ def ckpts(tmp_path_factory):
     paths = []
     for i, name in enumerate(["runA", "runB"]):
         torch.manual_seed(i)
-        cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32)
+        cfg = GPTConfig(
+            vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32
+        )
         save_checkpoint(str(root / name / "ckpt_10.pt"), GPT(cfg))
         paths.append(str(root / name))
     return paths
 
 
-TIMING_FIELDS = ("seconds", "seconds_per_sample", "peak_mem_mib")  # differ between otherwise identical runs
+# differ between otherwise identical runs
+TIMING_FIELDS = (
+    "seconds",
+    "seconds_per_sample",
+    "peak_mem_mib",
+)
 
 
 def score_sample(model, tokens, answer_tokens, n_given=0):
@@ -61,11 +71,15 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-# ---- the template and the length grids ----------------------------------------------------------------------
+# ---- the template and the length grids -----------------------------------------------------------
 def test_paper_template_is_the_authors_verbatim():
-    assert PAPER["task"] == ("There is an important info hidden inside a lot of irrelevant text. Find it and "
-                             "memorize them. I will quiz you about the important information there.")
-    assert PAPER["filler"] == "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    assert PAPER["task"] == (
+        "There is an important info hidden inside a lot of irrelevant text. Find it and "
+        "memorize them. I will quiz you about the important information there."
+    )
+    assert PAPER["filler"] == (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    )
     assert PAPER["needle"] == "The pass key is {pass_key}. Remember it. {pass_key} is the pass key."
     assert PAPER["question"] == "What is the pass key? The pass key is"
     assert PAPER["digits"] == 5
@@ -75,103 +89,126 @@ def test_length_grids():
     paper = [3640, 7281, 10922, 14563, 18204, 21845, 25486, 29127, 32768]
     assert ep.PRESETS["paper"] == dict(lengths=paper, samples=20)
     extreme = ep.PRESETS["extreme"]
-    assert extreme["lengths"] == [10_000 * i for i in range(1, 11)] + [100_000 * i for i in range(2, 6)]
-    assert (extreme["samples"], extreme["template"], extreme["dtype"]) == (10, dict(digits=6, given_digits=1),
-                                                                          "float32")
+    assert extreme["lengths"] == [10_000 * i for i in range(1, 11)] + [
+        100_000 * i for i in range(2, 6)
+    ]
+    assert (extreme["samples"], extreme["template"], extreme["dtype"]) == (
+        10,
+        dict(digits=6, given_digits=1),
+        "float32",
+    )
     assert ep.default_lengths([32], 8192) == [32 * 2**i for i in range(9)]
     assert ep.default_lengths([512]) == [512 * 2**i for i in range(6)]  # 32 x the training length
     # several training lengths: the union of their grids, capped at max_length
     assert ep.default_lengths([384, 512], 2048) == [384, 512, 768, 1024, 1536, 2048]
 
 
-# ---- prompts (byte tokenizer) ----------------------------------------------------------------------------
+# ---- prompts (byte tokenizer) --------------------------------------------------------------------
 @pytest.mark.parametrize("target", [300, 512, 1000, 4096, 8192])
 def test_prompt_layout_byte(enc, target):
-    n = ep.filler_units(enc, PAPER, target)
+    n = passkey.filler_units(enc, PAPER, target)
     task = enc.encode_ordinary(PAPER["task"])
     filler = enc.encode_ordinary(" " + PAPER["filler"])
     question = enc.encode_ordinary(" " + PAPER["question"])
     for k in sorted({0, n // 3, n // 2, n}):
-        tokens, answer, info = ep.build_prompt(enc, PAPER, target, 12345, k)
+        tokens, answer, info = passkey.build_prompt(enc, PAPER, target, 12345, k)
         assert len(tokens) == info["length"] <= target
         assert len(tokens) + len(filler) > target  # N is the most filler that fits
         assert (info["k"], info["n_filler"]) == (k, n)
         assert info["depth"] == (k / n if n else 0.0)
         # the needle sits after the task and exactly k filler units
         assert info["needle_start"] == len(task) + k * len(filler)
-        assert tokens[:info["needle_start"]] == task + filler * k
+        assert tokens[: info["needle_start"]] == task + filler * k
         needle = " The pass key is 12345. Remember it. 12345 is the pass key."
-        assert enc.decode(tokens[info["needle_start"]:info["needle_end"]]) == needle
-        assert tokens[info["needle_start"] + len(needle):] == filler * (n - k) + question
+        assert enc.decode(tokens[info["needle_start"] : info["needle_end"]]) == needle
+        assert tokens[info["needle_start"] + len(needle) :] == filler * (n - k) + question
         assert enc.decode(tokens).endswith(". What is the pass key? The pass key is")
         # the answer: a space, then the five digit bytes; only the digits are scored
         assert answer == list(b" 12345") and info["n_given"] == 1
 
 
 def test_prompt_too_short_is_an_error(enc):
-    shortest = ep.min_prompt_length(enc, PAPER)
-    ep.build_prompt(enc, PAPER, shortest, 12345, 0)
+    shortest = passkey.min_prompt_length(enc, PAPER)
+    passkey.build_prompt(enc, PAPER, shortest, 12345, 0)
     with pytest.raises(ValueError, match="shorter than the prompt"):
-        ep.build_prompt(enc, PAPER, shortest - 1, 12345, 0)
+        passkey.build_prompt(enc, PAPER, shortest - 1, 12345, 0)
     with pytest.raises(ValueError, match="digits"):
-        ep.build_prompt(enc, PAPER, 1000, 1234, 0)
+        passkey.build_prompt(enc, PAPER, 1000, 1234, 0)
 
 
 def test_samples_are_seeded_and_per_length(enc):
-    a = ep.make_samples(enc, PAPER, 2000, 8, seed=5)
-    b = ep.make_samples(enc, PAPER, 2000, 8, seed=5)
-    c = ep.make_samples(enc, PAPER, 2000, 8, seed=6)
+    a = passkey.make_samples(enc, PAPER, 2000, 8, seed=5)
+    b = passkey.make_samples(enc, PAPER, 2000, 8, seed=5)
+    c = passkey.make_samples(enc, PAPER, 2000, 8, seed=6)
     assert [x[0] for x in a] == [x[0] for x in b]
     keys = [x[2]["key"] for x in a]
     assert keys != [x[2]["key"] for x in c]
     assert all(10_000 <= k <= 99_999 for k in keys) and len(set(keys)) > 1
     depths = [x[2]["depth"] for x in a]
     assert depths[0] == 0.0 and depths[-1] == 1.0 and depths == sorted(depths)
-    n = ep.filler_units(enc, PAPER, 2000)  # k = linspace(0, N, samples).long(), as the authors
+    n = passkey.filler_units(enc, PAPER, 2000)  # k = linspace(0, N, samples).long(), as the authors
     assert [x[2]["k"] for x in a] == torch.linspace(0, n, 8).long().tolist()
     # the same (seed, length) gives the same prompts whatever else is evaluated
-    assert [x[2]["key"] for x in ep.make_samples(enc, PAPER, 2000, 8, seed=5)] == keys
+    assert [x[2]["key"] for x in passkey.make_samples(enc, PAPER, 2000, 8, seed=5)] == keys
 
 
 def merging_tokenizer():
-    """A small BPE where the space merges into digits (like gpt2: " 12345" -> " 123" + "45") and 9s merge, so that
-    the widest key 99999 is the *shortest* needle: other keys must still fit the target."""
+    """A small BPE where the space merges into digits (like gpt2: " 12345" -> " 123" + "45") and 9s
+    merge, so that the widest key 99999 is the *shortest* needle: other keys must still fit the
+    target."""
     ranks = {bytes([i]): i for i in range(256)}
     for tok in [b" 1", b"23", b" 123", b"99", b"9999", b"45"]:
         ranks[tok] = len(ranks)
     pat = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    return tiktoken_tokenizer(tiktoken.Encoding("merge-test", pat_str=pat, mergeable_ranks=ranks,
-                                                special_tokens={"<|endoftext|>": len(ranks)}), len(ranks))
+    return tiktoken_tokenizer(
+        tiktoken.Encoding(
+            "merge-test",
+            pat_str=pat,
+            mergeable_ranks=ranks,
+            special_tokens={"<|endoftext|>": len(ranks)},
+        ),
+        len(ranks),
+    )
 
 
 def test_prompt_with_merging_tokenizer():
     enc = merging_tokenizer()
-    answer, n_given = ep.answer_tokens(enc, 12345)
-    assert [enc.decode([t]) for t in answer] == [" 123", "45"] and n_given == 0  # all answer tokens scored
+    answer, n_given = passkey.answer_tokens(enc, 12345)
+    # all answer tokens scored
+    assert [enc.decode([t]) for t in answer] == [
+        " 123",
+        "45",
+    ] and n_given == 0
     reduced = 0
     for target in range(300, 1400, 13):
-        n = ep.filler_units(enc, PAPER, target)
+        n = passkey.filler_units(enc, PAPER, target)
         for key in (12345, 45678, 99999):
             for k in (0, n):
-                tokens, ans, info = ep.build_prompt(enc, PAPER, target, key, k)
+                tokens, ans, info = passkey.build_prompt(enc, PAPER, target, key, k)
                 assert len(tokens) <= target
                 assert info["n_filler"] <= n and info["k"] <= k
                 reduced += info["n_filler"] < n
-                text = enc.decode(tokens[info["needle_start"]:])
-                assert text.startswith(f" The pass key is {key}. Remember it. {key} is the pass key.")
+                text = enc.decode(tokens[info["needle_start"] :])
+                assert text.startswith(
+                    f" The pass key is {key}. Remember it. {key} is the pass key."
+                )
                 assert enc.decode(tokens).endswith("What is the pass key? The pass key is")
                 assert enc.decode(ans) == f" {key}"
-    assert reduced > 0  # some keys tokenize longer than 99999, and filler was dropped to keep within the target
+    # some keys tokenize longer than 99999, and filler was dropped to keep within the target
+    assert reduced > 0
 
 
-# ---- scoring on a stub model -----------------------------------------------------------------------------
+# ---- scoring on a stub model ---------------------------------------------------------------------
 class StubModel(nn.Module):
-    """Returns logits whose argmax at the last `logits_at` positions is `self.predict` (plus optional decoys)."""
+    """Returns logits whose argmax at the last `logits_at` positions is `self.predict` (plus
+    optional decoys)."""
 
     def __init__(self, predict, vocab=257, padded=320, decoy=None):
         super().__init__()
         self.config = type("C", (), {"vocab_size": vocab})()
-        self.predict, self.padded, self.decoy = predict, padded, decoy
+        self.predict = predict
+        self.padded = padded
+        self.decoy = decoy
         self.calls = []
 
     def forward(self, idx, logits_at=None):
@@ -184,14 +221,15 @@ class StubModel(nn.Module):
 
 
 def test_score_sample_on_stub(enc):
-    prompt, answer, info = ep.build_prompt(enc, PAPER, 600, 31415, 2)
-    digits = answer[info["n_given"]:]
+    prompt, answer, info = passkey.build_prompt(enc, PAPER, 600, 31415, 2)
+    digits = answer[info["n_given"] :]
     assert digits == list(b"31415")
 
     right = StubModel(digits)
     assert score_sample(right, prompt, answer, info["n_given"]) == (True, digits)
     idx, m = right.calls[0]
-    assert idx.tolist() == [prompt + answer[:-1]] and m == 5  # teacher forcing; logits only at the 5 digits
+    # teacher forcing; logits only at the 5 digits
+    assert idx.tolist() == [prompt + answer[:-1]] and m == 5
 
     wrong = [d + 1 for d in digits]
     assert score_sample(StubModel(wrong), prompt, answer, info["n_given"]) == (False, wrong)
@@ -202,32 +240,39 @@ def test_score_sample_on_stub(enc):
     assert not correct and pred == one_off
 
     # the padded vocabulary (ids >= vocab_size) is never predicted
-    assert score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (True, digits)
+    assert score_sample(StubModel(digits, decoy=300), prompt, answer, info["n_given"]) == (
+        True,
+        digits,
+    )
 
 
 def test_mistral_scores_exactly_the_five_digits():
-    """The authors' tokenizer: " 12345" -> "▁▁" + one token per digit; the space token is given, the 5 digit
-    tokens are scored. Pieces start at a word boundary on their own, so no separator is added."""
+    """The authors' tokenizer: " 12345" -> "▁▁" + one token per digit; the space token is given, the
+    5 digit tokens are scored. Pieces start at a word boundary on their own, so no separator is
+    added."""
     enc = get_tokenizer("mistral")
-    prompt, answer, info = ep.build_prompt(enc, PAPER, 1000, 12345, 2)
-    scored = answer[info["n_given"]:]
+    prompt, answer, info = passkey.build_prompt(enc, PAPER, 1000, 12345, 2)
+    scored = answer[info["n_given"] :]
     assert info["n_given"] == 1 and [enc.decode([t]) for t in scored] == list("12345")
     assert answer == enc.encode_ordinary(" 12345") and enc.decode(answer[:1]) == " "
     text = enc.decode(prompt)
-    assert text.startswith(PAPER["task"] + " " + PAPER["filler"] + " " + PAPER["filler"] + " The pass key is 12345.")
+    assert text.startswith(
+        PAPER["task"] + " " + PAPER["filler"] + " " + PAPER["filler"] + " The pass key is 12345."
+    )
     assert text.endswith("again. " + PAPER["question"]) and "  " not in text
     assert len(prompt) <= 1000
     six = dict(PAPER, digits=6, given_digits=1)  # the extreme preset: the first digit is given too
-    _, answer, info = ep.build_prompt(enc, six, 1000, 123456, 0)
+    _, answer, info = passkey.build_prompt(enc, six, 1000, 123456, 0)
     assert info["n_given"] == 2 and [enc.decode([t]) for t in answer[2:]] == list("23456")
     byte = get_tokenizer("byte")
-    assert ep.answer_tokens(byte, 123456, 1) == (list(b" 123456"), 2)
-    assert ep.answer_tokens(merging_tokenizer(), 123456, 1)[1] == 0  # " 123" merges the given digit: scored
+    assert passkey.answer_tokens(byte, 123456, 1) == (list(b" 123456"), 2)
+    # " 123" merges the given digit: scored
+    assert passkey.answer_tokens(merging_tokenizer(), 123456, 1)[1] == 0
 
 
 def test_score_batch_all_answer_tokens_when_space_merges():
     enc = merging_tokenizer()
-    prompt, answer, info = ep.build_prompt(enc, PAPER, 700, 12345, 1)
+    prompt, answer, info = passkey.build_prompt(enc, PAPER, 700, 12345, 1)
     stub = StubModel(answer, vocab=300)
     assert score_sample(stub, prompt, answer, info["n_given"]) == (True, answer)
     assert stub.calls[0][1] == 2  # " 123" and "45": both scored
@@ -235,12 +280,20 @@ def test_score_batch_all_answer_tokens_when_space_merges():
     assert score_sample(bad, prompt, answer, info["n_given"])[0] is False
 
 
-# ---- end to end -----------------------------------------------------------------------------------------
+# ---- end to end ----------------------------------------------------------------------------------
 def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
     out = tmp_path / "res"
     res = run_main(out, ckpts, "--lengths", "400,700", "--samples", "4")
-    for f in ["passkey_samples.jsonl", "passkey_summary.json", "passkey_summary.csv", "passkey_by_depth.json",
-              "passkey_by_depth.csv", "passkey_accuracy.png", "passkey_heatmap_runA.png", "passkey_heatmap_runB.png"]:
+    for f in [
+        "passkey_samples.jsonl",
+        "passkey_summary.json",
+        "passkey_summary.csv",
+        "passkey_by_depth.json",
+        "passkey_by_depth.csv",
+        "passkey_accuracy.png",
+        "passkey_heatmap_runA.png",
+        "passkey_heatmap_runB.png",
+    ]:
         path = out / f
         assert path.stat().st_size > 0, f
         if f.endswith(".png"):
@@ -251,23 +304,38 @@ def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
     by = {(r["label"], r["target_length"], r["sample"]): r for r in recs}
     for L in (400, 700):
         for i in range(4):
-            a, b = by[("runA", L, i)], by[("runB", L, i)]
-            assert (a["key"], a["k"], a["length"]) == (b["key"], b["k"], b["length"]) and a["length"] <= L
+            a = by[("runA", L, i)]
+            b = by[("runB", L, i)]
+            assert (a["key"], a["k"], a["length"]) == (b["key"], b["k"], b["length"]) and a[
+                "length"
+            ] <= L
     # each record's prediction equals an independent full-logits forward of the rebuilt prompt
     model, _ = model_mod.load_model(ckpts[0])
     for r in (by[("runA", 400, 0)], by[("runA", 700, 3)]):
-        prompt, answer, info = ep.build_prompt(enc, PAPER, r["target_length"], r["key"], r["k"])
+        prompt, answer, info = passkey.build_prompt(
+            enc, PAPER, r["target_length"], r["key"], r["k"]
+        )
         with torch.no_grad():
             logits, _ = model(torch.tensor([prompt + answer[:-1]]))
-        pred = logits[0, len(prompt) - 1 + info["n_given"]:, :257].argmax(-1).tolist()
+        pred = logits[0, len(prompt) - 1 + info["n_given"] :, :257].argmax(-1).tolist()
         assert r["predicted"] == pred and r["answer_tokens"] == answer[1:]
         assert r["correct"] == (pred == answer[1:])
     summary = json.loads((out / "passkey_summary.json").read_text())
-    assert [(s["label"], s["target_length"]) for s in summary] == [("runA", 400), ("runA", 700), ("runB", 400),
-                                                                    ("runB", 700)]
+    assert [(s["label"], s["target_length"]) for s in summary] == [
+        ("runA", 400),
+        ("runA", 700),
+        ("runB", 400),
+        ("runB", 700),
+    ]
     for s in summary:
-        cell = [r for r in recs if r["label"] == s["label"] and r["target_length"] == s["target_length"]]
-        assert s["n"] == 4 and s["accuracy"] == sum(r["correct"] for r in cell) / 4 and s["train_length"] == 32
+        cell = [
+            r for r in recs if r["label"] == s["label"] and r["target_length"] == s["target_length"]
+        ]
+        assert (
+            s["n"] == 4
+            and s["accuracy"] == sum(r["correct"] for r in cell) / 4
+            and s["train_length"] == 32
+        )
     by_depth = json.loads((out / "passkey_by_depth.json").read_text())
     assert sum(d["n"] for d in by_depth) == 16
     assert res["summary"] == summary
@@ -276,8 +344,8 @@ def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
 
 
 def oracle_forward(self, idx, targets=None, *, logits_at=None, **kwargs):
-    """Stands in for GPT.forward: reads the key from the prompt and answers it, except for keys that are odd,
-    where it gets the last digit wrong. Counts the samples it is asked about."""
+    """Stands in for GPT.forward: reads the key from the prompt and answers it, except for keys that
+    are odd, where it gets the last digit wrong. Counts the samples it is asked about."""
     oracle_forward.samples += idx.shape[0]
     enc = get_tokenizer("byte")
     logits = torch.zeros(idx.shape[0], logits_at, self.config.padded_vocab_size)
@@ -304,23 +372,44 @@ def test_end_to_end_accuracy_with_an_oracle(tmp_path, ckpts, monkeypatch):
         assert s["accuracy"] == np.mean([k % 2 == 0 for k in keys])
     assert 0 < np.mean([r["correct"] for r in recs]) < 1  # the check above is not vacuous
     for d in res["by_depth"]:
-        cell = [r for r in recs if r["target_length"] == d["target_length"]
-                and ep.depth_bin(r["depth"], 10) == round(d["depth_lo"] * 10)]
+        cell = [
+            r
+            for r in recs
+            if r["target_length"] == d["target_length"]
+            and ep.depth_bin(r["depth"], 10) == round(d["depth_lo"] * 10)
+        ]
         assert all(d["depth_lo"] <= r["depth"] <= d["depth_hi"] for r in cell)
         assert d["n"] == len(cell) and d["accuracy"] == np.mean([r["correct"] for r in cell])
     # per-digit accuracy: the oracle gets only the last digit of an odd key wrong
     for s in res["summary"]:
-        even = np.mean([r["key"] % 2 == 0 for r in recs if r["target_length"] == s["target_length"]])
+        even = np.mean(
+            [r["key"] % 2 == 0 for r in recs if r["target_length"] == s["target_length"]]
+        )
         assert s["digit_accuracy"] == [1.0, 1.0, 1.0, 1.0, even]
-    assert '"[1.0, 1.0, 1.0, 1.0, ' in (out / "passkey_summary.csv").read_text()  # the CSV holds the list
+    # the CSV holds the list
+    assert '"[1.0, 1.0, 1.0, 1.0, ' in (out / "passkey_summary.csv").read_text()
 
 
 def test_digit_accuracy_reads_the_answer_character_by_character(enc):
-    rec = dict(key=48924, predicted_text="4894!")  # a digit dropped: every digit after it is misread
+    # a digit dropped: every digit after it is misread
+    rec = dict(key=48924, predicted_text="4894!")
     assert ep.digits_right(rec, " ") == [True, True, True, False, False]
-    assert ep.digits_right(dict(key=66462, predicted_text="6?462"), " ") == [True, False, True, True, True]
+    assert ep.digits_right(dict(key=66462, predicted_text="6?462"), " ") == [
+        True,
+        False,
+        True,
+        True,
+        True,
+    ]
     # the extreme preset's byte answer gives the space and the first digit: that digit is not scored
-    assert ep.digits_right(dict(key=123456, predicted_text="23956"), " 1") == [None, True, True, False, True, True]
+    assert ep.digits_right(dict(key=123456, predicted_text="23956"), " 1") == [
+        None,
+        True,
+        True,
+        False,
+        True,
+        True,
+    ]
     # gpt2 scores every answer token: nothing is given, the predicted text starts with the space
     assert ep.digits_right(dict(key=12345, predicted_text=" 12345"), "") == [True] * 5
     assert ep.given_text(enc, dict(key=12345, answer_tokens=list(b"12345"))) == " "
@@ -335,7 +424,8 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
     assert oracle_forward.samples == 20
     jsonl = out / "passkey_samples.jsonl"
     lines = jsonl.read_text().splitlines(keepends=True)
-    jsonl.write_text("".join(lines[:7]) + lines[7][:25])  # an interruption: 7 records and a cut line
+    # an interruption: 7 records and a cut line
+    jsonl.write_text("".join(lines[:7]) + lines[7][:25])
 
     oracle_forward.samples = 0
     second = run_main(out, ckpts, *args)
@@ -343,55 +433,108 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
     assert strip_timing(second["summary"]) == strip_timing(first["summary"])
     assert strip_timing(second["by_depth"]) == strip_timing(first["by_depth"])
     recs = read_jsonl(jsonl)
-    assert len(recs) == 20 and len({(r["label"], r["target_length"], r["sample"]) for r in recs}) == 20
+    assert (
+        len(recs) == 20 and len({(r["label"], r["target_length"], r["sample"]) for r in recs}) == 20
+    )
 
     oracle_forward.samples = 0
-    run_main(out, ckpts, *args, "--lengths", "400", "700", "1000")  # a new length: only it is evaluated
+    # a new length: only it is evaluated
+    run_main(out, ckpts, *args, "--lengths", "400", "700", "1000")
     assert oracle_forward.samples == 10
 
-    with pytest.raises(eval_common.EvalError, match="seed"):  # other prompts: refuse to mix them into these results
+    # other prompts: refuse to mix them into these results
+    with pytest.raises(eval_common.EvalError, match="seed"):
         run_main(out, ckpts, *args, "--seed", "7")
 
 
 def test_seed_table_per_run_then_median_and_minimum(tmp_path):
-    acc = {"bam_ssmax": [[1, 0.9, 0.6, 0.55], [1, 0.7, 0.5, 0.1], [1, 1.0, 0.9, 0.8]],
-           "rope": [[1, 0.3, 0.1, 0.0], [1, 0.6, 0.2, 0.0], [1, 0.2, 0.0, 0.3]]}
-    rows = [dict(label=f"{variant}-s{s}", train_length=64, target_length=L, accuracy=a)
-            for variant, per_seed in acc.items() for s, accs in enumerate(per_seed, start=1)
-            for L, a in zip((64, 256, 512, 1024), accs)]
-    rows.append(dict(label="rope-s2", train_length=64, target_length=128, accuracy=None))  # skipped: no column
+    acc = {
+        "bam_ssmax": [[1, 0.9, 0.6, 0.55], [1, 0.7, 0.5, 0.1], [1, 1.0, 0.9, 0.8]],
+        "rope": [[1, 0.3, 0.1, 0.0], [1, 0.6, 0.2, 0.0], [1, 0.2, 0.0, 0.3]],
+    }
+    rows = [
+        dict(label=f"{variant}-s{s}", train_length=64, target_length=L, accuracy=a)
+        for variant, per_seed in acc.items()
+        for s, accs in enumerate(per_seed, start=1)
+        for L, a in zip((64, 256, 512, 1024), accs)
+    ]
+    # skipped: no column
+    rows.append(dict(label="rope-s2", train_length=64, target_length=128, accuracy=None))
     text = ep.seed_table(rows, str(tmp_path), 5)
     assert text == (tmp_path / "demo_table.md").read_text()
     lines = text.splitlines()
     assert lines[0] == "| run | seed | 1× | 4× | 8× | 16× |"
     assert "| bam_ssmax | 2 | 1.00 | 0.70 | 0.50 | 0.10 |" in lines
-    assert "| **bam_ssmax** | **median of 3** | **1.00** | **0.90** | **0.60** | **0.55** |" in lines
+    assert (
+        "| **bam_ssmax** | **median of 3** | **1.00** | **0.90** | **0.60** | **0.55** |" in lines
+    )
     assert "| **bam_ssmax** | **min of 3** | **1.00** | **0.70** | **0.50** | **0.10** |" in lines
     assert "| **rope** | **min of 3** | **1.00** | **0.20** | **0.00** | **0.00** |" in lines
     assert len(lines) == 2 + 2 * (3 + 2) + 2
     table = json.loads((tmp_path / "demo_table.json").read_text())
-    assert table[3] == {"variant": "bam_ssmax", "statistic": "median", "seed": None, "n_seeds": 3,
-                        "1x": 1, "4x": 0.9, "8x": 0.6, "16x": 0.55}
-    assert (tmp_path / "demo_table.csv").read_text().splitlines()[0] == "variant,statistic,seed,n_seeds,1x,4x,8x,16x"
+    assert table[3] == {
+        "variant": "bam_ssmax",
+        "statistic": "median",
+        "seed": None,
+        "n_seeds": 3,
+        "1x": 1,
+        "4x": 0.9,
+        "8x": 0.6,
+        "16x": 0.55,
+    }
+    assert (tmp_path / "demo_table.csv").read_text().splitlines()[
+        0
+    ] == "variant,statistic,seed,n_seeds,1x,4x,8x,16x"
     # one seed: its row alone; names without a seed: no table
     assert len(ep.seed_table(rows[:4], str(tmp_path / "one"), 5).split("\n\n")[0].splitlines()) == 3
-    assert ep.seed_table([dict(r, label="runA") for r in rows[:4]], str(tmp_path / "none"), 5) is None
+    assert (
+        ep.seed_table([dict(r, label="runA") for r in rows[:4]], str(tmp_path / "none"), 5) is None
+    )
     assert not (tmp_path / "none").exists()
 
 
 def test_samples_below_one_is_one_line_and_exit_1(tmp_path, ckpts):
-    proc = subprocess.run([sys.executable, "eval_passkey.py", "--ckpt", ckpts[0], "--samples", "0", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "eval_passkey.py",
+            "--ckpt",
+            ckpts[0],
+            "--samples",
+            "0",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and proc.stdout == ""
-    assert re.fullmatch(r"eval_passkey\.py: error: --samples .* at least 1.*\n", proc.stderr), proc.stderr
+    assert re.fullmatch(r"eval_passkey\.py: error: --samples .* at least 1.*\n", proc.stderr), (
+        proc.stderr
+    )
     assert not os.listdir(tmp_path)
 
 
 def test_attn_impl_is_checked_by_the_kernels_decision_point(tmp_path, ckpts, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(eval_common.EvalError, match=r"--attn_impl triton: impl='triton'"):
-        run_main(tmp_path, ckpts[:1], "--attn_impl", "triton", "--device", "cpu", "--lengths", "400", "--samples", "1")
-    assert run_main(tmp_path, ckpts[:1], "--attn_impl", "sdpa", "--lengths", "400", "--samples", "1")["summary"]
+        run_main(
+            tmp_path,
+            ckpts[:1],
+            "--attn_impl",
+            "triton",
+            "--device",
+            "cpu",
+            "--lengths",
+            "400",
+            "--samples",
+            "1",
+        )
+    assert run_main(
+        tmp_path, ckpts[:1], "--attn_impl", "sdpa", "--lengths", "400", "--samples", "1"
+    )["summary"]
 
 
 def test_same_seed_same_numbers(tmp_path, ckpts):
@@ -408,7 +551,9 @@ def test_batched_equals_one_by_one(tmp_path, ckpts):
     args = ("--lengths", "600", "--samples", "4")
     batched = run_main(tmp_path / "a", ckpts[:1], *args)
     single = run_main(tmp_path / "b", ckpts[:1], *args, "--batch_tokens", "1")
-    assert {r["batch"] for r in batched["records"]} == {4} and {r["batch"] for r in single["records"]} == {1}
+    assert {r["batch"] for r in batched["records"]} == {4} and {
+        r["batch"] for r in single["records"]
+    } == {1}
     assert strip_timing(batched["records"]) == strip_timing(single["records"])
 
 
@@ -434,8 +579,15 @@ def test_lengths_that_cannot_run_are_skipped(tmp_path, ckpts, monkeypatch, capsy
 def test_default_grid_from_the_training_length(tmp_path, ckpts, capsys):
     res = run_main(tmp_path / "res", ckpts[:1], "--max_length", "512", "--samples", "2")
     rows = {s["target_length"]: s for s in res["summary"]}
-    assert sorted(rows) == [32, 64, 128, 256, 512]  # block_size 32 x 1, 2, 4, ... up to --max_length
-    shortest = ep.min_prompt_length(get_tokenizer("byte"), PAPER)
+    # block_size 32 x 1, 2, 4, ... up to --max_length
+    assert sorted(rows) == [
+        32,
+        64,
+        128,
+        256,
+        512,
+    ]
+    shortest = passkey.min_prompt_length(get_tokenizer("byte"), PAPER)
     for L, s in rows.items():
         assert (s["status"] == "ok") == (L >= shortest)
         assert s["n"] == (2 if L >= shortest else 0)

@@ -1,4 +1,6 @@
-"""eval_ppl.py: per-token scoring (one full-context forward), the windowed averaging, the data paths, main(), resume."""
+"""eval_ppl.py: per-token scoring (one full-context forward), the windowed averaging, the data
+paths, main(), resume."""
+
 import csv
 import json
 import os
@@ -16,9 +18,20 @@ from model import GPT, GPTConfig, save_checkpoint
 
 def tiny_model(pe="bam", ssmax=True, seed=0, block_size=32):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=257, tokenizer="byte", n_layer=2, n_head=2, n_embd=16, block_size=block_size,
-                          pos_encoding=pe, ssmax=ssmax))
-    with torch.no_grad():  # a prior that actually depends on distance, so that context length matters
+    model = GPT(
+        GPTConfig(
+            vocab_size=257,
+            tokenizer="byte",
+            n_layer=2,
+            n_head=2,
+            n_embd=16,
+            block_size=block_size,
+            pos_encoding=pe,
+            ssmax=ssmax,
+        )
+    )
+    # a prior that actually depends on distance, so that context length matters
+    with torch.no_grad():
         for block in model.blocks:
             if hasattr(block.attn, "theta_beta"):
                 block.attn.theta_beta.copy_(torch.tensor([0.5, 1.0]))
@@ -38,9 +51,9 @@ def ce_by_hand(model, seq):
     return -logp[torch.arange(seq.numel() - 1), seq[1:]]
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # scoring and averaging
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def window_losses(model, seq, window):
     """The curve for one sequence: the mean CE in each window of `window` targets."""
     _, sums, counts = window_sums(full_token_losses(model, seq), window)
@@ -48,7 +61,8 @@ def window_losses(model, seq, window):
 
 
 def test_window_losses_match_direct_computation():
-    model, seq = tiny_model(), random_seq(50)
+    model = tiny_model()
+    seq = random_seq(50)
     ce = ce_by_hand(model, seq)
     assert torch.allclose(full_token_losses(model, seq).double(), ce, atol=1e-5)
     got = window_losses(model, seq, 16)
@@ -56,10 +70,12 @@ def test_window_losses_match_direct_computation():
     assert torch.allclose(got, want, atol=1e-5)
     ends, sums, counts = window_sums(ce, 16)
     assert ends == [16, 32, 48, 50] and counts == [16, 16, 16, 2]
-    assert np.allclose(sums, [float(ce[a:a + 16].sum()) for a in (0, 16, 32, 48)])
+    assert np.allclose(sums, [float(ce[a : a + 16].sum()) for a in (0, 16, 32, 48)])
 
 
-@pytest.mark.parametrize("pe,ssmax", [("bam", True), ("alibi", False), ("rope", True), ("nope", False)])
+@pytest.mark.parametrize(
+    "pe,ssmax", [("bam", True), ("alibi", False), ("rope", True), ("nope", False)]
+)
 def test_full_mode_equals_training_loss(pe, ssmax):
     model = tiny_model(pe, ssmax)
     seqs = torch.stack([random_seq(32, seed=s) for s in range(3)])  # length == block_size
@@ -71,17 +87,19 @@ def test_full_mode_equals_training_loss(pe, ssmax):
     assert torch.allclose(window_losses(model, seqs[0], 32).float(), per_token[0].mean(), atol=1e-6)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # data
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_hf_sequences_takes_first_long_enough_texts_in_order():
     from data import get_tokenizer
+
     tok = get_tokenizer("byte")
     texts = ["too short", "", None, "a" * 30, "b" * 19, "c" * 40, "d" * 25]
     rows, read = hf_sequences(iter(texts), tok, seq_len=20, num_seqs=2)
     assert rows.shape == (2, 21) and read == 6
-    assert rows[0, 0] == EOT["byte"] and rows[1, 0] == EOT["byte"]   # each article starts with end-of-text
-    assert bytes(rows[0, 1:].tolist()) == b"a" * 20                   # "b"*19 + eot = 20 tokens: too short
+    # each article starts with end-of-text
+    assert rows[0, 0] == EOT["byte"] and rows[1, 0] == EOT["byte"]
+    assert bytes(rows[0, 1:].tolist()) == b"a" * 20  # "b"*19 + eot = 20 tokens: too short
     assert bytes(rows[1, 1:].tolist()) == b"c" * 20
     rows, read = hf_sequences(iter(texts), tok, seq_len=20, num_seqs=10)
     assert rows.shape == (3, 21) and read == len(texts)
@@ -94,27 +112,40 @@ def test_hf_offline_is_a_clear_error(monkeypatch):
 
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'wikimedia/wikipedia' on the Hub")
+
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(EvalError, match="network access"):
         list(eval_ppl.hf_texts("wikimedia/wikipedia", "20231101.en"))
     for spec in ("hf:", "hf:a:b:c", "wikipedia"):  # and anything that is not val
         with pytest.raises(EvalError, match="expected val, hf:NAME"):
             eval_ppl.parse_hf(spec)
-    assert eval_ppl.parse_hf("hf:wikimedia/wikipedia:20231101.en") == ("wikimedia/wikipedia", "20231101.en")
+    assert eval_ppl.parse_hf("hf:wikimedia/wikipedia:20231101.en") == (
+        "wikimedia/wikipedia",
+        "20231101.en",
+    )
     assert eval_ppl.parse_hf("hf:c4") == ("c4", None)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # main(): end to end, resume, short data, memory
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @pytest.fixture
 def setup(tmp_path):
     torch.manual_seed(0)
     ckpt = tmp_path / "run_a" / "ckpt_0.pt"
-    save_checkpoint(str(ckpt), GPT(GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
-                                             block_size=32)))
+    save_checkpoint(
+        str(ckpt),
+        GPT(
+            GPTConfig(
+                vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32
+            )
+        ),
+    )
     rng = np.random.default_rng(0)
-    docs = [np.concatenate([[EOT["byte"]], rng.integers(0, 256, rng.integers(20, 120))]) for _ in range(40)]
+    docs = [
+        np.concatenate([[EOT["byte"]], rng.integers(0, 256, rng.integers(20, 120))])
+        for _ in range(40)
+    ]
     tokens = np.concatenate(docs)
     data = tmp_path / "data"
     data.mkdir()
@@ -124,8 +155,21 @@ def setup(tmp_path):
 
 
 def argv(s, *extra):
-    return ["--ckpt", s["ckpt"], "--data_dir", s["data"], "--out", s["out"], "--seq_len", "100", "--window", "32",
-            "--num_seqs", "5", *extra]
+    return [
+        "--ckpt",
+        s["ckpt"],
+        "--data_dir",
+        s["data"],
+        "--out",
+        s["out"],
+        "--seq_len",
+        "100",
+        "--window",
+        "32",
+        "--num_seqs",
+        "5",
+        *extra,
+    ]
 
 
 def test_main_end_to_end(setup):
@@ -137,11 +181,13 @@ def test_main_end_to_end(setup):
     with open(os.path.join(setup["out"], "ppl_summary.csv")) as f:
         assert len(list(csv.DictReader(f))) == len(rows) == 4 + 1
 
-    # independent recomputation: end-of-text removed, rows of 101 tokens, one forward each, exp(mean CE)
+    # independent recomputation: end-of-text removed, rows of 101 tokens, one forward each, exp(mean
+    # CE)
     from model import load_model
+
     model, _ = load_model(setup["ckpt"])
     toks = torch.from_numpy(setup["tokens"][setup["tokens"] != EOT["byte"]].astype(np.int64))
-    seqs = toks[:5 * 101].view(5, 101)
+    seqs = toks[: 5 * 101].view(5, 101)
     with torch.no_grad():
         _, loss = model(seqs[:, :-1], seqs[:, 1:])
     overall = rows[-1]
@@ -151,7 +197,9 @@ def test_main_end_to_end(setup):
     assert [r["n_tokens"] for r in rows[:-1]] == [160, 160, 160, 20]
     ce = torch.stack([ce_by_hand(model, s) for s in seqs])
     for r, (a, b) in zip(rows, [(0, 32), (32, 64), (64, 96), (96, 100)]):
-        assert r["window_start"] == a and r["ppl"] == pytest.approx(float(ce[:, a:b].mean().exp()), rel=1e-5)
+        assert r["window_start"] == a and r["ppl"] == pytest.approx(
+            float(ce[:, a:b].mean().exp()), rel=1e-5
+        )
 
 
 def test_resume_after_interruption(setup, monkeypatch):
@@ -188,7 +236,9 @@ def test_fewer_sequences_than_asked_and_none_at_all(setup, capsys):
 
 
 def test_memory_check_skips_before_starting(setup, monkeypatch):
-    monkeypatch.setattr(eval_ppl, "memory_shortfall", lambda *a, **k: "needs ~931 GiB, more than 90% of the 1 GiB")
+    monkeypatch.setattr(
+        eval_ppl, "memory_shortfall", lambda *a, **k: "needs ~931 GiB, more than 90% of the 1 GiB"
+    )
     monkeypatch.setattr(eval_ppl, "full_token_losses", lambda *a: pytest.fail("should not run"))
     rows = eval_ppl.main(argv(setup))
     assert [r["scope"] for r in rows] == ["skipped"] and "needs" in rows[0]["note"]

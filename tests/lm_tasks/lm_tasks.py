@@ -1,9 +1,11 @@
 """
-Datasets of the local lm-eval tasks in this directory (their YAMLs name these functions as custom_dataset), so
-that they load from any working directory with no network and no Hugging Face cache.
+Datasets of the local lm-eval tasks in this directory (their YAMLs name these functions as
+custom_dataset), so that they load from any working directory with no network and no Hugging Face
+cache.
   jsonl          a JSONL file next to this one (the test tasks, tiny.jsonl)
   demo_passkey   passkey prompts of the CPU demo (prepare_demo.py's documents, byte tokenizer)
 """
+
 import json
 import os
 import sys
@@ -16,15 +18,18 @@ ROOT = os.path.dirname(os.path.dirname(HERE))  # the repo, for prepare_demo.py a
 
 
 def jsonl(file, **_):
-    """The records of HERE/file as the split "test" (lm-eval passes the task's metadata too: ignored)."""
+    """The records of HERE/file as the split "test" (lm-eval passes the task's metadata too:
+    ignored)."""
     with open(os.path.join(HERE, file), encoding="utf-8") as f:
-        return {"test": datasets.Dataset.from_list([json.loads(line) for line in f if line.strip()])}
+        records = [json.loads(line) for line in f if line.strip()]
+    return {"test": datasets.Dataset.from_list(records)}
 
 
 def demo_passkey(length, n, seed=0, choices=4, **_):
-    """n documents of `length` tokens as the demo model was trained on them (a random walk of filler with the
-    needle "#<key>" at a random place, then "?"), split into the prompt and the key, with choices - 1 other
-    random keys as distractors. The leading end-of-text is left out: the adapter puts it in front."""
+    """n documents of `length` tokens as the demo model was trained on them (a random walk of filler
+    with the needle "#<key>" at a random place, then "?"), split into the prompt and the key, with
+    choices - 1 other random keys as distractors. The leading end-of-text is left out: the adapter
+    puts it in front."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from data import get_tokenizer
@@ -39,6 +44,6 @@ def demo_passkey(length, n, seed=0, choices=4, **_):
         keys = {key}
         while len(keys) < int(choices):
             keys.add(str(rng.integers(10 ** (len(key) - 1), 10 ** len(key))))
-        keys = sorted(keys)
-        docs.append(dict(prompt=prompt, key=key, choices=keys, answer=keys.index(key)))
+        options = sorted(keys)
+        docs.append(dict(prompt=prompt, key=key, choices=options, answer=options.index(key)))
     return {"test": datasets.Dataset.from_list(docs)}
