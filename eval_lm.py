@@ -30,9 +30,9 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 
 from data import get_tokenizer
-from eval_common import (EvalError, identity, load_runs, markdown_table, model_device, pick_device, resolve_dtype,
+from eval_common import (EvalError, checkpoint_fields, load_runs, markdown_table, model_device, pick_device, resolve_dtype,
                          run_script, write_table)
-from model import autocast
+from hardware import autocast
 
 MAX_GEN_TOKS = 256  # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
 STOP_TAIL = 8       # context tokens decoded with the generated ones, so the first word keeps its leading space
@@ -231,7 +231,7 @@ def summary_rows(run, results, max_length):
             if not comma or metric.endswith("_stderr"):  # "metric,filter" keys hold the scores
                 continue
             stderr = metrics.get(f"{metric}_stderr,{filt}")
-            rows.append(dict(label=run["label"], **identity(run), task=task, metric=metric, filter=filt,
+            rows.append(dict(label=run["label"], **checkpoint_fields(run), task=task, metric=metric, filter=filt,
                              value=value, stderr=stderr if isinstance(stderr, (int, float)) else None,
                              num_fewshot=results.get("n-shot", {}).get(task), limit=results["config"]["limit"],
                              max_length=max_length, train_length=run["block_size"]))
@@ -272,7 +272,7 @@ def main(argv=None):
         results = lm_eval.simple_evaluate(model=lm, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit,
                                           batch_size=args.batch_size, device=device, task_manager=tm,
                                           log_samples=False)
-        results["bam_gpt"] = dict(label=run["label"], **identity(run))
+        results["bam_gpt"] = dict(label=run["label"], **checkpoint_fields(run))
         write_json(results, os.path.join(args.out, f"{run['label']}.json"))
         rows += summary_rows(run, results, lm.max_length)
     prefix = os.path.join(args.out, "lm_eval_summary")

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import eval_common as ec
 from data import PASSKEY_TEMPLATES as TEMPLATES, PIECE_SEP
-from model import autocast
+from hardware import autocast
 
 
 PAPER_LENGTHS = [int(x) for x in np.linspace(0, 32768, 10)][1:]  # the authors' public evaluate.py
@@ -198,7 +198,7 @@ def evaluate(runs, enc, lengths, *, template, samples=DEFAULT_SAMPLES, seed=1234
                     peak = ec.peak_memory_bytes(device) / 2**20
                     for i, (correct, pred) in zip(chunk, results):
                         _, answer, info = prompts[i]
-                        log.add(dict(label=r["label"], **ec.identity(r), target_length=L, sample=i,
+                        log.add(dict(label=r["label"], **ec.checkpoint_fields(r), target_length=L, sample=i,
                                      length=info["length"], n_filler=info["n_filler"], k=info["k"],
                                      depth=info["depth"], key=info["key"], answer_tokens=answer[n_given:],
                                      predicted=pred, predicted_text=enc.decode(pred), correct=bool(correct),
@@ -414,7 +414,7 @@ def write_outputs(args, summary, by_depth, runs, meta, device, t_start):
     figures = make_figures(summary, by_depth, runs, args.out)
     cuda = torch.device(device).type == "cuda"
     meta.update(device=str(device), torch=torch.__version__,
-                runs=[dict(label=r["label"], **ec.identity(r), train_length=r["block_size"],
+                runs=[dict(label=r["label"], **ec.checkpoint_fields(r), train_length=r["block_size"],
                            pos_encoding=r["model"].config.pos_encoding, ssmax=r["model"].config.ssmax) for r in runs],
                 wall_seconds=round(time.perf_counter() - t_start, 2),
                 peak_rss_mib=round(ec.peak_memory_bytes("cpu") / 2**20, 1),

@@ -19,10 +19,10 @@ import torch
 from tqdm import tqdm
 
 from data import DOC_END, DOC_START, VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths
-from eval_common import (EvalError, ResultLog, add_common_args, identity, load_runs, markdown_table, memory_shortfall,
+from eval_common import (EvalError, ResultLog, add_common_args, checkpoint_fields, load_runs, markdown_table, memory_shortfall,
                          model_device, peak_memory_bytes, pick_device, plot_curves, reset_peak_memory, resolve_dtype,
                          run_script, training_data_dir, write_table)
-from model import autocast
+from hardware import autocast
 
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
 
@@ -123,7 +123,7 @@ def load_sequences(args, runs):
 def evaluate(args, run, seqs, data_desc, dtype, device, log):
     """Score every sequence with one checkpoint (resuming from `log`). Returns its summary rows."""
     name = run["label"]
-    base = dict(label=name, **identity(run), window=args.window, data=data_desc, seq_len=args.seq_len,
+    base = dict(label=name, **checkpoint_fields(run), window=args.window, data=data_desc, seq_len=args.seq_len,
                 n_seqs=len(seqs), dtype=dtype, train_length=run["block_size"])
     # the loss head on top of the forward: fp32 logits, log-softmax, autocast copy over <= 8192 positions
     head = 3 * 4 * min(args.seq_len, 8192) * run["model"].config.padded_vocab_size
@@ -132,7 +132,7 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         msg = f"skipped: a forward over {args.seq_len} tokens {why}"
         print(f"{name}: {msg}")
         return [dict(base, scope="skipped", note=msg)]
-    key = dict(identity(run), data=data_desc, seq_len=args.seq_len, window=args.window, dtype=dtype)
+    key = dict(checkpoint_fields(run), data=data_desc, seq_len=args.seq_len, window=args.window, dtype=dtype)
     by_key = {log.key(r): r for r in log.records}
     records, t0, resumed = [], time.time(), 0
     reset_peak_memory(device)

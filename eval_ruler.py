@@ -31,7 +31,7 @@ from data import (RULER_ANSWER_PREFIX as ANSWER_PREFIX, RULER_MODEL_TEMPLATE as 
 from eval_common import (EvalError, ResultLog, add_common_args, check_settings, geometric_lengths, load_runs,
                          memory_shortfall, pick_device, plot_curves, resolve_dtype, run_script, training_data_dir,
                          write_table)
-from model import autocast
+from hardware import autocast
 
 TOKENS_TO_GENERATE = 128
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 import eval_common as ec
 import eval_passkey as ep
 from attention_kernel import attention_probs
-from model import autocast
+from hardware import autocast
 from priors import get_prior
 
 READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens

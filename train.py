@@ -31,8 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from attention_kernel import impl_error
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
-from model import (GPT, MODEL_SIZES, CheckpointError, GPTConfig, autocast, checkpoint_name,
-                   checkpoints, load_checkpoint, load_state, peak_flops, save_checkpoint)
+from checkpoint import (CheckpointError, checkpoint_name, checkpoints, load_checkpoint, load_state,
+                        save_checkpoint)
+from hardware import autocast, peak_flops
+from model import GPT, MODEL_SIZES, GPTConfig
 from priors import PRIORS
 
 # ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py only names the run) --
@@ -389,7 +391,7 @@ def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
     msg = f"step {step}: val loss {val_loss:.4f}"
     prior_def = raw_model.blocks[0].attn.prior_def
     if raw_model.config.pos_encoding == "bam":
-        bound = [b.attn.prior() for b in raw_model.blocks]
+        bound = [b.attn.bound_prior() for b in raw_model.blocks]
         shape = [p.params[prior_def.params.index(prior_def.shape_param)].detach().float().cpu() for p in bound]
         record["prior"] = {prior_def.shape_param: [[round(x.min().item(), 4), round(x.quantile(0.5).item(), 4),
                                                     round(x.max().item(), 4)] for x in shape]}

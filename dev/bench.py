@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from attention_kernel import impl_error  # noqa: E402
 from data import doc_starts  # noqa: E402
 from eval_common import peak_memory_bytes, reset_peak_memory  # noqa: E402
-from model import ATTN_IMPLS, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, autocast, peak_flops  # noqa: E402
+from hardware import autocast, peak_flops  # noqa: E402
+from model import ATTN_IMPLS, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 

@@ -15,7 +15,8 @@ import plot_prior
 import prepare_demo
 from data import EOT, TokenLoader, get_tokenizer, open_shard
 from eval_passkey import TEMPLATES, build_prompt, filler_units
-from model import GPT, GPTConfig, load_model, save_checkpoint
+from checkpoint import load_model, save_checkpoint
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENC = get_tokenizer("byte")

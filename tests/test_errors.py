@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from data import get_tokenizer, write_shard
-from model import GPT, GPTConfig, save_checkpoint
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVALS = ("eval_passkey.py", "eval_ppl.py", "eval_ruler.py")

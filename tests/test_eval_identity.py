@@ -11,7 +11,8 @@ import eval_passkey
 import eval_ppl
 import eval_ruler
 from data import EOT, write_shard
-from model import GPT, GPTConfig, save_checkpoint
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
 
 
 def save_tiny(path, seed):

@@ -12,7 +12,8 @@ import inspect_attention as ia
 import plot_prior
 from data import get_tokenizer
 from priors import Prior, alibi_slopes, register
-from model import GPT, GPTConfig, save_checkpoint
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
 from test_passkey import merging_tokenizer
 
 DEMO, PAPER = ep.TEMPLATES["demo"], ep.TEMPLATES["paper"]

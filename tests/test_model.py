@@ -6,7 +6,8 @@ import torch
 
 from attention_kernel import attention, attention_sdpa, attention_torch, dense_attention
 from configurator import ConfigError, configure
-from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
+from checkpoint import load_model, load_state, save_checkpoint
+from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]

@@ -15,7 +15,8 @@ import eval_common
 import eval_passkey as ep
 import model as model_mod
 from data import get_tokenizer, tiktoken_tokenizer
-from model import GPT, GPTConfig, save_checkpoint
+from checkpoint import load_model, save_checkpoint
+from model import GPT, GPTConfig
 
 PAPER = ep.TEMPLATES["paper"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,7 +255,7 @@ def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
             a, b = by[("runA", L, i)], by[("runB", L, i)]
             assert (a["key"], a["k"], a["length"]) == (b["key"], b["k"], b["length"]) and a["length"] <= L
     # each record's prediction equals an independent full-logits forward of the rebuilt prompt
-    model, _ = model_mod.load_model(ckpts[0])
+    model, _ = load_model(ckpts[0])
     for r in (by[("runA", 400, 0)], by[("runA", 700, 3)]):
         prompt, answer, info = ep.build_prompt(enc, PAPER, r["target_length"], r["key"], r["k"])
         with torch.no_grad():

@@ -11,7 +11,8 @@ import eval_ppl
 from data import EOT, write_shard
 from eval_common import EvalError
 from eval_ppl import full_token_losses, hf_sequences, window_sums
-from model import GPT, GPTConfig, save_checkpoint
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
 
 
 def tiny_model(pe="bam", ssmax=True, seed=0, block_size=32):
@@ -138,7 +139,7 @@ def test_main_end_to_end(setup):
         assert len(list(csv.DictReader(f))) == len(rows) == 4 + 1
 
     # independent recomputation: end-of-text removed, rows of 101 tokens, one forward each, exp(mean CE)
-    from model import load_model
+    from checkpoint import load_model
     model, _ = load_model(setup["ckpt"])
     toks = torch.from_numpy(setup["tokens"][setup["tokens"] != EOT["byte"]].astype(np.int64))
     seqs = toks[:5 * 101].view(5, 101)

@@ -12,7 +12,8 @@ import torch
 import attention_kernel as ak
 import eval_passkey
 from attention_kernel import attention, attention_probs
-from model import GPT, CheckpointError, GPTConfig, load_model, save_checkpoint
+from checkpoint import CheckpointError, load_model, save_checkpoint
+from model import GPT, GPTConfig
 from priors import PRIORS, BoundPrior, Prior, alibi_slopes, bind, get_prior, register
 
 
@@ -206,7 +207,7 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
     save_checkpoint(str(tmp_path / "run" / "ckpt_0000001.pt"), model, step=1)
     loaded, ckpt = load_model(str(tmp_path / "run"), attn_impl="auto")
     assert ckpt["model_args"]["prior"] == "test_tanh" and loaded.config.attn_impl == "auto"
-    assert loaded.blocks[1].attn.prior().prior is TANH
+    assert loaded.blocks[1].attn.bound_prior().prior is TANH
     ckpt = torch.load(tmp_path / "run" / "ckpt_0000001.pt", weights_only=True)
     ckpt["model_args"]["prior"] = "my_unregistered_prior"
     torch.save(ckpt, tmp_path / "run" / "ckpt_0000001.pt")

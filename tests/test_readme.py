@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import model
 import train
 from configurator import ConfigError, configure
@@ -205,7 +206,7 @@ def stand_ins(tmp_path):
         gpt = model.GPT(model.GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
                                         block_size=64, pos_encoding=pe, ssmax=ssmax, prior=prior))
         for run in [f"{name}-s1"] + (["prior_lr_1e-2-s2"] if name == "bam_ssmax" else []):  # results/demo/README
-            model.save_checkpoint(str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000)
+            checkpoint.save_checkpoint(str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000)
 
 
 def blank_forward(self, idx, targets=None, *, logits_at=None, **kwargs):

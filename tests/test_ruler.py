@@ -17,7 +17,8 @@ import eval_ruler as R
 from eval_common import EvalError
 import model as model_mod
 from data import get_tokenizer, write_shard
-from model import GPT, GPTConfig, save_checkpoint
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
 
 ENC = get_tokenizer("byte")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

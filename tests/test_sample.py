@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from data import get_tokenizer
-from model import GPT, GPTConfig, save_checkpoint
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
 from sample import SEPARATOR, main
 from test_eval_lm import greedy_without_cache
 

@@ -13,7 +13,8 @@ import torch
 import train
 from configurator import ConfigError
 from data import TokenLoader, get_tokenizer, write_shard
-from model import POS_ENCODINGS, GPT, GPTConfig, load_checkpoint, load_model
+from checkpoint import load_checkpoint, load_model
+from model import GPT, POS_ENCODINGS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
