@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -48,6 +49,11 @@ def tiny(data_dir, out_dir, **overrides):
 def metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def changed(cfg, **settings):
+    """A copy of resolved settings (a namespace) with some of them changed."""
+    return SimpleNamespace(**{**vars(cfg), **settings})
 
 
 def run_cli(args, timeout=240, **env):
@@ -137,36 +143,49 @@ def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
     assert "pass --device=cpu" in r.stderr
     # the GPU recipe's settings without torchrun, and on purpose with --device=cpu
     c = train.configure({k: getattr(train, k) for k in train.config_keys}, [os.path.join(ROOT, "config/bam_120m.py")])
+    c = train.resolve_config(c, world_size=1)
     with pytest.raises(ConfigError, match="dtype=bfloat16 and compile=True; to train on the CPU on purpose"):
         train.check_device(c, ddp=False)
-    train.check_device(dict(c, device="cpu"), ddp=True)
-    train.check_device(dict(c, compile=False), ddp=False)
+    assert train.check_device(changed(c, device="cpu"), ddp=True) == torch.device("cpu")
+    assert train.check_device(changed(c, compile=False), ddp=False) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device='cuda:0' needs a CUDA GPU, and torch finds none"):
+        train.check_device(changed(c, device="cuda:0"), ddp=False)
+    with pytest.raises(ConfigError, match="device='gpu' is not a device torch knows"):
+        train.check_device(changed(c, device="gpu"), ddp=False)
     assert not (tmp_path / "run").exists()
 
 
-def test_settings_block_lists_every_model_setting_with_the_models_default():
-    """The paper's switches (pos_encoding, ssmax, prior, bam_init, ...) are settings a reader sees in train.py."""
+def test_model_settings_come_from_gptconfig():
+    """The paper's switches (pos_encoding, ssmax, prior, bam_init, ...) are train.py settings with GPTConfig's
+    defaults, declared once in model.py: train.py's settings block does not restate them."""
+    import ast
     from dataclasses import fields
     model_fields = {f.name: f.default for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")}
     assert set(model_fields) <= set(train.config_keys)
     assert {k: getattr(train, k) for k in model_fields} == model_fields
     assert all(k.islower() for k in train.config_keys)
+    with open(os.path.join(ROOT, "train.py")) as f:
+        module = ast.parse(f.read())
+    assigned = {t.id for node in module.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    assert "out_dir" in assigned and "model_size" in assigned
+    assert not assigned & set(model_fields), "train.py restates model settings: " + str(assigned & set(model_fields))
 
 
 def test_tokens_per_step_sets_accumulation():
     c = train.resolve_config({k: getattr(train, k) for k in train.config_keys}, world_size=8)
-    assert c["gradient_accumulation_steps"] == 589824 // (48 * 512)  # 24 in all, 3 per process
-    assert (c["n_layer"], c["n_embd"], c["n_head"]) == (12, 768, 16)
-    c = train.resolve_config(dict(c, model_size="l24", batch_size=16), world_size=8)
-    assert c["gradient_accumulation_steps"] == 72 and (c["n_layer"], c["n_embd"], c["n_head"]) == (24, 2048, 64)
+    assert c.gradient_accumulation_steps == 589824 // (48 * 512)  # 24 in all, 3 per process
+    assert (c.n_layer, c.n_embd, c.n_head) == (12, 768, 16)
+    c = train.resolve_config(dict(vars(c), model_size="l24", batch_size=16), world_size=8)
+    assert c.gradient_accumulation_steps == 72 and (c.n_layer, c.n_embd, c.n_head) == (24, 2048, 64)
 
 
 def test_lr_schedule():
-    c = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 0, "max_iters": 100}
+    c = SimpleNamespace(learning_rate=1e-3, min_lr=1e-4, warmup_iters=0, max_iters=100)
     assert train.get_lr(0, c) == 1e-3
     assert train.get_lr(50, c) == pytest.approx(5.5e-4)
     assert 1e-4 < train.get_lr(99, c) < 1.01e-4
-    w = dict(c, warmup_iters=10)
+    w = changed(c, warmup_iters=10)
     assert train.get_lr(0, w) == pytest.approx(1e-4) and train.get_lr(9, w) == pytest.approx(1e-3)
 
 
@@ -176,11 +195,11 @@ def test_configs_resolve():
     defaults = {k: getattr(train, k) for k in train.config_keys}
     for path, size, accum in (("bam_120m.py", (12, 768, 16), 24), ("bam_1b.py", (24, 2048, 64), 72)):
         c = train.resolve_config(configure(defaults, [os.path.join(ROOT, "config", path)]), world_size=8)
-        assert (c["n_layer"], c["n_embd"], c["n_head"]) == size and c["gradient_accumulation_steps"] == accum
-        assert (c["pos_encoding"], c["ssmax"], c["block_size"], c["max_iters"]) == ("bam", True, 512, 20000)
-        assert (c["learning_rate"], c["min_lr"], c["weight_decay"], c["grad_clip"]) == (1e-3, 1e-4, 0.1, 1.0)
-        assert (c["beta1"], c["beta2"], c["warmup_iters"], c["seed"], c["dtype"]) == (0.9, 0.95, 0, 42, "bfloat16")
-        assert c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] == 589824
+        assert (c.n_layer, c.n_embd, c.n_head) == size and c.gradient_accumulation_steps == accum
+        assert (c.pos_encoding, c.ssmax, c.block_size, c.max_iters) == ("bam", True, 512, 20000)
+        assert (c.learning_rate, c.min_lr, c.weight_decay, c.grad_clip) == (1e-3, 1e-4, 0.1, 1.0)
+        assert (c.beta1, c.beta2, c.warmup_iters, c.seed, c.dtype) == (0.9, 0.95, 0, 42, "bfloat16")
+        assert c.batch_size * c.block_size * c.gradient_accumulation_steps == 589824
 
 
 def test_paper_config_has_the_papers_parameter_count():
@@ -189,7 +208,7 @@ def test_paper_config_has_the_papers_parameter_count():
     from configurator import configure
     c = configure({k: getattr(train, k) for k in train.config_keys}, [os.path.join(ROOT, "config", "bam_120m.py")])
     c = train.resolve_config(c, world_size=1)
-    assert c["data_dir"] == "data/fineweb_mistral" and c["allow_data_repeat"] is False
+    assert c.data_dir == "data/fineweb_mistral" and c.allow_data_repeat is False
     vocab = get_tokenizer("mistral").n_vocab
     assert vocab == 32768
     model = GPT(GPTConfig(**train.model_args(c, vocab, "mistral")))
@@ -207,9 +226,9 @@ def test_a_run_that_would_repeat_data_is_refused(data_dir, tmp_path):
     assert "--allow_data_repeat=True" in r.stderr and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="longer than every train shard.*prepare more data"):  # not one window
         train.main(tiny(data_dir, tmp_path / "run", block_size=20_000))
-    c = dict(max_iters=steps, block_size=32, allow_data_repeat=True, data_dir=data_dir, tokenizer="byte")
+    c = SimpleNamespace(max_iters=steps, block_size=32, allow_data_repeat=True, data_dir=data_dir, tokenizer="byte")
     train.check_data_budget(c, windows, 128)  # allowed: no error
-    train.check_data_budget(dict(c, allow_data_repeat=False, max_iters=steps - 1), windows, 128)  # fits
+    train.check_data_budget(changed(c, allow_data_repeat=False, max_iters=steps - 1), windows, 128)  # fits
 
 
 # ----------------------------------------------------------------------------------------------------------
