@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from attention_kernel import IMPLS, impl_error
+from attention import IMPLS, impl_error
 from data import DataError, get_tokenizer
 from model import CheckpointError, load_model
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention_kernel import IMPLS as ATTN_IMPLS, attention, impl_error
+from attention import IMPLS as ATTN_IMPLS, attention, impl_error
 from priors import PRIORS, BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from attention_kernel import impl_error
+from attention import impl_error
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
 from model import (GPT, MODEL_SIZES, CheckpointError, GPTConfig, autocast, checkpoint_name,

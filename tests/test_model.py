@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attention_kernel import attention, attention_sdpa, attention_torch, dense_attention
+from attention import attention, attention_sdpa, attention_torch, dense_attention
 from configurator import ConfigError, configure
 from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
