@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from attention_kernel import IMPLS, impl_error
+from attention import IMPLS, impl_error
 from checkpoint import CheckpointError, load_model
 from data import DataError, get_tokenizer
 from hardware import resolve_device
@@ -56,7 +56,7 @@ def add_common_args(parser, default_out):
         help="autocast precision; auto: bfloat16 on CUDA, float32 on CPU",
     )
     parser.add_argument(
-        "--attn_impl", default="auto", choices=list(IMPLS), help="attention_kernel.py's impl"
+        "--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl"
     )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(

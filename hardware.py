@@ -11,8 +11,8 @@ import torch
 
 def resolve_device(name="auto"):
     """The torch.device of a device setting: auto is CUDA if torch finds a GPU, else the CPU. A
-    ValueError for a name torch does not know, or for a GPU that is not there; its message follows the
-    name ("cuda:3 needs a CUDA GPU, ...")."""
+    ValueError for a name torch does not know, or for a GPU that is not there; its message follows
+    the name ("cuda:3 needs a CUDA GPU, ...")."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

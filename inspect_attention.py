@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import eval_common as ec
 import eval_passkey as ep
-from attention_kernel import attention_probs
+from attention import attention_probs
 from hardware import autocast
 from priors import get_prior
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention_kernel import IMPLS as ATTN_IMPLS
-from attention_kernel import attention, impl_error
+from attention import IMPLS as ATTN_IMPLS
+from attention import attention, impl_error
 from priors import BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from attention_kernel import impl_error
+from attention import impl_error
 from checkpoint import (
     CheckpointError,
     checkpoint_name,

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attention_kernel import attention, attention_sdpa, attention_torch, dense_attention
+from attention import attention, attention_sdpa, attention_torch, dense_attention
 from configurator import ConfigError, configure
 from checkpoint import load_model, load_state, save_checkpoint
 from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
+import attention as attention_mod
 import attention_kernel as ak
 import eval_passkey
-from attention_kernel import attention, attention_probs
+from attention import attention, attention_probs, impl_error, pick_impl
 from checkpoint import CheckpointError, load_model, save_checkpoint
 from model import GPT, GPTConfig
 from priors import PRIORS, BoundPrior, Prior, alibi_slopes, bind, get_prior, register
@@ -46,7 +47,7 @@ def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior
 def impl_cases():
     """(impl, trains the prior) for every impl available here: torch; sdpa (evaluation only); the kernel."""
     cases = [("torch", True), ("sdpa", False)]
-    if ak.impl_error("triton", TANH, "cuda" if torch.cuda.is_available() else "cpu", True) is None:
+    if impl_error("triton", TANH, "cuda" if torch.cuda.is_available() else "cpu", True) is None:
         cases.append(("triton_kernel", True))
     return cases
 
@@ -151,9 +152,9 @@ def test_alibi_prior_is_ggd_with_theta_beta_one():
 
 def test_kernel_alibi_prior_matches_reference():
     """The kernel reads ALiBi's table like any prior's and agrees with the reference's -m|d|."""
-    if not (ak._triton_available() and (torch.cuda.is_available() or ak._interpreting())):
+    if not (ak.triton_available() and (torch.cuda.is_available() or ak.interpreting())):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
-    dev = "cuda" if torch.cuda.is_available() and not ak._interpreting() else "cpu"
+    dev = "cuda" if torch.cuda.is_available() and not ak.interpreting() else "cpu"
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 4, 48, 16, generator=gen).to(dev) for _ in range(3))
     ds = torch.zeros(1, 48, dtype=torch.long)
@@ -227,24 +228,24 @@ def test_one_decision_point_says_which_impl_computes_what(monkeypatch):
     fixed = BoundPrior(get_prior("alibi"), (torch.ones(2),))
     for prior in (None, ggd, cauchy, trained, fixed, TANH):
         for dev in ("cpu", "cuda", torch.device("cpu")):
-            assert ak.impl_error("torch", prior, dev, True) is None
-    assert ak.impl_error("sdpa", None, "cpu", True) is None and ak.impl_error("sdpa", fixed, "cpu", True) is None
-    assert ak.impl_error("sdpa", ggd, "cpu", False) is None and ak.impl_error("sdpa", trained, "cpu", False) is None
-    assert "cannot train a prior" in ak.impl_error("sdpa", ggd, "cpu", True)
-    assert "cannot train a prior" in ak.impl_error("sdpa", trained, "cpu", True)
-    assert "CPU evaluation path" in ak.impl_error("sdpa", None, "cuda", False)
-    assert "unknown attention impl 'flex'" in ak.impl_error("flex", None, "cpu", False)
-    assert ak.pick_impl("auto", ggd, "cpu", False) == "sdpa" and ak.pick_impl("auto", None, "cpu", True) == "torch"
+            assert impl_error("torch", prior, dev, True) is None
+    assert impl_error("sdpa", None, "cpu", True) is None and impl_error("sdpa", fixed, "cpu", True) is None
+    assert impl_error("sdpa", ggd, "cpu", False) is None and impl_error("sdpa", trained, "cpu", False) is None
+    assert "cannot train a prior" in impl_error("sdpa", ggd, "cpu", True)
+    assert "cannot train a prior" in impl_error("sdpa", trained, "cpu", True)
+    assert "CPU evaluation path" in impl_error("sdpa", None, "cuda", False)
+    assert "unknown attention impl 'flex'" in impl_error("flex", None, "cpu", False)
+    assert pick_impl("auto", ggd, "cpu", False) == "sdpa" and pick_impl("auto", None, "cpu", True) == "torch"
     with pytest.raises(ValueError, match="cannot train a prior"):
-        ak.pick_impl("sdpa", cauchy, "cpu", True)
-    monkeypatch.setattr(ak, "_interpreting", lambda: False)
-    if ak._triton_available():
+        pick_impl("sdpa", cauchy, "cpu", True)
+    monkeypatch.setattr(attention_mod, "interpreting", lambda: False)
+    if ak.triton_available():
         for prior in (None, ggd, cauchy, TANH):  # every registered prior
-            assert ak.impl_error("triton", prior, "cuda", True) is None
-        assert ak.pick_impl("auto", cauchy, "cuda", True) == "triton"
-    assert "needs a CUDA device" in ak.impl_error("triton", ggd, "cpu", False)
+            assert impl_error("triton", prior, "cuda", True) is None
+        assert pick_impl("auto", cauchy, "cuda", True) == "triton"
+    assert "needs a CUDA device" in impl_error("triton", ggd, "cpu", False)
     monkeypatch.setattr(ak, "triton", None)
-    assert "needs the triton package" in ak.impl_error("triton", ggd, "cuda", False)
-    assert ak.pick_impl("auto", ggd, "cuda", True) == "torch"
+    assert "needs the triton package" in impl_error("triton", ggd, "cuda", False)
+    assert pick_impl("auto", ggd, "cuda", True) == "torch"
     with pytest.raises(ValueError, match="needs the triton package"):
         attention(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), impl="triton")
