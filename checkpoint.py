@@ -15,9 +15,8 @@ from model import GPT, GPTConfig
 from priors import PRIORS
 
 CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
-RUNTIME_KEYS = (
-    "attn_impl",
-)  # how to compute, not what: the caller's choice, never the checkpoint's
+# how to compute, not what: the caller's choice, never the checkpoint's
+RUNTIME_KEYS = ("attn_impl",)
 
 
 class CheckpointError(RuntimeError):
