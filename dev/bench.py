@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from attention import impl_error  # noqa: E402
 from data import doc_starts  # noqa: E402
 from eval_common import peak_memory_bytes, reset_peak_memory  # noqa: E402
-from hardware import autocast, peak_flops  # noqa: E402
+from hardware import autocast, peak_flops, resolve_device  # noqa: E402
 from model import ATTN_IMPLS, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
@@ -161,8 +161,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     cuda = device.type == "cuda"
     custom = any(v is not None for v in (args.n_layer, args.n_embd, args.n_head))
     size = args.model_size or ("l12" if cuda and not custom else None)
