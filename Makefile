@@ -19,7 +19,10 @@ $(STAMP): requirements.txt
 
 deps: $(STAMP)
 
+# the formatter and the linter first (pyproject.toml's settings), so that CI keeps the layout
 test: deps
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -m "not slow" tests/
 
 test-all: deps

@@ -1,260 +1,16 @@
 """
-The attention of bam-gpt: one function, one formula, several implementations of it.
-
-    out = attention(q, k, v, *, doc_start=None, prior=None, row_scale=None,
-                    scale_prior=False, q_offset=None, softmax_scale=None, impl="auto")
-
-q is (B, H, Tq, D), k and v (B, H, Tk, D), Tq <= Tk; query t sits at position i = q_offset + t (default Tk - Tq).
-    l_ij = softmax_scale * q_i . k_j                           the content score (softmax_scale: 1/sqrt(D))
-    s_ij = (l_ij + B(j - i)) r_i   if scale_prior (BAM + SSMax),   else  l_ij r_i + B(j - i)
-    out_i = sum_j softmax_j(s_ij) v_j   over the visible keys doc_start[i] <= j <= i (causal, same document)
-B: the log-prior of the distance (priors.py); prior is None (NoPE), a BoundPrior, or a bare GGD triple of (H,)
-tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1. doc_start (B, Tk): each position's document
-start. Impls: "torch" the chunked reference (any prior, any device), "sdpa" the CPU evaluation path, "triton" the
-fused kernel (CUDA); "auto" the fastest that can. impl_error is the one place that says which impl can do what.
+The Triton kernel of bam-gpt's attention (impl "triton"): flash attention with any registered prior and SSMax,
+forward and backward, registered as torch.library custom ops. attention.py holds the contract, the formula and
+the one decision point (impl_error); it checks and resolves the arguments before calling attention_triton.
 """
 import contextlib
-import math
 import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from priors import BoundPrior, Prior, bind
-
-IMPLS = ("auto", "torch", "sdpa", "triton")
-
-
-def dense_attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
-                    softmax_scale=None):
-    """The formula above, written out densely (Tq x Tk) in float64: the specification the tests hold every impl
-    to. Returns float64."""
-    prior = bind(prior)
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    i = torch.arange(q.shape[2], device=q.device)[:, None] + q_offset  # query positions
-    j = torch.arange(k.shape[2], device=q.device)[None, :]  # key positions
-    l = softmax_scale * q.double() @ k.double().transpose(-1, -2)
-    B = 0.0 if prior is None else prior.table((j - i).flatten()).double().view(-1, *(j - i).shape)
-    r = 1.0 if row_scale is None else row_scale.double()[..., None]
-    s = (l + B) * r if scale_prior else l * r + B
-    visible = j <= i
-    if doc_start is not None:
-        visible = visible & (j >= doc_start[:, i])[:, None]  # (B, 1, Tq, Tk)
-    s = s.masked_fill(~visible, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v.double()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The reference (impl "torch"): dense_attention's math in fp32, a chunk of queries at a time, so that only a
-# (chunk x Tk) block of scores ever exists: memory is linear in the length. Any prior, any device.
-# ----------------------------------------------------------------------------------------------------------
-def _offset_and_scale(q, k, q_offset, softmax_scale):
-    """attention()'s defaults: q_offset = Tk - Tq (the queries are the last positions), softmax_scale = 1/sqrt(D)."""
-    return (k.shape[2] - q.shape[2] if q_offset is None else int(q_offset),
-            1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale))
-
-
-def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
-    # ~4 fp32 temporaries of shape (B, H, rows, n_keys) are alive at once (scores, prior, mask, probabilities)
-    return max(1, budget_bytes // (16 * batch * heads * max(n_keys, 1)))
-
-
-def _query_chunks(Tq, doc_start, q_offset, chunk):
-    """(a, b, lo) per chunk: query rows a..b-1, and lo, the first key any of them can see."""
-    for a in range(0, Tq, chunk):
-        b = min(a + chunk, Tq)
-        yield a, b, int(doc_start[:, q_offset + a:q_offset + b].min()) if doc_start is not None else 0
-
-
-def _neg_inf_where(hidden):
-    # 0 where visible, -inf where hidden, added to the scores: faster on CPU than masked_fill, backward the identity
-    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
-
-
-def _chunk_scores(q, k, a, b, lo, q_offset, *, doc_start, prior, row_scale, scale_prior, softmax_scale):
-    """The masked scores s of query rows a..b-1 against keys lo..q_offset + b - 1: (B, H, b - a, keys) fp32."""
-    i = torch.arange(q_offset + a, q_offset + b, device=q.device)[:, None]  # query positions
-    j = torch.arange(lo, q_offset + b, device=q.device)[None, :]  # key positions
-    l = (softmax_scale * q[:, :, a:b].float()) @ k[:, :, lo:q_offset + b].float().transpose(-1, -2)
-    B = 0.0
-    if prior is not None:  # B depends on d = j - i alone: evaluated once per distance, then gathered
-        dmin = lo - (q_offset + b - 1)
-        B = prior.table(torch.arange(dmin, b - a, device=q.device))[:, j - i - dmin]
-    r = 1.0 if row_scale is None else row_scale[:, :, a:b, None].float()
-    s = (l + B) * r if scale_prior else l * r + B
-    visible = j <= i
-    if doc_start is not None:
-        visible = visible & (j >= doc_start[:, i])[:, None]
-    return s + _neg_inf_where(~visible)
-
-
-def _chunked_probs(q, k, *, doc_start, prior, q_offset, softmax_scale, chunk_size=None, **kw):
-    """(a, b, lo, end, softmax_j(s_ij)) per chunk of query rows a..b-1, over their keys lo..end-1."""
-    prior = bind(prior)
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    chunk = chunk_size or _chunk_rows(q.shape[0], q.shape[1], k.shape[2])
-    for a, b, lo in _query_chunks(q.shape[2], doc_start, q_offset, chunk):
-        s = _chunk_scores(q, k, a, b, lo, q_offset, doc_start=doc_start, prior=prior, softmax_scale=softmax_scale, **kw)
-        yield a, b, lo, q_offset + b, torch.softmax(s, dim=-1)
-
-
-def attention_torch(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                    q_offset=None, softmax_scale=None, chunk_size=None):
-    """The reference implementation of attention() (impl "torch")."""
-    outs = [p @ v[:, :, lo:end].float() for _, _, lo, end, p in _chunked_probs(
-        q, k, doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=q_offset,
-        softmax_scale=softmax_scale, chunk_size=chunk_size)]
-    return torch.cat(outs, dim=2).to(q.dtype)
-
-
-def attention_probs(q, k, *, doc_start=None, prior=None, row_scale=None, scale_prior=False, q_offset=None,
-                    softmax_scale=None):
-    """The attention weights softmax_j(s_ij), (B, H, Tq, Tk) float32, 0 on hidden keys: for inspecting a few rows."""
-    probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
-    for a, b, lo, end, p in _chunked_probs(q, k, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                                           scale_prior=scale_prior, q_offset=q_offset, softmax_scale=softmax_scale):
-        probs[:, :, a:b, lo:end] = p
-    return probs
-
-
-# ----------------------------------------------------------------------------------------------------------
-# attention() and the one decision point: which impl can compute which prior, where
-# ----------------------------------------------------------------------------------------------------------
-def needs_grad(*tensors):
-    """Whether autograd will want a gradient of any of these (tensors, BoundPriors, None)."""
-    flat = [t for x in tensors for t in ((x.params if isinstance(x, BoundPrior) else (x,)))]
-    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
-
-
-def _trained(prior):
-    """A registered Prior with trainable parameters, or a BoundPrior whose parameters require grad."""
-    if isinstance(prior, Prior):
-        return bool(prior.trainable)
-    return prior is not None and any(t.requires_grad for t in bind(prior).params)
-
-
-def impl_error(impl, prior, device, grad):
-    """Why `impl` cannot compute `prior` (a Prior, a BoundPrior or None) on `device` ("cpu", "cuda" or a
-    torch.device) with gradients (grad=True) or without; None if it can."""
-    if impl not in IMPLS:
-        return f"unknown attention impl {impl!r}; choose one of {', '.join(IMPLS)}"
-    device = torch.device(device)
-    if impl == "sdpa" and device.type != "cpu":
-        return "impl='sdpa' is the CPU evaluation path; on a GPU use impl='triton' (or 'auto')"
-    if impl == "sdpa" and grad and _trained(prior):
-        return ("impl='sdpa' cannot train a prior (it enters PyTorch's fused kernel as a constant mask); "
-                "train with impl='torch' (or 'auto')")
-    if impl == "triton" and not _triton_available():
-        return "impl='triton' needs the triton package (pip install triton)"
-    if impl == "triton" and device.type != "cuda" and not _interpreting():
-        return "impl='triton' needs a CUDA device (or TRITON_INTERPRET=1 set before triton is first imported)"
-    return None
-
-
-def pick_impl(impl, prior, device, grad):
-    """`impl` resolved: "auto" becomes the fastest impl that can (CUDA: triton; CPU: sdpa without gradients, else
-    torch); an impl that cannot raises ValueError with impl_error's message."""
-    if impl == "auto":
-        cuda = torch.device(device).type == "cuda"
-        order = ("triton", "torch") if cuda else ("torch",) if grad else ("sdpa", "torch")
-        return next(i for i in order if impl_error(i, prior, device, grad) is None)
-    if error := impl_error(impl, prior, device, grad):
-        raise ValueError(error)
-    return impl
-
-
-def attention(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-              q_offset=None, softmax_scale=None, impl="auto"):
-    """The attention of the module docstring, computed by `impl` (resolved by pick_impl)."""
-    prior = bind(prior)
-    Tq, Tk = q.shape[2], k.shape[2]
-    if Tq > Tk:
-        raise ValueError(f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions")
-    if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
-        raise ValueError(f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
-    impl = pick_impl(impl, prior, q.device, needs_grad(q, k, v, prior, row_scale))
-    fn = {"torch": attention_torch, "sdpa": attention_sdpa, "triton": attention_triton}[impl]
-    return fn(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior,
-              q_offset=q_offset, softmax_scale=softmax_scale)
-
-
-def _triton_available():
-    return triton is not None  # the import is tried once, below (no import inside code that torch.compile traces)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CPU evaluation (impl "sdpa"): PyTorch's fused CPU attention kernel with the prior as a float attn_mask.
-# Per query chunk, r_i moves into the queries: s_ij = ((q_i r_i) . k_j) * softmax_scale + M_ij, M_ij = B(j - i) r_i
-# if scale_prior else B(j - i), -inf where invisible. With the keys reversed, M is a Hankel matrix: a strided
-# view of the reversed prior table, no copy. Only a mask that depends on more than the distance (SSMax scaling
-# the prior, documents) is written, into one buffer every chunk reuses (fresh ones cost more in page faults
-# than the kernel); the buffer bounds the chunk, so memory stays linear in the length.
-# ----------------------------------------------------------------------------------------------------------
-def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
-    # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred rows
-    return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
-
-
-def _hankel_mask(rtable, rows, r, doc_rows, kmax, buf):
-    """One chunk's float mask, (B or 1, H or 1, rows, keys), keys in reverse order (see above); a view of rtable
-    when it can be. rtable: (H or 1, rows + keys - 1), entry u for distance d = rows - 1 - u; r: (B or 1, H, rows, 1)
-    row scales when they scale the prior, else None; doc_rows: (B, rows) document starts or None; kmax: the
-    position of the first (reversed) key; buf: a reused buffer, or None under autograd."""
-    H, n = rtable.shape
-    keys = n - rows + 1
-    if r is None:  # a function of the distance alone: causality (d > 0) is -inf table entries
-        rtable = rtable.masked_fill(torch.arange(n, device=rtable.device) < rows - 1, float("-inf"))
-    view = rtable.as_strided((1, H, rows, keys), (H * n, n, 1, 1))
-    if r is None and doc_rows is None:
-        return view
-    shape = (doc_rows.shape[0] if doc_rows is not None else r.shape[0], H if r is None else r.shape[1], rows, keys)
-    m = buf[:math.prod(shape)].view(shape) if buf is not None else None
-    if r is None:
-        m = view.expand(shape).clone() if m is None else m.copy_(view.expand(shape))
-    else:  # causality: key j' is after query i' iff i' + j' < rows - 1, in the first rows - 1 columns
-        m = view.expand(shape) * r if m is None else torch.mul(view.expand(shape), r, out=m)
-        ij = torch.arange(rows, device=m.device)
-        m[..., :rows - 1].add_(_neg_inf_where(ij[:, None] + ij[None, :rows - 1] < rows - 1))
-    if doc_rows is not None and (c := int(kmax - doc_rows.max())) < keys - 1:  # keys before a document start
-        kpos = kmax - torch.arange(c + 1, keys, device=m.device)
-        m[..., c + 1:].add_(_neg_inf_where(kpos[None, None, :] < doc_rows[:, :, None])[:, None])
-    return m
-
-
-def attention_sdpa(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                   q_offset=None, softmax_scale=None, chunk_size=None):
-    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). Under autograd each
-    chunk's mask is a fresh tensor that the backward keeps (training memory O(T^2)); impl_error says that it
-    does not train a prior."""
-    prior = bind(prior)
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
-    dtype, (q, k, v) = q.dtype, (q.float(), k.float(), v.float())  # fp32 inside, like the reference
-    if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(dtype)
-    written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
-    grad = needs_grad(q, k, v, prior, row_scale)
-    buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
-    k_rev, v_rev = k.flip(2), v.flip(2)  # key j sits at Tk - 1 - j
-    outs = []
-    for a, b, lo in _query_chunks(Tq, doc_start, q_offset, chunk):  # keys before lo: invisible to the chunk
-        i0, i1 = q_offset + a, q_offset + b  # absolute positions of this chunk's queries: [i0, i1)
-        dmin, dmax = lo - (i1 - 1), i1 - i0 - 1
-        rtable = (prior.table(torch.arange(dmin, dmax + 1, device=q.device)).flip(1) if prior is not None
-                  else q.new_zeros(1, dmax - dmin + 1))
-        qc, r = q[:, :, a:b], None
-        if row_scale is not None:
-            r = row_scale[:, :, a:b, None].float()
-            qc = qc * r
-        mask = _hankel_mask(rtable, b - a, r if scale_prior and prior is not None else None,
-                            doc_start[:, i0:i1] if doc_start is not None else None, i1 - 1, buf)
-        outs.append(F.scaled_dot_product_attention(qc, k_rev[:, :, Tk - i1:Tk - lo], v_rev[:, :, Tk - i1:Tk - lo],
-                                                   attn_mask=mask, scale=softmax_scale))
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(dtype)
-
+from priors import BoundPrior
 
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernel: flash attention with any registered prior and SSMax applied per tile.
@@ -301,14 +57,19 @@ except ImportError:  # the reference path works without triton
     triton = None
 
 
-def _interpreting():
+def interpreting():
+    """Whether Triton's interpreter is on (TRITON_INTERPRET=1): the kernels then run, slowly, on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available():
+    return triton is not None  # the import is tried once, above (no import inside code that torch.compile traces)
 
 
 if triton is not None:
     # Triton's interpreter multiplies bfloat16 blocks as their raw uint16 storage; there (only) tl.dot gets its
     # bf16 operands upcast to fp32, which is exact, so the CPU tests still see bf16 rounding of P and dS.
-    _INTERPRET_BF16_UPCAST = tl.constexpr(_interpreting())
+    _INTERPRET_BF16_UPCAST = tl.constexpr(interpreting())
     _LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
@@ -701,7 +462,7 @@ INTERPRET_BLOCKS = (32, 32)
 def _configs(block_d, dtype):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels. Chosen so that the sm_90
     builds (ptxas, all prior/SSMax/document flags on) spill no or almost no registers; not tuned on hardware."""
-    if _interpreting():
+    if interpreting():
         bm, bn = INTERPRET_BLOCKS
         return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
     if dtype == torch.float32:  # ieee dots run on FMA units: the exact path for gradient checks, not for speed
@@ -914,36 +675,18 @@ def _fwd_backward(ctx, do, _dlse):
 _triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def attention_triton(q, k, v, *, doc_start=None, prior=None, row_scale=None, scale_prior=False,
-                     q_offset=None, softmax_scale=None):
-    """The Triton implementation of attention() (same contract, see the module docstring), for every registered
-    prior. Needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported (then it runs, slowly,
-    on CPU tensors)."""
-    prior = bind(prior)
-    if triton is None:
-        raise RuntimeError("impl='triton' needs the triton package")
-    if not q.is_cuda and not _interpreting():
-        raise RuntimeError("the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 before importing triton)")
-    B, H, Tq, D = q.shape
+def attention_triton(q, k, v, *, doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale):
+    """The Triton implementation of attention() (attention.py), for every registered prior. Takes the
+    arguments as attention() passes them, checked and resolved (prior a BoundPrior or None, q_offset an int,
+    softmax_scale a float). Needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported
+    (then it runs, slowly, on CPU tensors)."""
+    H, Tq, D = q.shape[1:]
     Tk = k.shape[2]
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"attention_triton: unsupported dtype {q.dtype}")
-    if k.shape != (B, H, Tk, D) or v.shape != k.shape:
-        raise ValueError(f"attention_triton: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    if D > 256:
-        raise ValueError(f"attention_triton: head_dim {D} > 256 is not supported")
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    if not 0 <= q_offset <= Tk - Tq:
-        raise ValueError(f"attention_triton: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})")
     if Tq == 0:
         return q * 0.0  # nothing to attend from (still connected to autograd)
     # unit stride along head_dim keeps the loads vectorised; other strides are passed as they are
+    k, v = k.to(q.dtype), v.to(q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if doc_start is not None and doc_start.shape[-1] != Tk:
-        raise ValueError(f"attention_triton: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}")
-    if row_scale is not None and row_scale.shape[-1] != Tq:
-        raise ValueError(f"attention_triton: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
     tables = (None, None, None, 0) if prior is None else _prior_tables(
         prior, H, Tq, Tk, q_offset, _configs(_block_d(D), q.dtype), q.device)
     return _triton_fwd(q, k, v, doc_start, *tables[:3], row_scale, bool(scale_prior), q_offset, softmax_scale,

@@ -1,9 +1,11 @@
 """
-nanoGPT-style configuration: `configure(defaults, argv)` applies, in order, config files (a path: Python, executed;
-every name it assigns must be a setting) and --key=value arguments (parsed by ast.literal_eval, else a string:
-nothing typed on the command line is executed), e.g. `python train.py config/bam_120m.py --batch_size=32`. Each
-value must have its default's type (an int passes for a float; a None default takes anything).
+nanoGPT-style configuration: `configure(defaults, argv)` applies, in order, config files (a path:
+Python, executed; every name it assigns must be a setting) and --key=value arguments (parsed by
+ast.literal_eval, else a string: nothing typed on the command line is executed), e.g.
+`python train.py config/bam_120m.py --batch_size=32`. Each value must have its default's type (an
+int passes for a float; a None default takes anything).
 """
+
 import ast
 import difflib
 import sys
@@ -14,47 +16,72 @@ class ConfigError(ValueError):
 
 
 def _check(key, value, defaults, source):
+    """The value of a setting, checked against its default's type (an int becomes a float)."""
     if key not in defaults:
         close = ", ".join(difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5))
-        raise ConfigError(f"unknown config key {key!r} ({source})." + (f" Did you mean {close}?" if close else ""))
-    if (default := defaults[key]) is None or value is None:
+        hint = f" Did you mean {close}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r} ({source}).{hint}")
+
+    default = defaults[key]
+    if default is None or value is None:
         return value
-    if isinstance(value, bool) != isinstance(default, bool) or not isinstance(
-            value, (int, float) if isinstance(default, float) else type(default)):
-        raise ConfigError(f"config key {key!r} ({source}) expects {type(default).__name__} like its default "
-                          f"{default!r}, got {type(value).__name__} {value!r}")
+
+    expected = (int, float) if isinstance(default, float) else type(default)
+    # bool is an int to isinstance: True must not pass for a number, nor 1 for a flag
+    if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, expected):
+        raise ConfigError(
+            f"config key {key!r} ({source}) expects {type(default).__name__} like its default "
+            f"{default!r}, got {type(value).__name__} {value!r}"
+        )
     return float(value) if isinstance(default, float) else value
 
 
 def _run_file(path):
     """The settings a config file assigns; one that cannot be read or run is a ConfigError."""
+    namespace = {}
     try:
         with open(path) as f:
-            exec(compile(f.read(), path, "exec"), namespace := {})
+            source = f.read()
+        exec(compile(source, path, "exec"), namespace)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     except SyntaxError as e:
         raise ConfigError(f"config file {path!r}, line {e.lineno}: {e.msg}") from None
     except Exception as e:  # the file ran, and failed
         raise ConfigError(f"config file {path!r} failed: {type(e).__name__}: {e}") from None
-    return {k: v for k, v in namespace.items() if not (k.startswith("_") or callable(v) or isinstance(v, type(sys)))}
+
+    # what it imported or defined along the way is not a setting
+    return {
+        k: v
+        for k, v in namespace.items()
+        if not (k.startswith("_") or callable(v) or isinstance(v, type(sys)))
+    }
+
+
+def _parse_value(raw, default):
+    """The value of a --key=value argument: a Python literal, else the text as typed."""
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw  # a bare string such as --pos_encoding=rope
+    if isinstance(default, str) and not isinstance(value, str):
+        return raw  # a string setting keeps what was typed: --bam_init=0.5,-1 stays "0.5,-1"
+    return value
 
 
 def configure(defaults, argv=None):
-    """A copy of `defaults` updated by config files and --key=value arguments (see the module docstring)."""
+    """A copy of `defaults` updated by config files and --key=value arguments (see the module
+    docstring)."""
     config = dict(defaults)
     for arg in sys.argv[1:] if argv is None else argv:
         if not arg.startswith("--"):  # a config file
-            config.update((k, _check(k, v, defaults, f"in {arg}")) for k, v in _run_file(arg).items())
+            for key, value in _run_file(arg).items():
+                config[key] = _check(key, value, defaults, f"in {arg}")
             continue
+
         key, eq, raw = arg[2:].partition("=")
         if not eq:
             raise ConfigError(f"argument {arg!r} must look like --key=value")
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = raw  # a bare string such as --pos_encoding=rope
-        if isinstance(defaults.get(key), str) and not isinstance(value, str):
-            value = raw  # a string setting keeps what was typed: --bam_init=0.5,-1 stays "0.5,-1"
+        value = _parse_value(raw, defaults.get(key))
         config[key] = _check(key, value, defaults, f"from {arg}")
     return config

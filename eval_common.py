@@ -1,8 +1,9 @@
 """
-What every evaluation (eval_passkey.py, eval_ruler.py, eval_ppl.py, inspect_attention.py) shares: command-line
-options, device and precision, loading checkpoints with their tokenizer, a memory check before long contexts,
-resumable per-sample JSONL, summary JSON/CSV, and the figures.
+What every evaluation (eval_passkey.py, eval_ruler.py, eval_ppl.py, inspect_attention.py) shares:
+command-line options, device and precision, loading checkpoints with their tokenizer, a memory check
+before long contexts, resumable per-sample JSONL, summary JSON/CSV, and the figures.
 """
+
 import csv
 import ctypes
 import hashlib
@@ -15,9 +16,10 @@ import sys
 
 import torch
 
-from attention_kernel import IMPLS, impl_error
+from attention import IMPLS, impl_error
+from checkpoint import CheckpointError, load_model
 from data import DataError, get_tokenizer
-from model import CheckpointError, load_model
+from hardware import resolve_device
 
 
 class EvalError(ValueError):
@@ -29,45 +31,68 @@ EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError)
 
 
 def run_script(main, script):
-    """An evaluation's entry point: an expected failure ends in one line and exit status 1, no traceback."""
+    """An evaluation's entry point: an expected failure ends in one line and exit status 1, no
+    traceback."""
     try:
         main()
     except EXPECTED_ERRORS as e:
         sys.exit(f"{script}: error: {e}")
 
 
-# ---- options ---------------------------------------------------------------------------------------------
+# ---- options -------------------------------------------------------------------------------------
 def add_common_args(parser, default_out):
-    parser.add_argument("--ckpt", action="append", required=True,
-                        help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast precision; auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attn_impl", default="auto", choices=list(IMPLS), help="attention_kernel.py's impl")
+    parser.add_argument(
+        "--ckpt",
+        action="append",
+        required=True,
+        help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="autocast precision; auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    parser.add_argument(
+        "--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl"
+    )
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files")
-    parser.add_argument("--memory_fraction", type=float, default=0.9,
-                        help="skip lengths whose estimated peak exceeds this fraction of free memory")
+    parser.add_argument(
+        "--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files"
+    )
+    parser.add_argument(
+        "--memory_fraction",
+        type=float,
+        default=0.9,
+        help="skip lengths whose estimated peak exceeds this fraction of free memory",
+    )
     return parser
 
 
 def pick_device(name="auto"):
-    """The device of --device. On the CPU (glibc) every allocation of >= 1 MiB gets its own mmap from now on, given
-    back to the OS when freed: else multi-MiB tensors fragment the heap and stay resident (an l6 forward at 32K
-    tokens: > 7 GiB RSS instead of ~2 GiB)."""
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise EvalError(f"--device {name} was asked for, but torch finds no CUDA GPU; use --device cpu")
-    device = name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.device(device).type == "cpu":
+    """The device of --device (hardware.resolve_device), as a string. On the CPU (glibc) every
+    allocation of >= 1 MiB gets its own mmap from now on, given back to the OS when freed: else
+    multi-MiB tensors fragment the heap and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS
+    instead of ~2 GiB)."""
+    try:
+        device = resolve_device(name)
+    except ValueError as e:
+        raise EvalError(f"--device {name} {e}; use --device cpu") from None
+
+    if device.type == "cpu":
         try:
             ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 = M_MMAP_THRESHOLD, fixed
         except (OSError, AttributeError):  # not glibc (macOS, musl)
             pass
-    return device
+    return str(device)
 
 
 def resolve_dtype(device, dtype="auto"):
-    """The precision of --dtype on this device: auto = bfloat16 on CUDA, float32 on CPU (model.autocast takes it)."""
+    """The precision of --dtype on this device: auto = bfloat16 on CUDA, float32 on CPU
+    (hardware.autocast takes it)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
@@ -77,40 +102,61 @@ def model_device(model):  # CPU for a model without parameters
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-# ---- checkpoints -----------------------------------------------------------------------------------------
+# ---- checkpoints -------------------------------------------------------------------------------
 def run_label(path):
     """A short name for a checkpoint in tables and legends: the run directory's name."""
     path = os.path.normpath(path)
-    return os.path.basename(os.path.dirname(path)) if os.path.isfile(path) else os.path.basename(path)
+    if os.path.isfile(path):
+        return os.path.basename(os.path.dirname(path))
+    return os.path.basename(path)
 
 
 def checkpoint_digest(ckpt):
-    """sha256 (16 hex digits) of a checkpoint's model settings and weights, what decides an evaluation's numbers."""
-    h = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
+    """sha256 (16 hex digits) of a checkpoint's model settings and weights, what decides an
+    evaluation's numbers (not the file: a copy with other metadata has the same digest)."""
+    digest = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
     for name in sorted(ckpt["model"]):
-        t = ckpt["model"][name].detach().cpu().contiguous().reshape(-1)
-        h.update(f"{name}:{t.dtype}:{tuple(ckpt['model'][name].shape)}".encode())
-        h.update(t.view(torch.uint8).numpy())
-    return h.hexdigest()[:16]
+        tensor = ckpt["model"][name]
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
+def load_run(path, device, attn_impl="auto"):
+    """One checkpoint as a run: a dict of label, model, ckpt_path (absolute), ckpt_step,
+    ckpt_sha256, block_size, tokenizer, data_dir (or None)."""
+    model, ckpt = load_model(path, device, attn_impl=attn_impl)
+    impl = model.config.attn_impl
+    why = impl_error(impl, model.config.prior_def, device, grad=False)
+    if why:
+        raise EvalError(f"{path}: --attn_impl {impl}: {why}")
+
+    return dict(
+        label=run_label(path),
+        model=model,
+        ckpt_path=os.path.abspath(ckpt["path"]),
+        ckpt_step=ckpt.get("step"),
+        ckpt_sha256=checkpoint_digest(ckpt),
+        block_size=model.config.block_size,
+        tokenizer=model.config.tokenizer,
+        data_dir=ckpt.get("config", {}).get("data_dir"),
+    )
 
 
 def load_runs(paths, device, attn_impl="auto"):
-    """(runs, tokenizer): every checkpoint, all with one tokenizer so that they see identical prompts. A run is a
-    dict: label, model, ckpt_path (absolute), ckpt_step, ckpt_sha256, block_size, tokenizer, data_dir (or None)."""
-    runs = []
-    for p in paths:
-        model, ckpt = load_model(p, device, attn_impl=attn_impl)
-        why = impl_error(model.config.attn_impl, model.blocks[0].attn.prior_def, device, grad=False)
-        if why:
-            raise EvalError(f"{p}: --attn_impl {model.config.attn_impl}: {why}")
-        runs.append(dict(label=run_label(p), model=model, ckpt_path=os.path.abspath(ckpt["path"]),
-                         ckpt_step=ckpt.get("step"), ckpt_sha256=checkpoint_digest(ckpt),
-                         block_size=model.config.block_size, tokenizer=model.config.tokenizer,
-                         data_dir=ckpt.get("config", {}).get("data_dir")))
+    """(runs, tokenizer): every checkpoint as a run (load_run), all with one tokenizer so that they
+    see identical prompts."""
+    runs = [load_run(path, device, attn_impl) for path in paths]
+
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
-        raise EvalError("the checkpoints were trained with different tokenizers "
-                        f"({', '.join(r['label'] + ': ' + r['tokenizer'] for r in runs)}); compare them separately")
+        per_run = ", ".join(f"{r['label']}: {r['tokenizer']}" for r in runs)
+        raise EvalError(
+            f"the checkpoints were trained with different tokenizers ({per_run}); "
+            "compare them separately"
+        )
+
     labels = [r["label"] for r in runs]
     for i, r in enumerate(runs):  # two run directories with the same name: disambiguate by index
         if labels.count(r["label"]) > 1:
@@ -119,46 +165,62 @@ def load_runs(paths, device, attn_impl="auto"):
 
 
 def training_data_dir(runs, data_dir=None):
-    """data_dir if given, else the training data directory that the checkpoints record (they must agree)."""
+    """data_dir if given, else the training data directory that the checkpoints record (they must
+    agree)."""
     if data_dir:
         return data_dir
+
     recorded = sorted({r["data_dir"] for r in runs if r.get("data_dir")})
     if not recorded:
         raise EvalError("the checkpoints record no training data directory; pass --data_dir")
     if len(recorded) > 1:
-        raise EvalError(f"the checkpoints were trained on different data ({', '.join(recorded)}); pass --data_dir")
+        raise EvalError(
+            f"the checkpoints were trained on different data ({', '.join(recorded)}); "
+            "pass --data_dir"
+        )
     if not os.path.isdir(recorded[0]):
-        raise EvalError(f"the checkpoints were trained on {recorded[0]!r}, which does not exist from here "
-                        f"({os.getcwd()}); pass --data_dir")
+        raise EvalError(
+            f"the checkpoints were trained on {recorded[0]!r}, which does not exist from here "
+            f"({os.getcwd()}); pass --data_dir"
+        )
     return recorded[0]
 
 
-def identity(run):
-    """The fields that tie a result record to the checkpoint that produced it (not only to its path)."""
+def checkpoint_fields(run):
+    """The fields that tie a result record to the checkpoint that produced it (not only to its
+    path)."""
     return dict(ckpt=run["ckpt_path"], ckpt_step=run["ckpt_step"], ckpt_sha256=run["ckpt_sha256"])
 
 
-# ---- memory ----------------------------------------------------------------------------------------------
+# ---- memory ------------------------------------------------------------------------------------
 def free_memory_bytes(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]
+
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
 def memory_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False, extra_bytes=0):
-    """Why a no-grad forward over `length` tokens would not fit in `fraction` of the free memory, or None. Its
-    estimated peak: one block's fp32 activations, the reference's score chunk (<= 256 MiB by construction), the
-    weights, every layer's K/V with a KV cache, and extra_bytes."""
+    """Why a no-grad forward over `length` tokens would not fit in `fraction` of the free memory, or
+    None. Its estimated peak: one block's fp32 activations, the reference's score chunk (<= 256 MiB
+    by construction), the weights, every layer's K/V with a KV cache, and extra_bytes."""
     cfg = model.config
-    per_token = 4 * cfg.n_embd * (2 + 4 + 3 * 2)  # residual + norm out, q/k/v/y, SwiGLU (w1, w3, product) at 2D
+    # fp32 per token: residual + norm out, q/k/v/y, SwiGLU (w1, w3, product) at 2D
+    per_token = 4 * cfg.n_embd * (2 + 4 + 3 * 2)
+    activations = per_token * length * batch
+    score_chunk = 256 * 2**20
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cache = 2 * cfg.n_layer * cfg.n_embd * 4 * length * batch if kv_cache else 0
-    need = int(per_token * length * batch + 256 * 2**20 + weights + cache) + extra_bytes
+    peak = int(activations + score_chunk + weights + cache) + extra_bytes
+
     free = free_memory_bytes(device)
-    if need > fraction * free:
-        return f"needs ~{fmt_bytes(need)}, more than {fraction:.0%} of the {fmt_bytes(free)} free on {device}"
+    if peak > fraction * free:
+        return (
+            f"needs ~{fmt_bytes(peak)}, more than {fraction:.0%} of the {fmt_bytes(free)} free "
+            f"on {device}"
+        )
 
 
 def reset_peak_memory(device):  # CUDA only: the CPU's peak RSS cannot be reset
@@ -167,35 +229,55 @@ def reset_peak_memory(device):  # CUDA only: the CPU's peak RSS cannot be reset
 
 
 def peak_memory_bytes(device):
-    """CUDA: the allocator's peak since reset_peak_memory. CPU: the process's peak resident set size so far."""
+    """CUDA: the allocator's peak since reset_peak_memory. CPU: the process's peak resident set size
+    so far."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(torch.device(device))
+
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-# ---- results ---------------------------------------------------------------------------------------------
-class ResultLog:
-    """Append-only per-sample JSONL; reopening it resumes (`done`: the keys already written; see drop_stale)."""
+# ---- results -----------------------------------------------------------------------------------
+def read_whole_lines(path):
+    """The lines of a JSONL file up to the first damaged one (cut by an interruption, or not JSON),
+    and how many lines the file holds."""
+    if not os.path.exists(path):
+        return [], 0
 
-    def __init__(self, path, key_fields, runs=()):
-        self.path, self.key_fields = path, key_fields
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.records, lines, good = [], [], 0
-        if os.path.exists(path):
-            with open(path) as f:
-                lines = f.readlines()
-        for line in lines:
-            if not line.endswith("\n"):
-                break  # a line cut by an interruption: it and everything after it are redone
+    with open(path) as f:
+        lines = f.readlines()
+    whole = []
+    for line in lines:
+        if not line.endswith("\n"):
+            break
+        if line.strip():
             try:
-                self.records += [json.loads(line)] if line.strip() else []
+                json.loads(line)
             except json.JSONDecodeError:
                 break
-            good += 1
-        if good < len(lines):  # drop the damaged tail, else new records would be appended behind it and lost
-            self._rewrite(lines[:good])
+        whole.append(line)
+    return whole, len(lines)
+
+
+class ResultLog:
+    """Append-only per-sample JSONL; reopening it resumes (`done`: the keys already written; see
+    drop_stale)."""
+
+    def __init__(self, path, key_fields, runs=()):
+        self.path = path
+        self.key_fields = key_fields
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+        # a damaged line and everything after it are redone; the tail is dropped first, else new
+        # records would be appended behind it and lost
+        lines, n_lines = read_whole_lines(path)
+        if len(lines) < n_lines:
+            self._rewrite(lines)
+        self.records = [json.loads(line) for line in lines if line.strip()]
         self.done = {self.key(r) for r in self.records}
+
         if runs:
             self.drop_stale(runs)
 
@@ -206,18 +288,29 @@ class ResultLog:
         os.replace(tmp, self.path)
 
     def drop_stale(self, runs):
-        """Remove (with a note) the records of a path that now holds another checkpoint: it is evaluated again."""
-        now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
-        stale = [r for r in self.records if now.get(r.get("ckpt"), r.get("ckpt_sha256")) != r.get("ckpt_sha256")]
+        """Remove (with a note) the records of a path that now holds another checkpoint: it is
+        evaluated again."""
+        digest_now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
+
+        def is_current(record):  # the records of a path not evaluated now are kept
+            recorded = record.get("ckpt_sha256")
+            return digest_now.get(record.get("ckpt"), recorded) == recorded
+
+        stale = [r for r in self.records if not is_current(r)]
         if not stale:
             return
-        self.records = [r for r in self.records if now.get(r.get("ckpt"), r.get("ckpt_sha256")) == r.get("ckpt_sha256")]
+
+        self.records = [r for r in self.records if is_current(r)]
         self._rewrite([json.dumps(r) + "\n" for r in self.records])
         self.done = {self.key(r) for r in self.records}
         for path in dict.fromkeys(r["ckpt"] for r in stale):
-            print(f"note: {path} changed since {self.path} was written (sha256 now {now[path]}): its "
-                  f"{sum(r['ckpt'] == path for r in stale)} old results are dropped and it is evaluated again",
-                  file=sys.stderr)
+            n_old = sum(r["ckpt"] == path for r in stale)
+            print(
+                f"note: {path} changed since {self.path} was written (sha256 now "
+                f"{digest_now[path]}): its {n_old} old results are dropped and it is evaluated "
+                "again",
+                file=sys.stderr,
+            )
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)
@@ -230,30 +323,45 @@ class ResultLog:
 
 
 def write_table(rows, path_prefix):
-    """Write a list of flat dicts as <prefix>.json and <prefix>.csv (a list in a CSV cell is written as JSON)."""
+    """Write a list of flat dicts as <prefix>.json and <prefix>.csv (a list in a CSV cell is written
+    as JSON)."""
     os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
     with open(path_prefix + ".json", "w") as f:
         json.dump(rows, f, indent=1)
-    if rows:
-        fieldnames = list(dict.fromkeys(k for r in rows for k in r))
-        with open(path_prefix + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fieldnames)
-            w.writeheader()
-            w.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
+    if not rows:
+        return
+
+    fieldnames = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path_prefix + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()})
 
 
 def check_settings(jsonl_path, settings):
-    """Refuse to resume a JSONL made with other settings (kept in <jsonl>.settings.json), else (re)write them."""
+    """Refuse to resume a JSONL made with other settings (kept in <jsonl>.settings.json), else
+    (re)write them."""
     side = jsonl_path + ".settings.json"
-    settings = json.loads(json.dumps(settings))  # normalise (tuples -> lists) so that the comparison is exact
+    settings = json.loads(json.dumps(settings))  # tuples -> lists, so that the comparison is exact
+
     if os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0:
-        old = json.load(open(side)) if os.path.exists(side) else {}
-        diff = [f"{k}: {old.get(k, '<absent>')!r} (stored) vs {settings.get(k, '<absent>')!r} (now)"
-                for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
+        stored = {}
+        if os.path.exists(side):
+            with open(side) as f:
+                stored = json.load(f)
+        diff = [
+            f"{k}: {stored.get(k, '<absent>')!r} (stored) vs {settings.get(k, '<absent>')!r} (now)"
+            for k in sorted(set(stored) | set(settings))
+            if stored.get(k) != settings.get(k)
+        ]
         if diff:
-            raise EvalError(f"{jsonl_path} was made with other settings ({'; '.join(diff)}), so resuming would mix "
-                            "results; use another --out, or delete the file to start over")
+            raise EvalError(
+                f"{jsonl_path} was made with other settings ({'; '.join(diff)}), so resuming would "
+                "mix results; use another --out, or delete the file to start over"
+            )
         return
+
     os.makedirs(os.path.dirname(os.path.abspath(side)), exist_ok=True)
     with open(side, "w") as f:
         json.dump(settings, f, indent=1)
@@ -266,21 +374,26 @@ def markdown_table(header, rows):
     return "\n".join(lines)
 
 
-# ---- figures ---------------------------------------------------------------------------------------------
+# ---- figures -----------------------------------------------------------------------------------
 def _plt():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
-SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")  # run names <variant>-s<seed>[ ...]
+SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")  # <variant>-s<seed>[ ...]
 
 
 def seed_split(name):
-    """(variant, seed) of a run name <variant>-s<seed>[ rest] (the demo's runs: bam_ssmax-s3); (name, None) else."""
-    m = SEEDED_NAME.match(name)
-    return (m["variant"] + m["rest"], int(m["seed"])) if m else (name, None)
+    """(variant, seed) of a run name <variant>-s<seed>[ rest] (the demo's runs: bam_ssmax-s3);
+    (name, None) for other names."""
+    match = SEEDED_NAME.match(name)
+    if not match:
+        return name, None
+    return match["variant"] + match["rest"], int(match["seed"])
 
 
 def multiple_of(length, train_length):
@@ -331,29 +444,45 @@ LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 
 
 
 def curve_styles(names):
-    """{name: matplotlib style}: one colour per variant, one line style and marker per seed (seed_split)."""
+    """{name: matplotlib style}: one colour per variant, one line style and marker per seed
+    (seed_split)."""
     keys = {name: seed_split(name) for name in names}
     variants = list(dict.fromkeys(v for v, _ in keys.values()))
     seeds = sorted({s for _, s in keys.values() if s is not None})
     cmap = _plt().get_cmap("tab10" if len(variants) <= 10 else "tab20")
+
     styles = {}
     for name, (variant, seed) in keys.items():
-        line, marker = LINE_STYLES[seeds.index(seed) % len(LINE_STYLES)] if seed is not None else ("-", "o")
-        styles[name] = dict(color=cmap(variants.index(variant) % cmap.N), linestyle=line, marker=marker)
+        line, marker = ("-", "o")
+        if seed is not None:
+            line, marker = LINE_STYLES[seeds.index(seed) % len(LINE_STYLES)]
+        color = cmap(variants.index(variant) % cmap.N)
+        styles[name] = dict(color=color, linestyle=line, marker=marker)
     return styles
 
 
 def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, ylim=None):
-    """One line per name of series = {name: (xs, ys)}, x on a log axis, each training length marked."""
+    """One line per name of series = {name: (xs, ys)}, x on a log axis, each training length
+    marked."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     styles = curve_styles(series)
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, label=name, markersize=4, **styles[name])
+
     for t in sorted(set(train_lengths)):
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
-        ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), rotation=90,
-                    va="top", ha="right", fontsize=8, color="gray")
+        ax.annotate(
+            f"train length {t}",
+            (t, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color="gray",
+        )
+
     ax.set(yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
@@ -364,14 +493,19 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
 
 
 def plot_heatmap(matrix, row_labels, col_labels, path, title, xlabel, ylabel, train_col=None):
-    """A red-yellow-green 0..1 heatmap (rows: e.g. depths, cols: e.g. lengths); train_col marks a column."""
+    """A red-yellow-green 0..1 heatmap (rows: e.g. depths, cols: e.g. lengths); train_col marks a
+    column."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(col_labels), 1.2 + 0.35 * len(row_labels)))
+    figsize = (1.2 + 0.6 * len(col_labels), 1.2 + 0.35 * len(row_labels))
+    fig, ax = plt.subplots(figsize=figsize)
     im = ax.imshow(matrix, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
-    ax.set_xticks(range(len(col_labels)), [str(c) for c in col_labels], rotation=45, ha="right", fontsize=8)
+
+    col_names = [str(c) for c in col_labels]
+    ax.set_xticks(range(len(col_labels)), col_names, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(len(row_labels)), [str(r) for r in row_labels], fontsize=8)
     if train_col is not None:
         ax.axvline(train_col, color="black", linestyle="--", linewidth=1.5)
+
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)

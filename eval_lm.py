@@ -35,7 +35,7 @@ from tqdm import tqdm
 from data import get_tokenizer
 from eval_common import (
     EvalError,
-    identity,
+    checkpoint_fields,
     load_runs,
     markdown_table,
     model_device,
@@ -44,7 +44,7 @@ from eval_common import (
     run_script,
     write_table,
 )
-from model import autocast
+from hardware import autocast
 
 MAX_GEN_TOKS = (
     256  # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
@@ -321,7 +321,7 @@ def summary_rows(run, results, max_length):
             rows.append(
                 dict(
                     label=run["label"],
-                    **identity(run),
+                    **checkpoint_fields(run),
                     task=task,
                     metric=metric,
                     filter=filt,
@@ -386,7 +386,7 @@ def main(argv=None):
             task_manager=tm,
             log_samples=False,
         )
-        results["bam_gpt"] = dict(label=run["label"], **identity(run))
+        results["bam_gpt"] = dict(label=run["label"], **checkpoint_fields(run))
         write_json(results, os.path.join(args.out, f"{run['label']}.json"))
         rows += summary_rows(run, results, lm.max_length)
     prefix = os.path.join(args.out, "lm_eval_summary")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import eval_common as ec
 import passkey
-from model import autocast
+from hardware import autocast
 
 # the authors' public evaluate.py
 PAPER_LENGTHS = [int(x) for x in np.linspace(0, 32768, 10)][1:]
@@ -190,7 +190,7 @@ def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
         log.add(
             dict(
                 label=run["label"],
-                **ec.identity(run),
+                **ec.checkpoint_fields(run),
                 target_length=length,
                 sample=i,
                 length=info["length"],
@@ -537,7 +537,7 @@ def write_outputs(args, summary, by_depth, runs, meta, device, t_start):
     run_rows = [
         dict(
             label=run["label"],
-            **ec.identity(run),
+            **ec.checkpoint_fields(run),
             train_length=run["block_size"],
             pos_encoding=run["model"].config.pos_encoding,
             ssmax=run["model"].config.ssmax,

@@ -27,7 +27,7 @@ from eval_common import (
     EvalError,
     ResultLog,
     add_common_args,
-    identity,
+    checkpoint_fields,
     load_runs,
     markdown_table,
     memory_shortfall,
@@ -42,7 +42,7 @@ from eval_common import (
     training_data_dir,
     write_table,
 )
-from model import autocast
+from hardware import autocast
 
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
 
@@ -179,7 +179,7 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
     name = run["label"]
     base = dict(
         label=name,
-        **identity(run),
+        **checkpoint_fields(run),
         window=args.window,
         data=data_desc,
         seq_len=args.seq_len,
@@ -193,7 +193,13 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         print(f"{name}: {message}")
         return [dict(base, scope="skipped", note=message)]
 
-    key = dict(identity(run), data=data_desc, seq_len=args.seq_len, window=args.window, dtype=dtype)
+    key = dict(
+        checkpoint_fields(run),
+        data=data_desc,
+        seq_len=args.seq_len,
+        window=args.window,
+        dtype=dtype,
+    )
     by_key = {log.key(r): r for r in log.records}
     records = []
     resumed = 0

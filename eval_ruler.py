@@ -47,7 +47,7 @@ from eval_common import (
     training_data_dir,
     write_table,
 )
-from model import autocast
+from hardware import autocast
 
 # RULER's strings (scripts/data/synthetic/constants.py and niah.py), verbatim
 TEMPLATE = (

@@ -27,8 +27,8 @@ from tqdm import tqdm
 import eval_common as ec
 import eval_passkey as ep
 import passkey
-from attention_kernel import attention_probs
-from model import autocast
+from attention import attention_probs
+from hardware import autocast
 from priors import get_prior
 
 READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens

@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import torch
 
+from checkpoint import load_model
 from eval_common import _plt, run_script
-from model import load_model
 
 
 def distances(max_distance, per_octave=8):
@@ -37,7 +37,7 @@ def prior_tables(model, dist):
     offsets = -torch.tensor([0] + list(dist), dtype=torch.float64)  # d = j - i <= 0
     layers = []
     for i, block in enumerate(model.blocks):
-        bound = block.attn.prior()
+        bound = block.attn.bound_prior()
         if bound is None:
             continue
 

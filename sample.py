@@ -16,9 +16,10 @@ import argparse
 
 import torch
 
+from checkpoint import load_model
 from data import get_tokenizer
 from eval_common import pick_device, resolve_dtype, run_script
-from model import autocast, load_model
+from hardware import autocast
 
 SEPARATOR = "---------------"
 

@@ -1,16 +1,18 @@
 """
 Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or many.
 
-    python train.py config/bam_120m.py                                       # one device (GPU, or CPU)
-    torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py     # one node, 8 GPUs (--nnodes=...)
-    ... --resume=True                                                        # continue a run where it stopped
+    python train.py config/bam_120m.py                                    # one device
+    torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py  # one node, 8 GPUs
+    ... --resume=True                                                     # continue a run
 
-Settings are the variables below (the paper's recipe), overridden by a config file and --key=value arguments
-(configurator.py). out_dir/ holds config.json (the resolved settings), env.json (versions, GPUs, git commit and
-command line of every launch), metrics.jsonl (a record per logged step: train_loss, lr, grad_norm, tokens_per_s,
-ms_per_step, mfu on CUDA; val_loss and the learned prior at evaluations) and ckpt_{step:07d}.pt. "Step N" is
-"after N optimizer updates": ckpt_0000100.pt and the record of step 100 hold the model after update 100.
+Settings are the variables below (the paper's recipe) and the model's (model.GPTConfig),
+overridden by a config file and --key=value arguments (configurator.py). out_dir/ holds config.json
+(the resolved settings), env.json (versions, GPUs, git commit and command line of every launch),
+metrics.jsonl (a record per logged step: train_loss, lr, grad_norm, tokens_per_s, ms_per_step, mfu
+on CUDA; val_loss and the learned prior at evaluations) and ckpt_{step:07d}.pt. "Step N" is "after
+N optimizer updates": ckpt_0000100.pt and the record of step 100 hold the model after update 100.
 """
+
 import importlib.util
 import json
 import math
@@ -22,200 +24,269 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from attention_kernel import impl_error
+from attention import impl_error
+from checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    checkpoints,
+    load_checkpoint,
+    load_state,
+    save_checkpoint,
+)
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
-from model import (GPT, MODEL_SIZES, CheckpointError, GPTConfig, autocast, checkpoint_name,
-                   checkpoints, load_checkpoint, load_state, peak_flops, save_checkpoint)
-from priors import PRIORS
+from hardware import autocast, peak_flops, resolve_device
+from model import GPT, MODEL_SIZES, GPTConfig
 
-# ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py only names the run) --
+# ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py names it)
 # I/O
-out_dir = "out"                  # run directory (see the module docstring)
-data_dir = "data/fineweb_mistral"  # token shards written by prepare_fineweb.py / prepare_demo.py
-resume = False                   # continue from the newest checkpoint in out_dir: model, optimizer, step, RNG
-eval_interval = 250              # validation loss every this many steps (also at step 0 and at the end)
-eval_iters = 159                 # val batches per evaluation (at most what the split holds): 99.4% of FineWeb's val
-log_interval = 10                # a progress line and a metrics.jsonl record every this many steps
-ckpt_interval = 1000             # a checkpoint every this many steps (and at the end)
-keep_last = 2                    # checkpoints kept in out_dir; older ones are deleted (0 = keep all)
-wandb_log = False                # also send the metrics records to Weights & Biases (pip install wandb)
+out_dir = "out"  # run directory (see the module docstring)
+data_dir = "data/fineweb_mistral"  # token shards of prepare_fineweb.py / prepare_demo.py
+resume = False  # continue from the newest checkpoint in out_dir: model, optimizer, step, RNG
+eval_interval = 250  # validation loss every this many steps (also at step 0 and at the end)
+eval_iters = 159  # val batches per evaluation (at most what the split holds): 99.4% of FineWeb's
+log_interval = 10  # a progress line and a metrics.jsonl record every this many steps
+ckpt_interval = 1000  # a checkpoint every this many steps (and at the end)
+keep_last = 2  # checkpoints kept in out_dir; older ones are deleted (0 = keep all)
+wandb_log = False  # also send the metrics records to Weights & Biases (pip install wandb)
 wandb_project = "bam-gpt"
-wandb_run_name = ""              # "" = the name of out_dir
-# data: 589,824 tokens per step = 1152 sequences x 512 (batch_size x gradient accumulation x processes)
-batch_size = 48                  # sequences per micro-batch per process (48 x 512 fits an 80 GB GPU)
-gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (each process does this / world size)
-tokens_per_step = 589824         # > 0 overrides the above: accumulation = this / (batch_size * block_size * world size)
-allow_data_repeat = False        # let the run read its training data more than once (else it refuses to start)
-# model (model.GPTConfig; vocab_size and tokenizer come from the data)
-model_size = ""                  # "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES): sets n_layer, n_head, n_embd
-n_layer = 12
-n_head = 16
-n_embd = 768
-block_size = 512                 # the training context
-pos_encoding = "bam"             # nope | sinusoidal | rope | alibi | bam
-ssmax = True                     # Scalable-Softmax: each query row's logits times s_h * log(n_i)
-ssmax_init = 1.0                 # s starts here (the authors' seq_scale)
-ssmax_prior = True               # bam + ssmax: (q.k/sqrt(d) + B) * s log n, the prior scaled too (the authors' default)
-prior = "ggd"                    # bam's learned prior, a name registered in priors.py (ggd | cauchy | yours)
-bam_init = "zero"                # its init (priors.py); ggd: zero (starts as NoPE) | alibi | linear | "A,B"
-train_mu = False                 # ggd: train theta_mu too (the paper keeps mu = 0)
-attn_impl = "auto"               # auto | torch | sdpa | triton (attention_kernel.py)
-rope_theta = 500000.0
-norm_eps = 1e-5
-# optimizer: RAdam with decoupled weight decay on >= 2-D weights; one schedule scales every group's own lr
-learning_rate = 1e-3             # peak learning rate
-min_lr = 1e-4                    # the cosine ends here at max_iters
-max_iters = 20000                # optimizer steps in the run (~11.8B tokens, about one epoch of FineWeb-10B)
-warmup_iters = 0                 # linear warmup steps (the paper relies on RAdam's rectification instead)
+wandb_run_name = ""  # "" = the name of out_dir
+
+# data: 589,824 tokens per step = 1152 sequences x 512 (batch_size x accumulation x processes)
+batch_size = 48  # sequences per micro-batch per process (48 x 512 fits an 80 GB GPU)
+gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (each: this / world)
+tokens_per_step = 589824  # > 0 overrides the above: accumulation = this / (batch x block x world)
+allow_data_repeat = False  # let the run read its training data more than once (else it refuses)
+
+# model: every field of model.GPTConfig is a setting here, with the model's default (model.py says
+# what each does), e.g. --pos_encoding=rope --ssmax=False; vocab_size and tokenizer come from the
+# data. model_size "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES) sets n_layer, n_embd
+# and n_head.
+model_size = ""
+MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer"))
+globals().update({f.name: f.default for f in fields(GPTConfig) if f.name in MODEL_KEYS})
+
+# optimizer: RAdam, decoupled weight decay on >= 2-D weights; one schedule scales each group's lr
+learning_rate = 1e-3  # peak learning rate
+min_lr = 1e-4  # the cosine ends here at max_iters
+max_iters = 20000  # optimizer steps in the run (~11.8B tokens, about one epoch of FineWeb-10B)
+warmup_iters = 0  # linear warmup steps (the paper relies on RAdam's rectification instead)
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
-grad_clip = 1.0                  # clip the global gradient norm at this value (0 = no clipping)
-prior_lr = 0.0                   # learning rate of the BAM prior parameters (0 = learning_rate)
-ssmax_lr = 0.0                   # learning rate of the SSMax s parameters (0 = learning_rate)
+grad_clip = 1.0  # clip the global gradient norm at this value (0 = no clipping)
+prior_lr = 0.0  # learning rate of the BAM prior parameters (0 = learning_rate)
+ssmax_lr = 0.0  # learning rate of the SSMax s parameters (0 = learning_rate)
+
 # system
-device = "auto"                  # auto (cuda if available, else cpu) | cpu | cuda | cuda:1 ...; torchrun: cuda:LOCAL_RANK
-dtype = "bfloat16"               # bfloat16 | float16 (CUDA, with a GradScaler) | float32: the autocast precision
-compile = True                   # torch.compile the model for training (evaluation uses the plain module)
-seed = 42                        # process r seeds torch with seed + r
-config_keys = [k for k, v in globals().items() if k.islower() and not k.startswith("_")
-               and isinstance(v, (bool, int, float, str))]
-MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer"))
-# ----------------------------------------------------------------------------------------------------------
+device = "auto"  # auto (cuda if there is one, else cpu) | cpu | cuda | cuda:1; torchrun: a GPU each
+dtype = "bfloat16"  # bfloat16 | float16 (CUDA, with a GradScaler) | float32: the autocast precision
+compile = True  # torch.compile the model for training (evaluation uses the plain module)
+seed = 42  # process r seeds torch with seed + r
+config_keys = [
+    k
+    for k, v in globals().items()
+    if k.islower() and not k.startswith("_") and isinstance(v, (bool, int, float, str))
+]
+# --------------------------------------------------------------------------------------------------
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, a checkpoint that does not fit, a torch.compile failure, ...)."""
+    """The run cannot go on (non-finite loss, a checkpoint that does not fit, a torch.compile
+    failure, ...)."""
 
 
-def get_lr(step, c):
-    """Learning rate of update `step` (0-based): linear warmup, then cosine from learning_rate to min_lr."""
-    if step < c["warmup_iters"]:
-        return c["learning_rate"] * (step + 1) / c["warmup_iters"]
-    ratio = (step - c["warmup_iters"]) / max(1, c["max_iters"] - c["warmup_iters"])
-    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (c["learning_rate"] - c["min_lr"])
+def get_lr(step, cfg):
+    """Learning rate of update `step` (0-based): linear warmup, then cosine from learning_rate to
+    min_lr."""
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_iters
+
+    ratio = (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0)))
+    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
 
 
-def model_args(c, vocab_size, tokenizer):
-    """The GPTConfig of settings c; vocab_size and tokenizer come from the data."""
-    return dict({k: c[k] for k in MODEL_KEYS}, vocab_size=vocab_size, tokenizer=tokenizer)
+def model_args(cfg, vocab_size, tokenizer):
+    """The GPTConfig of the settings as a dict; vocab_size and tokenizer come from the data."""
+    settings = {k: getattr(cfg, k) for k in MODEL_KEYS}
+    return dict(settings, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
-# ---- Guards: every setting is checked before any data or model is touched --------------------------------
-def resolve_config(c, world_size):
-    """The settings with the derived ones filled in; a ConfigError names every problem found."""
-    c = dict(c)
-    if c["model_size"] in MODEL_SIZES:
-        c["n_layer"], c["n_embd"], c["n_head"] = MODEL_SIZES[c["model_size"]]
-    per_micro = c["batch_size"] * c["block_size"] * world_size
-    checks = [
-        (c["model_size"] not in ("", *MODEL_SIZES), f"model_size must be '' or one of {list(MODEL_SIZES)}, got "
-                                                    f"{c['model_size']!r}"),
-        (c["dtype"] not in ("bfloat16", "float16", "float32"), f"dtype must be bfloat16, float16 or float32, got "
-                                                               f"{c['dtype']!r}"),
-        *((c[k] < 1, f"{k} must be at least 1, got {c[k]}") for k in (
-            "batch_size", "block_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
-            "log_interval", "ckpt_interval", "n_layer", "n_head", "n_embd")),
-        *((c[k] < 0, f"{k} must be >= 0, got {c[k]}") for k in (
-            "tokens_per_step", "warmup_iters", "keep_last", "grad_clip", "weight_decay", "prior_lr", "ssmax_lr",
-            "min_lr")),
-        (not c["learning_rate"] > 0, f"learning_rate must be > 0, got {c['learning_rate']}"),
-        (c["min_lr"] > c["learning_rate"], f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}"),
-        (not (0 <= c["beta1"] < 1 and 0 <= c["beta2"] < 1), f"beta1 and beta2 must lie in [0, 1), got "
-                                                             f"{c['beta1']}, {c['beta2']}"),
-        (c["wandb_log"] and not importlib.util.find_spec("wandb"), "wandb_log=True needs the wandb package"),
-        (c["tokens_per_step"] > 0 and per_micro > 0 and c["tokens_per_step"] % per_micro,
-         f"tokens_per_step={c['tokens_per_step']} is not a multiple of batch_size x block_size x world_size = "
-         f"{per_micro}; choose a batch_size that divides it, or set tokens_per_step=0 and use "
-         "gradient_accumulation_steps"),
-        (c["tokens_per_step"] == 0 and c["gradient_accumulation_steps"] % world_size,
-         f"gradient_accumulation_steps={c['gradient_accumulation_steps']} is not divisible by the world size "
-         f"{world_size} (it counts micro-batches over all processes)")]
-    errors = [msg for bad, msg in checks if bad]
-    if not errors and c["tokens_per_step"] > 0:
-        c["gradient_accumulation_steps"] = c["tokens_per_step"] // (c["batch_size"] * c["block_size"])
+# ---- Guards: every setting is checked before any data or model is touched -----------------------
+def setting_errors(cfg, world_size):
+    """What is wrong with the settings, one message per problem ([] if nothing)."""
+    errors = []
+    if cfg.model_size not in ("", *MODEL_SIZES):
+        sizes = list(MODEL_SIZES)
+        errors.append(f"model_size must be '' or one of {sizes}, got {cfg.model_size!r}")
+    if cfg.dtype not in ("bfloat16", "float16", "float32"):
+        errors.append(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
+
+    at_least_one = (
+        "batch_size block_size gradient_accumulation_steps max_iters eval_interval eval_iters "
+        "log_interval ckpt_interval n_layer n_head n_embd"
+    )
+    for key in at_least_one.split():
+        if getattr(cfg, key) < 1:
+            errors.append(f"{key} must be at least 1, got {getattr(cfg, key)}")
+    non_negative = (
+        "tokens_per_step warmup_iters keep_last grad_clip weight_decay prior_lr ssmax_lr min_lr"
+    )
+    for key in non_negative.split():
+        if getattr(cfg, key) < 0:
+            errors.append(f"{key} must be >= 0, got {getattr(cfg, key)}")
+
+    if not cfg.learning_rate > 0:
+        errors.append(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    if cfg.min_lr > cfg.learning_rate:
+        errors.append(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        errors.append(f"beta1 and beta2 must lie in [0, 1), got {cfg.beta1}, {cfg.beta2}")
+    if cfg.wandb_log and not importlib.util.find_spec("wandb"):
+        errors.append("wandb_log=True needs the wandb package")
+
+    per_micro = cfg.batch_size * cfg.block_size * world_size
+    if cfg.tokens_per_step > 0 and per_micro > 0 and cfg.tokens_per_step % per_micro:
+        errors.append(
+            f"tokens_per_step={cfg.tokens_per_step} is not a multiple of batch_size x block_size x "
+            f"world_size = {per_micro}; choose a batch_size that divides it, or set "
+            "tokens_per_step=0 and use gradient_accumulation_steps"
+        )
+    if cfg.tokens_per_step == 0 and cfg.gradient_accumulation_steps % world_size:
+        errors.append(
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
+            f"the world size {world_size} (it counts micro-batches over all processes)"
+        )
+    return errors
+
+
+def resolve_config(settings, world_size):
+    """The settings (a dict) as a namespace with the derived ones filled in: model_size's n_layer,
+    n_embd, n_head and tokens_per_step's accumulation. A ConfigError names every problem found."""
+    cfg = SimpleNamespace(**settings)
+    if cfg.model_size in MODEL_SIZES:
+        cfg.n_layer, cfg.n_embd, cfg.n_head = MODEL_SIZES[cfg.model_size]
+
+    errors = setting_errors(cfg, world_size)
+    if not errors and cfg.tokens_per_step > 0:
+        cfg.gradient_accumulation_steps = cfg.tokens_per_step // (cfg.batch_size * cfg.block_size)
     if not errors:
-        try:  # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later from the data
-            GPTConfig(**model_args(c, vocab_size=1, tokenizer=""))
+        # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later
+        try:
+            GPTConfig(**model_args(cfg, vocab_size=1, tokenizer=""))
         except ValueError as e:
             errors.append(str(e))
+
     if errors:
         raise ConfigError("invalid settings: " + "; ".join(errors))
-    return c
+    return cfg
 
 
-def check_device(c, ddp):
-    """The device, precision and attention impl the settings ask for, against the hardware (raises ConfigError)."""
-    def fail(msg):
-        raise ConfigError("invalid settings: " + msg)
+def check_device(cfg, ddp):
+    """The device the settings ask for (auto resolved), checked with the precision and the attention
+    impl against the hardware (a ConfigError says what does not fit)."""
     cuda = torch.cuda.is_available()
-    if c["device"] == "auto" and not cuda and (ddp or (c["dtype"] == "bfloat16" and c["compile"])):
-        # a GPU launch that finds no GPU is a mistake: stop rather than train a large model for days on the CPU
+    gpu_recipe = cfg.dtype == "bfloat16" and cfg.compile
+    if cfg.device == "auto" and not cuda and (ddp or gpu_recipe):
+        # a GPU launch that finds no GPU is a mistake: stop rather than train a large model for days
+        # on the CPU
         why = "under torchrun" if ddp else "with the GPU recipe's dtype=bfloat16 and compile=True"
-        fail(f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass --device=cpu (e.g. "
-             "python train.py <config> --device=cpu --compile=False --dtype=float32)")
+        raise ConfigError(
+            f"invalid settings: device=auto found no CUDA GPU {why}; to train on the CPU on "
+            "purpose pass --device=cpu (e.g. python train.py <config> --device=cpu "
+            "--compile=False --dtype=float32)"
+        )
+
     try:
-        device = torch.device(c["device"] if c["device"] != "auto" else "cuda" if cuda else "cpu")
-    except RuntimeError as e:
-        fail(f"device={c['device']!r} is not a device torch knows ({e})")
-    if device.type == "cuda" and not cuda:
-        fail(f"device={c['device']!r} but no CUDA GPU is available; use --device=cpu")
-    if device.type == "cpu" and c["dtype"] == "float16":
-        fail("dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU use bfloat16 or float32")
-    prior = c["prior"] if c["pos_encoding"] == "bam" else "alibi" if c["pos_encoding"] == "alibi" else None
-    if error := impl_error(c["attn_impl"], PRIORS.get(prior), device, grad=True):
-        fail(f"attn_impl={c['attn_impl']!r}: {error}")
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        message = f"device={cfg.device!r} {e}; use --device=cpu"
+        raise ConfigError(f"invalid settings: {message}") from None
+    if device.type == "cpu" and cfg.dtype == "float16":
+        raise ConfigError(
+            "invalid settings: dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU "
+            "use bfloat16 or float32"
+        )
+
+    prior_def = GPTConfig(**model_args(cfg, vocab_size=1, tokenizer="")).prior_def
+    error = impl_error(cfg.attn_impl, prior_def, device, grad=True)
+    if error:
+        raise ConfigError(f"invalid settings: attn_impl={cfg.attn_impl!r}: {error}")
+    return device
 
 
-def open_data(c, rank, world_size, tokens_per_update, log):
-    """(train loader, val loader, val batches per evaluation); c's tokenizer, vocab_size, world_size are set."""
+def open_data(cfg, rank, world_size, tokens_per_update, log):
+    """(train loader, val loader, val batches per evaluation); sets cfg's tokenizer, vocab_size and
+    world_size."""
     try:
-        train_loader = TokenLoader(c["data_dir"], "train", c["block_size"], c["batch_size"], rank, world_size)
-        val_loader = TokenLoader(c["data_dir"], "val", c["block_size"], c["batch_size"], tokenizer=train_loader.tokenizer)
-    except ValueError as e:  # data that cannot be used (too short, mixed tokenizers, a broken shard): say why
+        train_loader = TokenLoader(
+            cfg.data_dir, "train", cfg.block_size, cfg.batch_size, rank, world_size
+        )
+        val_loader = TokenLoader(
+            cfg.data_dir, "val", cfg.block_size, cfg.batch_size, tokenizer=train_loader.tokenizer
+        )
+    except ValueError as e:  # data that cannot be used (too short, mixed tokenizers, broken shard)
         raise ConfigError(str(e)) from e
-    eval_iters = min(c["eval_iters"], max(1, len(val_loader) // c["batch_size"]))
-    if eval_iters < c["eval_iters"]:
-        log(f"note: the val split holds {eval_iters} batches; eval_iters {c['eval_iters']} -> {eval_iters}")
-    c.update(tokenizer=train_loader.tokenizer, vocab_size=train_loader.vocab_size, world_size=world_size)
-    check_data_budget(c, len(train_loader), tokens_per_update)
+
+    eval_iters = min(cfg.eval_iters, max(1, len(val_loader) // cfg.batch_size))
+    if eval_iters < cfg.eval_iters:
+        log(
+            f"note: the val split holds {eval_iters} batches; "
+            f"eval_iters {cfg.eval_iters} -> {eval_iters}"
+        )
+
+    cfg.tokenizer = train_loader.tokenizer
+    cfg.vocab_size = train_loader.vocab_size
+    cfg.world_size = world_size
+    check_data_budget(cfg, len(train_loader), tokens_per_update)
     return train_loader, val_loader, eval_iters
 
 
-def check_data_budget(c, train_windows, tokens_per_update):
-    """Refuse a run that would wrap around its training data (the loader repeats it), unless allow_data_repeat."""
-    T = c["block_size"]
-    needed, have = c["max_iters"] * tokens_per_update, train_windows * T
-    if needed <= have or c["allow_data_repeat"]:
+def check_data_budget(cfg, train_windows, tokens_per_update):
+    """Refuse a run that would wrap around its training data (the loader repeats it), unless
+    allow_data_repeat."""
+    needed = cfg.max_iters * tokens_per_update
+    have = train_windows * cfg.block_size
+    if needed <= have or cfg.allow_data_repeat:
         return
-    total = math.ceil((VAL_TOKENS + 1.001 * needed) / 1e8) * 1e8  # + validation, + what shard ends lose
-    raise ConfigError(f"the run reads {needed:,} training tokens ({c['max_iters']} steps x {tokens_per_update:,}) but "
-                      f"{c['data_dir']} holds {have:,} in whole {T}-token windows: {needed - have:,} missing, so "
-                      f"data would repeat. Get them with `python prepare_fineweb.py --name sample-100BT --tokenizer "
-                      f"{c['tokenizer']} --max_tokens {int(total)} --out_dir {c['data_dir']}` (resumes and extends), "
-                      "lower max_iters, or pass --allow_data_repeat=True")
+
+    # what prepare_fineweb.py should fetch: + validation, + what the shards' ends lose
+    total = math.ceil((VAL_TOKENS + 1.001 * needed) / 1e8) * 1e8
+    raise ConfigError(
+        f"the run reads {needed:,} training tokens ({cfg.max_iters} steps x {tokens_per_update:,}) "
+        f"but {cfg.data_dir} holds {have:,} in whole {cfg.block_size}-token windows: "
+        f"{needed - have:,} missing, so data would repeat. Get them with "
+        f"`python prepare_fineweb.py --name sample-100BT --tokenizer {cfg.tokenizer} "
+        f"--max_tokens {int(total)} "
+        f"--out_dir {cfg.data_dir}` (resumes and extends), lower max_iters, or pass "
+        "--allow_data_repeat=True"
+    )
 
 
-# ---- Setup -----------------------------------------------------------------------------------------------
-def setup_device(c, ddp, local_rank, log):
-    """Resolve c["device"] (torchrun: a GPU per process), start the process group; no bfloat16 GPU: float16."""
-    c["device"] = c["device"] if c["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    if ddp and c["device"].startswith("cuda"):
-        c["device"] = f"cuda:{local_rank}"
-    device = torch.device(c["device"])
+# ---- Setup ---------------------------------------------------------------------------------------
+def setup_device(cfg, device, ddp, local_rank, log):
+    """This process's device (torchrun: a GPU per process), recorded in cfg.device, with the process
+    group started; a GPU without bfloat16 trains in float16."""
+    if ddp and device.type == "cuda":
+        device = torch.device(f"cuda:{local_rank}")
+    cfg.device = str(device)
+
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        if c["dtype"] == "bfloat16" and not torch.cuda.is_bf16_supported():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        if cfg.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
             log("warning: this GPU has no bfloat16; using float16 with a GradScaler")
-            c["dtype"] = "float16"
+            cfg.dtype = "float16"
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return device
@@ -225,287 +296,492 @@ def check_run_dir(out_dir, resuming):
     """The checkpoints of out_dir, after checking that they agree with resume=True/False."""
     existing = checkpoints(out_dir)
     if resuming and not existing:
-        raise TrainingError(f"resume was asked for, but {out_dir!r} holds no ckpt_<step>.pt to resume from")
+        raise TrainingError(
+            f"resume was asked for, but {out_dir!r} holds no ckpt_<step>.pt to resume from"
+        )
     if not resuming and existing:
-        raise TrainingError(f"{out_dir!r} already holds checkpoints (newest {os.path.basename(existing[-1][1])}); "
-                            "pass --resume=True to continue that run, or choose another --out_dir")
+        newest = os.path.basename(existing[-1][1])
+        raise TrainingError(
+            f"{out_dir!r} already holds checkpoints (newest {newest}); pass --resume=True to "
+            "continue that run, or choose another --out_dir"
+        )
     return existing
 
 
-def restore(path, raw_model, optimizer, scaler, c, rank, world_size, log):
-    """(step, path, val_loss) of a checkpoint whose model, optimizer, scaler and RNG are loaded (settings: c's)."""
+@dataclass
+class Run:
+    """One training run: what the steps of the loop share, and where the run stands."""
+
+    cfg: SimpleNamespace  # the resolved settings
+    model: torch.nn.Module  # what trains: raw_model, compiled and/or wrapped in DDP
+    raw_model: GPT  # the plain module: evaluation, checkpoints, the prior's log
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # float16's loss scaling; disabled otherwise
+    autocast: object  # the precision context of every forward
+    accum: int  # micro-batches per process per step
+    tokens_per_update: int  # tokens per optimizer step over all processes
+    log: Callable  # print on rank 0, nothing on the others
+    master: bool  # rank 0: writes the run's files and checkpoints
+    flops_per_step: Optional[float] = None  # for MFU, on a GPU with a known peak
+    peak_flops: Optional[float] = None  # the bf16 peak of all processes' GPUs together
+    step: int = 0  # optimizer updates done
+    val_loss: Optional[float] = None  # of the latest evaluation
+    last_checkpoint: Optional[str] = None  # the newest checkpoint written (or resumed from)
+
+
+def restore(run, path, rank, world_size):
+    """Load a checkpoint's model, optimizer, scaler and RNG into the run (the settings stay the
+    current ones) and continue from its step."""
     ckpt = load_checkpoint(path, map_location="cpu")
     try:
-        load_state(raw_model, ckpt)
+        load_state(run.raw_model, ckpt)
     except ValueError as e:  # another model
         raise TrainingError(f"cannot resume: {e}") from None
-    fresh = [{k: g[k] for k in ("lr", "base_lr", "weight_decay", "betas")} for g in optimizer.param_groups]
-    optimizer.load_state_dict(ckpt["optimizer"])
-    for g, f in zip(optimizer.param_groups, fresh):  # hyperparameters come from the current settings
-        g.update(f)
-    if "scaler" in ckpt and scaler.is_enabled():
-        scaler.load_state_dict(ckpt["scaler"])
+
+    # the optimizer's state comes from the checkpoint, its hyperparameters from the current settings
+    hyper = ("lr", "base_lr", "weight_decay", "betas")
+    fresh = [{k: g[k] for k in hyper} for g in run.optimizer.param_groups]
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    for group, settings in zip(run.optimizer.param_groups, fresh):
+        group.update(settings)
+    if "scaler" in ckpt and run.scaler.is_enabled():
+        run.scaler.load_state_dict(ckpt["scaler"])
+
+    # another number of processes wrote other streams: they cannot continue
     rng = ckpt.get("rng", [])
-    if len(rng) == world_size:  # else the streams cannot continue: another number of processes wrote them
+    rng_restored = len(rng) == world_size
+    if rng_restored:
         torch.set_rng_state(rng[rank]["cpu"])
-        if c["device"].startswith("cuda") and rng[rank]["cuda"] is not None:
+        if run.cfg.device.startswith("cuda") and rng[rank]["cuda"] is not None:
             torch.cuda.set_rng_state(rng[rank]["cuda"])
-    changed = [f"{k}={c[k]!r} (was {v!r})" for k, v in ckpt.get("config", {}).items()
-               if k in c and k != "resume" and v != c[k]]
-    log(f"resuming {ckpt['path']} at step {ckpt['step']}; RNG {'' if len(rng) == world_size else 'not '}restored; "
-        f"settings changed: {', '.join(changed) or 'none'}")
-    return ckpt["step"], ckpt["path"], ckpt.get("val_loss")
+
+    now = vars(run.cfg)
+    changed = [
+        f"{k}={now[k]!r} (was {v!r})"
+        for k, v in ckpt.get("config", {}).items()
+        if k in now and k != "resume" and v != now[k]
+    ]
+    run.log(
+        f"resuming {ckpt['path']} at step {ckpt['step']}; RNG {'' if rng_restored else 'not '}"
+        f"restored; settings changed: {', '.join(changed) or 'none'}"
+    )
+    run.step = ckpt["step"]
+    run.last_checkpoint = ckpt["path"]
+    run.val_loss = ckpt.get("val_loss")
 
 
-def describe(raw_model, c, accum, tokens_per_update):
+def describe(run):
     """Three lines for the log: the model, its parameters, the batch."""
-    n = {k: sum(p.numel() for p in ps) for k, ps in raw_model.param_groups().items()}
-    prior = f" ({c['prior']} prior)" if c["pos_encoding"] == "bam" else ""
-    return (f"model: {c['pos_encoding']}{'+ssmax' if c['ssmax'] else ''}{prior}, {c['n_layer']} layers, "
-            f"{c['n_head']} heads, n_embd {c['n_embd']}, vocab {c['vocab_size']} ({c['tokenizer']})\nparameters: "
-            f"{raw_model.num_params():,} total, {raw_model.num_params(non_embedding=True):,} non-embedding, "
-            f"{n['prior']} trainable prior, {n['ssmax']} SSMax s\nbatch: {c['batch_size']} x {c['block_size']} "
-            f"tokens x {accum} accumulation x {c['world_size']} processes = {tokens_per_update:,} tokens per step; "
-            f"{c['max_iters']} steps; device {c['device']}, {c['dtype']}, compile={c['compile']}")
+    cfg = run.cfg
+    encoding = cfg.pos_encoding + ("+ssmax" if cfg.ssmax else "")
+    prior = f" ({cfg.prior} prior)" if cfg.pos_encoding == "bam" else ""
+    run.log(
+        f"model: {encoding}{prior}, {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, "
+        f"vocab {cfg.vocab_size} ({cfg.tokenizer})"
+    )
+
+    group_sizes = {k: sum(p.numel() for p in ps) for k, ps in run.raw_model.param_groups().items()}
+    total = run.raw_model.num_params()
+    non_embedding = run.raw_model.num_params(non_embedding=True)
+    run.log(
+        f"parameters: {total:,} total, {non_embedding:,} non-embedding, "
+        f"{group_sizes['prior']} trainable prior, {group_sizes['ssmax']} SSMax s"
+    )
+
+    run.log(
+        f"batch: {cfg.batch_size} x {cfg.block_size} tokens x {run.accum} accumulation x "
+        f"{cfg.world_size} processes = {run.tokens_per_update:,} tokens per step; "
+        f"{cfg.max_iters} steps; device {cfg.device}, {cfg.dtype}, compile={cfg.compile}"
+    )
 
 
 def git(*args):
+    repo = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
+    return done.stdout.strip() or None
 
 
 def environment(argv, world_size):
-    triton, cuda = importlib.util.find_spec("triton") and importlib.import_module("triton"), torch.cuda.is_available()
-    return dict(time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), hostname=socket.gethostname(),
-                python=platform.python_version(), torch=torch.__version__, triton=triton and triton.__version__,
-                cuda=torch.version.cuda, gpu=torch.cuda.get_device_name() if cuda else None,
-                gpu_count=torch.cuda.device_count(), world_size=world_size, git_commit=git("rev-parse", "HEAD"),
-                git_dirty=bool(git("status", "--porcelain", "-uno")), command=shlex.join([sys.executable, *argv]))
+    """What env.json records of a launch: time, host, versions, GPUs, git commit, command line."""
+    triton = importlib.import_module("triton") if importlib.util.find_spec("triton") else None
+    cuda = torch.cuda.is_available()
+    return dict(
+        time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        hostname=socket.gethostname(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        triton=triton and triton.__version__,
+        cuda=torch.version.cuda,
+        gpu=torch.cuda.get_device_name() if cuda else None,
+        gpu_count=torch.cuda.device_count(),
+        world_size=world_size,
+        git_commit=git("rev-parse", "HEAD"),
+        git_dirty=bool(git("status", "--porcelain", "-uno")),
+        command=shlex.join([sys.executable, *argv]),
+    )
 
 
-def write_run_files(c, tokens_per_update, argv, start_step):
-    """config.json, env.json (with a resumed run's earlier launches) and metrics.jsonl cut back to start_step."""
-    os.makedirs(c["out_dir"], exist_ok=True)
-    env_path, metrics_path = (os.path.join(c["out_dir"], f) for f in ("env.json", "metrics.jsonl"))
-    earlier, kept = [], []
-    if c["resume"] and os.path.exists(env_path):
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def write_run_files(cfg, tokens_per_update, argv, start_step):
+    """config.json, env.json (with a resumed run's earlier launches) and metrics.jsonl cut back to
+    start_step. Returns the path of metrics.jsonl."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    env_path = os.path.join(cfg.out_dir, "env.json")
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+
+    earlier = []
+    if cfg.resume and os.path.exists(env_path):
         with open(env_path) as f:
-            prev = json.load(f)
-        earlier = prev.pop("earlier_launches", []) + [prev]
-    if c["resume"] and os.path.exists(metrics_path):
+            previous = json.load(f)
+        earlier = previous.pop("earlier_launches", []) + [previous]
+    kept = []
+    if cfg.resume and os.path.exists(metrics_path):
         with open(metrics_path) as f:  # a last line cut short by the crash has no newline
-            kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start_step]
-    for name, obj in (("config.json", dict(c, model_args=model_args(c, c["vocab_size"], c["tokenizer"]),
-                                           tokens_per_step_actual=tokens_per_update)),
-                      ("env.json", dict(environment(argv, c["world_size"]), start_step=start_step,
-                                        earlier_launches=earlier))):
-        with open(os.path.join(c["out_dir"], name), "w") as f:
-            json.dump(obj, f, indent=2)
+            kept = [
+                line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start_step
+            ]
+
+    config = dict(
+        vars(cfg),
+        model_args=model_args(cfg, cfg.vocab_size, cfg.tokenizer),
+        tokens_per_step_actual=tokens_per_update,
+    )
+    write_json(os.path.join(cfg.out_dir, "config.json"), config)
+    env = dict(environment(argv, cfg.world_size), start_step=start_step, earlier_launches=earlier)
+    write_json(env_path, env)
     with open(metrics_path, "w") as f:
         f.writelines(kept)
     return metrics_path
 
 
-def metrics_writer(c, path):
-    """write(record): a line of metrics.jsonl, its numbers to Weights & Biases (wandb_log). No path: nothing."""
-    wandb = importlib.import_module("wandb") if path and c["wandb_log"] else None
+def metrics_writer(cfg, path):
+    """write(record): a line of metrics.jsonl, its numbers to Weights & Biases (wandb_log). No path:
+    nothing."""
+    wandb = importlib.import_module("wandb") if path and cfg.wandb_log else None
     if wandb:
-        wandb.init(project=c["wandb_project"], config=c,
-                   name=c["wandb_run_name"] or os.path.basename(os.path.normpath(c["out_dir"])))
+        name = cfg.wandb_run_name or os.path.basename(os.path.normpath(cfg.out_dir))
+        wandb.init(project=cfg.wandb_project, config=vars(cfg), name=name)
 
     def write(record):
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if wandb:
-            numbers = {k: v for k, v in {**record, **record.get("prior", {})}.items() if isinstance(v, (int, float))}
-            wandb.log({k: v for k, v in numbers.items() if k != "step"}, step=record["step"])
+            flat = {**record, **record.get("prior", {})}
+            numbers = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and k != "step"}
+            wandb.log(numbers, step=record["step"])
+
     return write
 
 
-# ---- The loop --------------------------------------------------------------------------------------------
-def train_step(model, raw_model, optimizer, scaler, loader, ctx, step, accum, lr, c, last_ckpt):
-    """(mean train loss, grad norm) of update step + 1 at lr (scaled per group by base_lr), `accum` micro-batches."""
-    for g in optimizer.param_groups:
-        g["lr"] = g["base_lr"] * lr / c["learning_rate"]
-    device = next(raw_model.parameters()).device
+# ---- The loop ------------------------------------------------------------------------------------
+def micro_step(run, x, y, doc_start, last):
+    """Forward and backward of one micro-batch; returns its loss (already divided by accum)."""
+    # DDP all-reduces the gradients once per step, at the last micro-batch
+    no_sync = isinstance(run.model, DDP) and not last
+    with run.model.no_sync() if no_sync else nullcontext():
+        try:
+            with run.autocast:
+                loss = run.model(x, y, doc_start=doc_start)[1] / run.accum
+            run.scaler.scale(loss).backward()
+        except Exception as e:
+            compiler = type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+            if run.cfg.compile and compiler:
+                raise TrainingError(
+                    f"torch.compile failed at step {run.step + 1} ({type(e).__name__}: {e}); "
+                    "rerun with --compile=False"
+                ) from e
+            raise
+    return loss.detach().float()
+
+
+def train_step(run, loader, lr):
+    """(mean train loss, grad norm) of update run.step + 1 at lr (scaled per group by base_lr),
+    run.accum micro-batches; nothing is applied if the loss or the gradients are not finite."""
+    for group in run.optimizer.param_groups:
+        group["lr"] = group["base_lr"] * lr / run.cfg.learning_rate
+
+    device = next(run.raw_model.parameters()).device
     loss_sum = torch.zeros((), device=device)
-    for micro in range(accum):
-        x, y, doc_start = (t.to(device, non_blocking=True) for t in loader.get_batch(step, micro, accum))
-        # DDP all-reduces the gradients once per step, at the last micro-batch
-        with model.no_sync() if isinstance(model, DDP) and micro < accum - 1 else nullcontext():
-            try:
-                with ctx:
-                    loss = model(x, y, doc_start=doc_start)[1] / accum
-                scaler.scale(loss).backward()
-            except Exception as e:
-                if c["compile"] and type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
-                    raise TrainingError(f"torch.compile failed at step {step + 1} ({type(e).__name__}: {e}); "
-                                        "rerun with --compile=False") from e
-                raise
-        loss_sum += loss.detach().float()
+    for micro in range(run.accum):
+        batch = loader.get_batch(run.step, micro, run.accum)
+        x, y, doc_start = (t.to(device, non_blocking=True) for t in batch)
+        loss_sum += micro_step(run, x, y, doc_start, last=micro == run.accum - 1)
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
         loss_sum /= dist.get_world_size()
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"] or float("inf")).item()
+
+    run.scaler.unscale_(run.optimizer)
+    max_norm = run.cfg.grad_clip or float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), max_norm).item()
     train_loss = loss_sum.item()
-    if not math.isfinite(train_loss) or (not scaler.is_enabled() and not math.isfinite(grad_norm)):
-        what = f"loss {train_loss}" if not math.isfinite(train_loss) else f"gradient norm {grad_norm}"
-        raise TrainingError(f"non-finite {what} at step {step + 1}; training stopped before applying it. The last "
-                            f"good checkpoint is {last_ckpt or 'none (no checkpoint was written yet)'}; "
-                            "try a lower learning_rate, a smaller grad_clip or dtype=float32")
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    # float16's scaler skips steps with inf gradients by itself; anything else non-finite stops
+    bad_norm = not run.scaler.is_enabled() and not math.isfinite(grad_norm)
+    if not math.isfinite(train_loss) or bad_norm:
+        what = f"gradient norm {grad_norm}"
+        if not math.isfinite(train_loss):
+            what = f"loss {train_loss}"
+        last_good = run.last_checkpoint or "none (no checkpoint was written yet)"
+        raise TrainingError(
+            f"non-finite {what} at step {run.step + 1}; training stopped before applying it. The "
+            f"last good checkpoint is {last_good}; try a lower learning_rate, a smaller grad_clip "
+            "or dtype=float32"
+        )
+
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
     return train_loss, grad_norm
 
 
 @torch.no_grad()
-def evaluate(raw_model, loader, eval_iters, ctx):
-    """Mean validation loss over eval_iters batches (document-masked); the batches are split over processes."""
-    device = next(raw_model.parameters()).device
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    raw_model.eval()
+def evaluate(run, loader, eval_iters):
+    """Mean validation loss over eval_iters batches (document-masked); the batches are split over
+    processes."""
+    model = run.raw_model
+    device = next(model.parameters()).device
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+
+    model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)  # sum of batch losses, batches
     for k in range(rank, eval_iters, world_size):
         x, y, doc_start = (t.to(device) for t in loader.get_batch(k))
-        with ctx:
-            loss = raw_model(x, y, doc_start=doc_start)[1]
+        with run.autocast:
+            loss = model(x, y, doc_start=doc_start)[1]
         total += torch.stack([loss.double(), torch.ones_like(loss, dtype=torch.float64)])
     if dist.is_initialized():
         dist.all_reduce(total)
-    raw_model.train()
+    model.train()
     return (total[0] / total[1]).item()
 
 
-def eval_and_log(step, record, raw_model, loader, eval_iters, ctx, log):
-    """Add to `record` and print the val loss and (bam) the prior's shape parameter per layer as [min, median,
-    max] and the heads its highlight rule picks (ggd: theta_beta < 0). Returns the loss."""
-    record["val_loss"] = val_loss = evaluate(raw_model, loader, eval_iters, ctx)
-    msg = f"step {step}: val loss {val_loss:.4f}"
-    prior_def = raw_model.blocks[0].attn.prior_def
-    if raw_model.config.pos_encoding == "bam":
-        bound = [b.attn.prior() for b in raw_model.blocks]
-        shape = [p.params[prior_def.params.index(prior_def.shape_param)].detach().float().cpu() for p in bound]
-        record["prior"] = {prior_def.shape_param: [[round(x.min().item(), 4), round(x.quantile(0.5).item(), 4),
-                                                    round(x.max().item(), 4)] for x in shape]}
-        msg += f" | {prior_def.shape_param} median per layer {[round(x.quantile(0.5).item(), 4) for x in shape]}"
+def eval_and_log(run, loader, eval_iters, record):
+    """Evaluate into run.val_loss, and add to `record` and print the val loss and (bam) the prior's
+    shape parameter per layer as [min, median, max] and the heads its highlight rule picks (ggd:
+    theta_beta < 0)."""
+    run.val_loss = evaluate(run, loader, eval_iters)
+    record["val_loss"] = run.val_loss
+    message = f"step {run.step}: val loss {run.val_loss:.4f}"
+
+    if run.raw_model.config.pos_encoding == "bam":
+        prior_def = run.raw_model.config.prior_def
+        bound = [block.attn.bound_prior() for block in run.raw_model.blocks]
+        shape_index = prior_def.params.index(prior_def.shape_param)
+        shape = [b.params[shape_index].detach().float().cpu() for b in bound]
+        quantiles = [[x.min().item(), x.quantile(0.5).item(), x.max().item()] for x in shape]
+        record["prior"] = {prior_def.shape_param: [[round(q, 4) for q in row] for row in quantiles]}
+        medians = [round(x.quantile(0.5).item(), 4) for x in shape]
+        message += f" | {prior_def.shape_param} median per layer {medians}"
+
         if prior_def.highlight is not None:
-            n = record["prior"]["heads_highlighted"] = int(sum(prior_def.highlight(*p.params).sum() for p in bound))
-            msg += f" | heads with {prior_def.highlight_label}: {n}/{sum(x.numel() for x in shape)}"
-    log(msg)
-    return val_loss
+            picked = int(sum(prior_def.highlight(*b.params).sum() for b in bound))
+            record["prior"]["heads_highlighted"] = picked
+            heads = sum(x.numel() for x in shape)
+            message += f" | heads with {prior_def.highlight_label}: {picked}/{heads}"
+    run.log(message)
 
 
-def progress_record(step, train_loss, lr, grad_norm, dt, tokens_per_update, flops, c, log):
-    """The metrics record of a logged step (dt: seconds per step), printed; flops: (FLOPs per step, peak) or None."""
-    record = dict(step=step, train_loss=train_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_update / dt,
-                  ms_per_step=1000 * dt)
-    if flops:
-        record["mfu"] = flops[0] / dt / flops[1]
-    log(f"step {step}/{c['max_iters']} | loss {train_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-        f"{tokens_per_update / dt:,.0f} tok/s | {1000 * dt:.1f} ms/step"
-        + (f" | mfu {100 * record['mfu']:.1f}%" if flops else "")
-        + f" | eta {format_eta(dt * (c['max_iters'] - step))}")
+def progress_record(run, train_loss, lr, grad_norm, seconds_per_step):
+    """The metrics record of a logged step, printed as its progress line."""
+    cfg = run.cfg
+    tokens_per_s = run.tokens_per_update / seconds_per_step
+    record = dict(
+        step=run.step,
+        train_loss=train_loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens_per_s=tokens_per_s,
+        ms_per_step=1000 * seconds_per_step,
+    )
+    line = (
+        f"step {run.step}/{cfg.max_iters} | loss {train_loss:.4f} | lr {lr:.2e} | "
+        f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tok/s | "
+        f"{1000 * seconds_per_step:.1f} ms/step"
+    )
+    if run.peak_flops:
+        record["mfu"] = run.flops_per_step / seconds_per_step / run.peak_flops
+        line += f" | mfu {100 * record['mfu']:.1f}%"
+    eta = format_eta(seconds_per_step * (cfg.max_iters - run.step))
+    run.log(f"{line} | eta {eta}")
     return record
 
 
-def save(step, raw_model, optimizer, scaler, c, val_loss, tokens_per_update, master):
-    """Write ckpt_<step>.pt (rank 0, every process's RNG state), keep the newest keep_last; returns its path."""
-    own = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
-    rng = [own]
+def save(run):
+    """Write ckpt_<step>.pt (rank 0, with every process's RNG state); keep the newest keep_last."""
+    cfg = run.cfg
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    own_rng = {"cpu": torch.get_rng_state(), "cuda": cuda_rng}
+    rng = [own_rng]
     if dist.is_initialized():
-        dist.all_gather_object(rng := [None] * dist.get_world_size(), own)
-    path = os.path.join(c["out_dir"], checkpoint_name(step))
-    if master:
-        extra = {"scaler": scaler.state_dict()} if scaler.is_enabled() else {}
-        save_checkpoint(path, raw_model, optimizer=optimizer.state_dict(), step=step, config=c, rng=rng,
-                        val_loss=val_loss, tokens=step * tokens_per_update, world_size=c["world_size"], **extra)
-        for _, old in checkpoints(c["out_dir"])[:-c["keep_last"]] if c["keep_last"] > 0 else ():
-            os.remove(old)
-    return path
+        rng = [None] * dist.get_world_size()
+        dist.all_gather_object(rng, own_rng)
+
+    path = os.path.join(cfg.out_dir, checkpoint_name(run.step))
+    if run.master:
+        extra = {"scaler": run.scaler.state_dict()} if run.scaler.is_enabled() else {}
+        save_checkpoint(
+            path,
+            run.raw_model,
+            optimizer=run.optimizer.state_dict(),
+            step=run.step,
+            config=vars(cfg),
+            rng=rng,
+            val_loss=run.val_loss,
+            tokens=run.step * run.tokens_per_update,
+            world_size=cfg.world_size,
+            **extra,
+        )
+        if cfg.keep_last > 0:
+            for _, old in checkpoints(cfg.out_dir)[: -cfg.keep_last]:
+                os.remove(old)
+    run.last_checkpoint = path
 
 
 def format_eta(seconds):
-    m = int(seconds // 60)
-    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{int(seconds % 60):02d}s"
+    minutes = int(seconds // 60)
+    if minutes >= 60:
+        return f"{minutes // 60}h{minutes % 60:02d}m"
+    return f"{minutes}m{int(seconds % 60):02d}s"
 
 
-def train(c, argv=()):
-    """Run training with the settings dict c (every key of config_keys). Returns a summary dict."""
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if ddp else 1
-    c = resolve_config(c, world_size)
-    check_device(c, ddp)
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    device = setup_device(c, ddp, local_rank, log)
-    accum = c["gradient_accumulation_steps"] // world_size  # micro-batches per process per step
-    tokens_per_update = c["batch_size"] * c["block_size"] * accum * world_size
-    torch.manual_seed(c["seed"] + rank)
-    ctx = autocast(device, c["dtype"])
-    scaler = torch.amp.GradScaler(device.type, enabled=c["dtype"] == "float16")
-    existing = check_run_dir(c["out_dir"], c["resume"])
-    train_loader, val_loader, eval_iters = open_data(c, rank, world_size, tokens_per_update, log)
-
-    raw_model = GPT(GPTConfig(**model_args(c, c["vocab_size"], c["tokenizer"]))).to(device)  # evals, ckpts use it
-    optimizer = raw_model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]),
-                                               prior_lr=c["prior_lr"], ssmax_lr=c["ssmax_lr"])
-    log(describe(raw_model, c, accum, tokens_per_update))
-    step, last_ckpt, val_loss = 0, None, None
-    if c["resume"]:
-        step, last_ckpt, val_loss = restore(existing[-1][1], raw_model, optimizer, scaler, c, rank, world_size, log)
-    model = torch.compile(raw_model) if c["compile"] else raw_model
-    if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    write = metrics_writer(c, write_run_files(c, tokens_per_update, argv, step) if master else None)
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    if device.type == "cuda" and peak is None:
-        log(f"note: no bf16 peak known for {torch.cuda.get_device_name(device)!r}; MFU is not reported")
-    flops = (raw_model.flops_per_token(c["block_size"]) * tokens_per_update, peak * world_size) if peak else None
-
-    if step == 0:
-        val_loss = eval_and_log(0, record := {"step": 0}, raw_model, val_loader, eval_iters, ctx, log)
+def train_loop(run, train_loader, val_loader, eval_iters, write):
+    """Train from run.step to max_iters: log, evaluate and save at their intervals. Returns the last
+    train loss."""
+    cfg = run.cfg
+    if run.step == 0:
+        record = {"step": 0}
+        eval_and_log(run, val_loader, eval_iters, record)
         write(record)
-    train_loss, interval_time, interval_steps, train_start = None, 0.0, 0, time.time()
-    while step < c["max_iters"]:
-        t0, lr = time.time(), get_lr(step, c)
-        train_loss, grad_norm = train_step(model, raw_model, optimizer, scaler, train_loader, ctx, step, accum, lr,
-                                           c, last_ckpt)
-        step, interval_time, interval_steps = step + 1, interval_time + time.time() - t0, interval_steps + 1
-        do_eval = step % c["eval_interval"] == 0 or step == c["max_iters"]
-        if do_eval or step % c["log_interval"] == 0:
-            record = progress_record(step, train_loss, lr, grad_norm, interval_time / interval_steps,
-                                     tokens_per_update, flops, c, log)
-            interval_time, interval_steps = 0.0, 0
+
+    train_loss = None
+    interval_seconds = 0.0  # the steps since the last progress line, for its speed
+    interval_steps = 0
+    while run.step < cfg.max_iters:
+        started = time.time()
+        lr = get_lr(run.step, cfg)
+        train_loss, grad_norm = train_step(run, train_loader, lr)
+        run.step += 1
+        interval_seconds += time.time() - started
+        interval_steps += 1
+
+        do_eval = run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters
+        if do_eval or run.step % cfg.log_interval == 0:
+            seconds_per_step = interval_seconds / interval_steps
+            record = progress_record(run, train_loss, lr, grad_norm, seconds_per_step)
+            interval_seconds = 0.0
+            interval_steps = 0
             if do_eval:
-                val_loss = eval_and_log(step, record, raw_model, val_loader, eval_iters, ctx, log)
+                eval_and_log(run, val_loader, eval_iters, record)
             write(record)
-        if step % c["ckpt_interval"] == 0 or step == c["max_iters"]:
-            last_ckpt = save(step, raw_model, optimizer, scaler, c, val_loss, tokens_per_update, master)
-    log(f"done: step {step} of {c['max_iters']} in {format_eta(time.time() - train_start)}; val loss {val_loss}; "
-        f"checkpoint {last_ckpt}")
+
+        if run.step % cfg.ckpt_interval == 0 or run.step == cfg.max_iters:
+            save(run)
+    return train_loss
+
+
+def build_run(cfg, device, accum, tokens_per_update, log, master):
+    """The model on its device, its optimizer and loss scaler, in a Run at step 0."""
+    raw_model = GPT(GPTConfig(**model_args(cfg, cfg.vocab_size, cfg.tokenizer))).to(device)
+    betas = (cfg.beta1, cfg.beta2)
+    optimizer = raw_model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, betas, prior_lr=cfg.prior_lr, ssmax_lr=cfg.ssmax_lr
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16")
+    return Run(
+        cfg=cfg,
+        model=raw_model,
+        raw_model=raw_model,
+        optimizer=optimizer,
+        scaler=scaler,
+        autocast=autocast(device, cfg.dtype),
+        accum=accum,
+        tokens_per_update=tokens_per_update,
+        log=log,
+        master=master,
+    )
+
+
+def measure_mfu(run, device, world_size):
+    """Set what MFU needs: the FLOPs of a step and the GPUs' bf16 peak (none on a CPU or an unknown
+    GPU)."""
+    if device.type != "cuda":
+        return
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops(name)
+    if peak is None:
+        run.log(f"note: no bf16 peak known for {name!r}; MFU is not reported")
+        return
+    run.flops_per_step = run.raw_model.flops_per_token(run.cfg.block_size) * run.tokens_per_update
+    run.peak_flops = peak * world_size
+
+
+def train(settings, argv=()):
+    """Run training with the settings dict (every key of config_keys). Returns a summary dict."""
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if ddp else 1
+    master = rank == 0
+    log = print if master else (lambda *args, **kwargs: None)
+
+    cfg = resolve_config(settings, world_size)
+    device = check_device(cfg, ddp)
+    device = setup_device(cfg, device, ddp, local_rank, log)
+    accum = cfg.gradient_accumulation_steps // world_size  # micro-batches per process per step
+    tokens_per_update = cfg.batch_size * cfg.block_size * accum * world_size
+    torch.manual_seed(cfg.seed + rank)
+    existing = check_run_dir(cfg.out_dir, cfg.resume)
+    train_loader, val_loader, eval_iters = open_data(cfg, rank, world_size, tokens_per_update, log)
+
+    run = build_run(cfg, device, accum, tokens_per_update, log, master)
+    describe(run)
+    if cfg.resume:
+        restore(run, existing[-1][1], rank, world_size)
+    if cfg.compile:
+        run.model = torch.compile(run.raw_model)
+    if ddp:
+        run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    metrics_path = write_run_files(cfg, tokens_per_update, argv, run.step) if master else None
+    write = metrics_writer(cfg, metrics_path)
+    measure_mfu(run, device, world_size)
+
+    started = time.time()
+    train_loss = train_loop(run, train_loader, val_loader, eval_iters, write)
+    log(
+        f"done: step {run.step} of {cfg.max_iters} in {format_eta(time.time() - started)}; "
+        f"val loss {run.val_loss}; checkpoint {run.last_checkpoint}"
+    )
     if ddp:  # leave together: a rank tearing down gloo while another still exits can hang it
         dist.barrier()
         dist.destroy_process_group()
-    return dict(step=step, train_loss=train_loss, val_loss=val_loss, checkpoint=last_ckpt, out_dir=c["out_dir"])
+    return dict(
+        step=run.step,
+        train_loss=train_loss,
+        val_loss=run.val_loss,
+        checkpoint=run.last_checkpoint,
+        out_dir=cfg.out_dir,
+    )
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    c = configure({k: globals()[k] for k in config_keys}, argv)
-    return train(c, argv=[os.path.abspath(__file__), *argv])
+    settings = configure({k: globals()[k] for k in config_keys}, argv)
+    return train(settings, argv=[os.path.abspath(__file__), *argv])
 
 
 if __name__ == "__main__":
     try:
         main()
     except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0" or not isinstance(e, ConfigError):  # settings errors: rank 0 says it
+        # settings errors: rank 0 says it, once
+        if os.environ.get("RANK", "0") == "0" or not isinstance(e, ConfigError):
             print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)

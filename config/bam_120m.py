@@ -1,16 +1,21 @@
 # The paper's l12 ("120M") BAM+SSMax run, in the authors' setup:
-#     python prepare_fineweb.py                                    # 11.9B mistral tokens -> data/fineweb_mistral
+#     python prepare_fineweb.py           # 11.9B mistral tokens -> data/fineweb_mistral
 #     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py
-# The recipe (optimizer, schedule, 589,824 tokens per step, 20,000 steps, bf16, seed 42, ...) is train.py's
-# defaults; this file names the run, its data and the model size. The authors' data: their Mistral v3 tokenizer
-# (l12 has 121,130,496 parameters, the paper's 121.13M), documents BOS ... EOS, validation = the first 3,932,160
-# tokens, a 1,000,000-token gap, then training. The recipe reads 11.8B tokens, more than FineWeb sample-10BT
-# holds, so prepare_fineweb.py takes them from sample-100BT and no token is read twice (the authors' shorter
-# stream was partly read twice). gpt2 is one flag away (148.07M parameters):
-#     python prepare_fineweb.py --tokenizer gpt2 && train.py config/bam_120m.py --data_dir=data/fineweb_gpt2
-# Every variant of the sweep uses the same recipe, e.g. --pos_encoding=rope --ssmax=False --out_dir=out/l12_rope
-# (other sizes: --model_size=l6 ... l24). batch_size 48 per GPU, accumulation making up 1152 sequences per step:
-# the world size must divide 1152 / 48 = 24, or pick a --batch_size that divides 1152 / world size.
+# The recipe (optimizer, schedule, 589,824 tokens per step, 20,000 steps, bf16, seed 42, ...) is
+# train.py's defaults; this file names the run, its data and the model size. The authors' data:
+# their Mistral v3 tokenizer (l12 has 121,130,496 parameters, the paper's 121.13M), documents
+# BOS ... EOS, validation = the first 3,932,160 tokens, a 1,000,000-token gap, then training. The
+# recipe reads 11.8B tokens, more than FineWeb sample-10BT holds, so prepare_fineweb.py takes them
+# from sample-100BT and no token is read twice (the authors' shorter stream was partly read twice).
+# gpt2 is one flag away (148.07M parameters):
+#     python prepare_fineweb.py --tokenizer gpt2
+#     train.py config/bam_120m.py --data_dir=data/fineweb_gpt2
+# Every variant of the sweep uses the same recipe, e.g. --pos_encoding=rope --ssmax=False
+# --out_dir=out/l12_rope (other sizes: --model_size=l6 ... l24). batch_size 48 per GPU,
+# accumulation making up 1152 sequences per step: the world size must divide 1152 / 48 = 24, or pick
+# a --batch_size that divides 1152 / world size.
 out_dir = "out/l12_bam_ssmax"
-data_dir = "data/fineweb_mistral"  # python prepare_fineweb.py (mistral tokenizer, sample-100BT, 11.9B tokens)
-model_size = "l12"                 # 12 layers, n_embd 768, 16 heads of 48
+data_dir = (
+    "data/fineweb_mistral"  # prepare_fineweb.py's default: mistral, sample-100BT, 11.9B tokens
+)
+model_size = "l12"  # 12 layers, n_embd 768, 16 heads of 48

@@ -1,10 +1,10 @@
-# The paper's l24 ("1.1B") BAM+SSMax run: train.py's defaults (the paper's recipe) on the l24 model (24 layers,
-# n_embd 2048, 64 heads of 32), on the same data as config/bam_120m.py:
+# The paper's l24 ("1.1B") BAM+SSMax run: train.py's defaults (the paper's recipe) on the l24 model
+# (24 layers, n_embd 2048, 64 heads of 32), on the same data as config/bam_120m.py:
 #     torchrun --standalone --nproc_per_node=8 train.py config/bam_1b.py
 out_dir = "out/l24_bam_ssmax"
 data_dir = "data/fineweb_mistral"
 model_size = "l24"
-# batch_size 16 per 80 GB GPU (weights, grads and RAdam state take ~18 GB in fp32): 9 micro-batches on 8 GPUs for
-# 1152 x 512 tokens per step; the world size must divide 1152 / 16 = 72
+# batch_size 16 per 80 GB GPU (weights, grads and RAdam state take ~18 GB in fp32): 9 micro-batches
+# on 8 GPUs for 1152 x 512 tokens per step; the world size must divide 1152 / 16 = 72
 batch_size = 16
 eval_iters = 479  # 479 batches of 16 x 512 cover 99.8% of the 3,932,160-token val split

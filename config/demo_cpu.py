@@ -1,7 +1,8 @@
-# The CPU demo (make demo): a ~210K-parameter model trained on prepare_demo.py's synthetic passkey corpus at a
-# 64-token context, then asked for the passkey at up to 64x that length (eval_passkey.py --template demo).
-# Runs on one CPU thread; `make demo` trains two variants at a time. Training is by iteration count, so one seed
-# gives one model. Override anything with --key=value, e.g. --pos_encoding=rope --ssmax=False --seed=2.
+# The CPU demo (make demo): a ~210K-parameter model trained on prepare_demo.py's synthetic passkey
+# corpus at a 64-token context, then asked for the passkey at up to 64x that length (eval_passkey.py
+# --template demo). Runs on one CPU thread; `make demo` trains two variants at a time. Training is
+# by iteration count, so one seed gives one model. Override anything with --key=value, e.g.
+# --pos_encoding=rope --ssmax=False --seed=2.
 out_dir = "out/demo/bam_ssmax-s1"
 data_dir = "data/demo"
 device = "cpu"
@@ -11,28 +12,29 @@ seed = 1
 # data: one window = one row; prepare_demo.py writes windows of whole documents of this length
 block_size = 64
 batch_size = 16
-tokens_per_step = 0              # no gradient accumulation: a step is one batch of 16 windows
-# model: 4 layers, 8 heads of 8 dims. With 3 layers, or with weight decay, some seeds lost the digit-by-digit copy of
-# the key beyond 4x (results/demo/README.md has the search)
+tokens_per_step = 0  # no gradient accumulation: a step is one batch of 16 windows
+# model: 4 layers, 8 heads of 8 dims. With 3 layers, or with weight decay, some seeds lost the
+# digit-by-digit copy of the key beyond 4x (results/demo/README.md has the search)
 n_layer = 4
 n_head = 8
 n_embd = 64
 pos_encoding = "bam"
 ssmax = True
-ssmax_init = 1.0                 # the authors' default (1 / log 64 also works, but failed one seed of five at 16x)
-ssmax_prior = True               # the paper's placement: (q.k/sqrt(d) + B) * s log n
-bam_init = "zero"                # theta_alpha = theta_beta = 0: a flat prior (NoPE), the authors' current default
+ssmax_init = 1.0  # the authors' default (1 / log 64 also works, but failed one seed of five at 16x)
+ssmax_prior = True  # the paper's placement: (q.k/sqrt(d) + prior) * s log n
+bam_init = "zero"  # theta_alpha = theta_beta = 0: a flat prior (NoPE), the authors' current default
 train_mu = False
 # optimizer (RAdam, decoupled weight decay, cosine to min_lr)
 max_iters = 3000
 learning_rate = 2e-3
 min_lr = 2e-4
 warmup_iters = 0
-weight_decay = 0.0               # none: see the model's comment above
+weight_decay = 0.0  # none: see the model's comment above
 grad_clip = 1.0
-prior_lr = 2e-2                  # the prior's two scalars per head learn 10x faster than the weights: at 1e-2 one seed
-                                 # in 12 kept a nearly flat prior in a head that then read the haystack's mean from 4x
-ssmax_lr = 2e-3                  # SSMax s at the base rate: 1e-2 let s collapse to ~0 (or < 0) in some heads
+# the prior's two scalars per head learn 10x faster than the weights: at 1e-2 one seed in 12 kept a
+# nearly flat prior in a head that then read the haystack's mean from 4x
+prior_lr = 2e-2
+ssmax_lr = 2e-3  # SSMax s at the base rate: 1e-2 let s collapse to ~0 (or < 0) in some heads
 # logging and checkpoints
 eval_interval = 500
 eval_iters = 8

@@ -22,10 +22,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from attention_kernel import impl_error  # noqa: E402
+from attention import impl_error  # noqa: E402
 from data import doc_starts  # noqa: E402
 from eval_common import peak_memory_bytes, reset_peak_memory  # noqa: E402
-from model import ATTN_IMPLS, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, autocast, peak_flops  # noqa: E402
+from hardware import autocast, peak_flops, resolve_device  # noqa: E402
+from model import ATTN_IMPLS, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
@@ -45,7 +46,7 @@ def build_parser():
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="autocast precision; default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--attn_impl", default="auto", choices=list(ATTN_IMPLS),
-                   help="attention implementation (attention_kernel.py), for both variants alike")
+                   help="attention implementation (attention.py), for both variants alike")
     p.add_argument("--compile", action="store_true", help="torch.compile the models (as train.py does by default)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 20 on CPU, 50 on CUDA)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
@@ -141,7 +142,7 @@ def report(runs, B, T, device):
 
 def build_runs(args, variants, device, V, T, size):
     """{variant: model, its step function (compiled with --compile), optimizer, timings}, every model from seed 42.
-    Exits with one line where attention_kernel.impl_error refuses --attn_impl for a variant."""
+    Exits with one line where attention.impl_error refuses --attn_impl for a variant."""
     from priors import get_prior
     runs = {}
     for pe, ss in variants:
@@ -160,8 +161,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     cuda = device.type == "cuda"
     custom = any(v is not None for v in (args.n_layer, args.n_embd, args.n_head))
     size = args.model_size or ("l12" if cuda and not custom else None)

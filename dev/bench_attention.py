@@ -10,12 +10,13 @@ The attention implementations against each other: speed, peak memory and correct
 --prior (a registered prior, default ggd) is what every prior-carrying impl computes, with SSMax scaling it as in
 BAM. CUDA impls: kernel_bam (the kernel with prior and SSMax), kernel_plain (neither), sdpa_flash (torch SDPA, no
 prior: the speed of light), sdpa_prior (the prior materialised as an H x T x T attn_mask). An impl that
-attention_kernel.impl_error refuses for the prior is reported as refused, and a failing point (OOM, ...) is
+attention.impl_error refuses for the prior is reported as refused, and a failing point (OOM, ...) is
 recorded while the others run. FLOPs: forward 4 B H T^2 D x 0.5 (causal), forward+backward 3.5x that. The CPU
 table interleaves the impls round after round and reports median wall and process CPU times.
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -26,8 +27,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-# attention_kernel (which imports triton) is imported inside the functions: --check on a CPU must switch Triton's
-# interpreter on before that import
+# attention (which imports attention_kernel and triton) is imported inside the functions: --check on a CPU must
+# switch Triton's interpreter on before that import
 
 BWD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward (2 matmuls for dq/dk/dv + recompute), as in the tutorial
 
@@ -93,7 +94,7 @@ def leaves(pb):
 # ---------------------------------------------------------------------------------------------------- impls
 def impl_fn(name, pb):
     """A zero-argument callable computing the attention output (autograd-connected to the leaves)."""
-    from attention_kernel import attention
+    from attention import attention
     import torch.nn.functional as F
     q, k, v = pb["q"], pb["k"], pb["v"]
     B, H, T, D = q.shape
@@ -186,7 +187,7 @@ def run_table(args):
                 pb = None
                 try:
                     pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda", prior=args.prior)
-                    from attention_kernel import impl_error
+                    from attention import impl_error
                     refused = name == "kernel_bam" and impl_error("triton", pb["prior"], "cuda", grad=True)
                     if refused:
                         row["status"] = f"refused: {refused}"
@@ -249,7 +250,7 @@ def cpu_problem(T, H=8, D=64, doc_len=1000, seed=0, train=False):
 
 def cpu_impl_fn(name, q, k, v, kw, train=False):
     import torch.nn.functional as F
-    from attention_kernel import attention
+    from attention import attention
     impl = {"reference": "torch", "sdpa": "sdpa"}.get(name)
     fn = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)) if name == "sdpa_noprior" else \
         (lambda: attention(q, k, v, **kw, impl=impl))
@@ -260,7 +261,7 @@ def cpu_impl_fn(name, q, k, v, kw, train=False):
 
 
 def run_cpu_table(args):
-    from attention_kernel import impl_error
+    from attention import impl_error
     from priors import bind
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -411,7 +412,8 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
 def _check_case(name, B, H, Tq, Tk, D, dtype, opt, device, prior):
     """One check: the kernel against the fp32 reference on the same (rounded) inputs; in half precision also
     twice, bitwise (its backward is deterministic)."""
-    from attention_kernel import attention_torch, attention_triton
+    from attention import attention, attention_torch
+    attention_triton = functools.partial(attention, impl="triton")
     tensors, kw, frozen = _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, prior=prior)
     o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
     ref_t = tuple(t.to(dtype).float() if i < 3 else t for i, t in enumerate(tensors))
@@ -430,7 +432,8 @@ def _check_case(name, B, H, Tq, Tk, D, dtype, opt, device, prior):
 
 def _check_empty_row(device, T):
     """A query with no visible key (doc_start after it): output 0, finite gradients."""
-    from attention_kernel import attention_triton
+    from attention import attention
+    attention_triton = functools.partial(attention, impl="triton")
     tensors, kw, frozen = _check_inputs(1, 2, T, T, 64, torch.bfloat16, dict(prior="bam_negative"), device)
     kw["doc_start"] = torch.zeros(1, T, dtype=torch.long)
     kw["doc_start"][0, T // 3:] = T // 3
@@ -442,7 +445,7 @@ def _check_empty_row(device, T):
 
 def run_check(device="cuda", checks=CHECKS, prior="ggd", empty_row_len=300):
     """The Triton kernel against the fp32 reference on every check: outputs and every gradient."""
-    from attention_kernel import impl_error
+    from attention import impl_error
     from priors import get_prior
     refused = impl_error("triton", get_prior(prior), device, grad=True)
     if refused:

@@ -19,9 +19,9 @@ def test_check_runs_under_the_interpreter_and_fails_on_a_wrong_kernel(monkeypatc
     cases = [c for c in bench_attention.CPU_CHECKS if c[0].startswith(("fp32 D32", "fp16"))]
     results, failed = bench_attention.run_check("cpu", cases, empty_row_len=40)
     assert failed == 0 and [r["status"] for r in results] == ["PASS"] * 3
-    import attention_kernel
-    real = attention_kernel.attention_triton
-    monkeypatch.setattr(attention_kernel, "attention_triton", lambda q, k, v, **kw: real(q, k, v, **kw) * 1.01)
+    import attention
+    real = attention.attention_triton
+    monkeypatch.setattr(attention, "attention_triton", lambda q, k, v, **kw: real(q, k, v, **kw) * 1.01)
     _, failed = bench_attention.run_check("cpu", cases[:1], empty_row_len=40)
     assert failed == 1
 

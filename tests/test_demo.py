@@ -16,8 +16,9 @@ import torch
 import passkey
 import plot_prior
 import prepare_demo
+from checkpoint import load_model, save_checkpoint
 from data import EOT, TokenLoader, get_tokenizer, open_shard
-from model import GPT, GPTConfig, load_model, save_checkpoint
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENC = get_tokenizer("byte")

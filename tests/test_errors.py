@@ -1,5 +1,6 @@
-"""Every script's expected failure, as a user meets it: one line `<script>: error: ...` on stderr, exit status 1,
-no traceback."""
+"""Every script's expected failure, as a user meets it: one line `<script>: error: ...` on stderr,
+exit status 1, no traceback."""
+
 import json
 import os
 import subprocess
@@ -8,16 +9,23 @@ import sys
 import pytest
 import torch
 
+from checkpoint import save_checkpoint
 from data import get_tokenizer, write_shard
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVALS = ("eval_passkey.py", "eval_ppl.py", "eval_ruler.py")
 
 
 def run_script(script, *args, cwd=ROOT):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def assert_one_line_error(r, script, *needles):
@@ -31,7 +39,11 @@ def assert_one_line_error(r, script, *needles):
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
     enc = get_tokenizer("byte")
-    tokens = [t for i in range(200) for t in [enc.eot_token] + enc.encode_ordinary(f"document number {i} is short")]
+    tokens = [
+        t
+        for i in range(200)
+        for t in [enc.eot_token] + enc.encode_ordinary(f"document number {i} is short")
+    ]
     write_shard(str(d / "tiny_val_000000.bin"), tokens[:2000], "byte")
     write_shard(str(d / "tiny_train_000001.bin"), tokens[2000:], "byte")
     return d
@@ -41,8 +53,15 @@ def data_dir(tmp_path_factory):
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("run") / "ckpt_0000001.pt"
     torch.manual_seed(0)
-    save_checkpoint(str(path), GPT(GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
-                                             block_size=32)), step=1)
+    save_checkpoint(
+        str(path),
+        GPT(
+            GPTConfig(
+                vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32
+            )
+        ),
+        step=1,
+    )
     return path
 
 
@@ -53,20 +72,47 @@ def test_train_truncated_shard(data_dir, tmp_path):
         (broken / f).write_bytes((data_dir / f).read_bytes())
     with open(broken / "tiny_train_000001.bin", "r+b") as f:
         f.truncate(os.path.getsize(broken / "tiny_train_000001.bin") - 10)
-    r = run_script("train.py", f"--data_dir={broken}", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
-                   "--compile=False", "--dtype=float32", "--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=32",
-                   "--batch_size=2", "--tokens_per_step=0")
+    r = run_script(
+        "train.py",
+        f"--data_dir={broken}",
+        f"--out_dir={tmp_path / 'out'}",
+        "--device=cpu",
+        "--compile=False",
+        "--dtype=float32",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        "--block_size=32",
+        "--batch_size=2",
+        "--tokens_per_step=0",
+    )
     assert_one_line_error(r, "train.py", "tiny_train_000001.bin", "truncated")
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("impl,needle", [("sdpa", "impl='sdpa' cannot train a prior"),
-                                          ("flex", "unknown attention impl 'flex'")])
+@pytest.mark.parametrize(
+    "impl,needle",
+    [("sdpa", "impl='sdpa' cannot train a prior"), ("flex", "unknown attention impl 'flex'")],
+)
 def test_train_refuses_an_attn_impl_that_cannot_train_on_cpu(data_dir, tmp_path, impl, needle):
-    r = run_script("train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
-                   "--compile=False", "--dtype=float32", "--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=32",
-                   "--batch_size=2", "--tokens_per_step=0", f"--attn_impl={impl}")
-    assert r.returncode == 1 and r.stderr.startswith("train.py: error: invalid settings:"), r.stderr[-2000:]
+    r = run_script(
+        "train.py",
+        f"--data_dir={data_dir}",
+        f"--out_dir={tmp_path / 'out'}",
+        "--device=cpu",
+        "--compile=False",
+        "--dtype=float32",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        "--block_size=32",
+        "--batch_size=2",
+        "--tokens_per_step=0",
+        f"--attn_impl={impl}",
+    )
+    assert r.returncode == 1 and r.stderr.startswith("train.py: error: invalid settings:"), (
+        r.stderr[-2000:]
+    )
     assert "Traceback" not in r.stderr and needle in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -74,12 +120,16 @@ def test_train_refuses_an_attn_impl_that_cannot_train_on_cpu(data_dir, tmp_path,
 def test_train_config_file_with_a_syntax_error(tmp_path):
     bad = tmp_path / "bad_config.py"
     bad.write_text("batch_size = 4\nlearning_rate = = 1e-3\n")
-    assert_one_line_error(run_script("train.py", bad, "--device=cpu"), "train.py", "bad_config.py", "line 2")
+    assert_one_line_error(
+        run_script("train.py", bad, "--device=cpu"), "train.py", "bad_config.py", "line 2"
+    )
 
 
 @pytest.mark.parametrize("script", EVALS)
 def test_eval_missing_checkpoint(script, tmp_path):
-    r = run_script(script, "--ckpt", tmp_path / "nowhere", "--out", tmp_path / "res", "--device", "cpu")
+    r = run_script(
+        script, "--ckpt", tmp_path / "nowhere", "--out", tmp_path / "res", "--device", "cpu"
+    )
     assert_one_line_error(r, script, "no checkpoint at", "nowhere")
 
 
@@ -91,21 +141,60 @@ def test_eval_garbage_checkpoint(script, tmp_path):
 
 
 def test_eval_ppl_missing_data_dir(ckpt, tmp_path):
-    r = run_script("eval_ppl.py", "--ckpt", ckpt, "--data_dir", tmp_path / "nowhere", "--out", tmp_path / "res",
-                   "--device", "cpu", "--seq_len", "64")
+    r = run_script(
+        "eval_ppl.py",
+        "--ckpt",
+        ckpt,
+        "--data_dir",
+        tmp_path / "nowhere",
+        "--out",
+        tmp_path / "res",
+        "--device",
+        "cpu",
+        "--seq_len",
+        "64",
+    )
     assert_one_line_error(r, "eval_ppl.py", "data directory", "does not exist")
-    r = run_script("eval_ppl.py", "--ckpt", ckpt, "--out", tmp_path / "res", "--device", "cpu", "--seq_len", "64")
+    r = run_script(
+        "eval_ppl.py",
+        "--ckpt",
+        ckpt,
+        "--out",
+        tmp_path / "res",
+        "--device",
+        "cpu",
+        "--seq_len",
+        "64",
+    )
     assert_one_line_error(r, "eval_ppl.py", "record no training data directory", "--data_dir")
 
 
 def test_prepare_fineweb_missing_input(tmp_path):
-    r = run_script("prepare_fineweb.py", "--local_files", tmp_path / "missing.jsonl", "--tokenizer", "byte",
-                   "--out_dir", tmp_path / "d")
+    r = run_script(
+        "prepare_fineweb.py",
+        "--local_files",
+        tmp_path / "missing.jsonl",
+        "--tokenizer",
+        "byte",
+        "--out_dir",
+        tmp_path / "d",
+    )
     assert_one_line_error(r, "prepare_fineweb.py", "no file matches", "missing.jsonl")
 
 
 def test_prepare_fineweb_no_text_column(tmp_path):
-    (tmp_path / "other.jsonl").write_text("\n".join(json.dumps({"body": f"text {i}"}) for i in range(3)) + "\n")
-    r = run_script("prepare_fineweb.py", "--local_files", tmp_path / "other.jsonl", "--tokenizer", "byte",
-                   "--out_dir", tmp_path / "d", "--num_proc", "2")
+    (tmp_path / "other.jsonl").write_text(
+        "\n".join(json.dumps({"body": f"text {i}"}) for i in range(3)) + "\n"
+    )
+    r = run_script(
+        "prepare_fineweb.py",
+        "--local_files",
+        tmp_path / "other.jsonl",
+        "--tokenizer",
+        "byte",
+        "--out_dir",
+        tmp_path / "d",
+        "--num_proc",
+        "2",
+    )
     assert_one_line_error(r, "prepare_fineweb.py", "no column 'text'", "--text_column")

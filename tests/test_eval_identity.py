@@ -1,5 +1,7 @@
-"""Evaluation results belong to a checkpoint's identity (its weights), not to its path: when the checkpoint at a
-path changes, every evaluation that resumes into the same --out evaluates it again and reports the new numbers."""
+"""Evaluation results belong to a checkpoint's identity (its weights), not to its path: when the
+checkpoint at a path changes, every evaluation that resumes into the same --out evaluates it again
+and reports the new numbers."""
+
 import json
 
 import numpy as np
@@ -10,13 +12,16 @@ import eval_common as ec
 import eval_passkey
 import eval_ppl
 import eval_ruler
+from checkpoint import save_checkpoint
 from data import EOT, write_shard
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 
 
 def save_tiny(path, seed):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32))
+    model = GPT(
+        GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16, block_size=32)
+    )
     save_checkpoint(str(path), model, step=seed)
     return model
 
@@ -28,25 +33,45 @@ def records(path):
 
 # what each evaluation predicts per sample: the numbers that must follow the checkpoint
 def passkey(ckpt, out, data):
-    eval_passkey.main(["--ckpt", ckpt, "--out", out, "--lengths", "300", "--samples", "3", "--no_progress"])
+    eval_passkey.main(
+        ["--ckpt", ckpt, "--out", out, "--lengths", "300", "--samples", "3", "--no_progress"]
+    )
     return [r["predicted"] for r in records(f"{out}/passkey_samples.jsonl")]
 
 
 def ruler(ckpt, out, data):
-    eval_ruler.main(["--ckpt", ckpt, "--out", out, "--tasks", "niah_single_1", "--lengths", "640",
-                     "--samples", "2", "--device", "cpu"])
+    eval_ruler.main(
+        [
+            "--ckpt",
+            ckpt,
+            "--out",
+            out,
+            "--tasks",
+            "niah_single_1",
+            "--lengths",
+            "640",
+            "--samples",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     return [r["output"] for r in records(f"{out}/ruler_samples.jsonl")]
 
 
 def ppl(ckpt, out, data):
-    eval_ppl.main(["--ckpt", ckpt, "--out", out, "--data_dir", data, "--seq_len", "64", "--num_seqs", "2"])
+    eval_ppl.main(
+        ["--ckpt", ckpt, "--out", out, "--data_dir", data, "--seq_len", "64", "--num_seqs", "2"]
+    )
     return [r["loss_sums"] for r in records(f"{out}/ppl_samples.jsonl")]
 
 
 @pytest.fixture
 def data(tmp_path):
     rng = np.random.default_rng(0)
-    tokens = np.concatenate([np.concatenate([[EOT["byte"]], rng.integers(0, 256, 80)]) for _ in range(10)])
+    tokens = np.concatenate(
+        [np.concatenate([[EOT["byte"]], rng.integers(0, 256, 80)]) for _ in range(10)]
+    )
     (tmp_path / "data").mkdir()
     for split, i in (("val", 0), ("train", 1)):
         write_shard(str(tmp_path / "data" / f"t_{split}_{i:06d}.bin"), tokens, "byte")

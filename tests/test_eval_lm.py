@@ -18,10 +18,11 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 import eval_lm
+from checkpoint import save_checkpoint
 from data import get_tokenizer
 from eval_common import EvalError
 from eval_lm import BamGPT, main
-from model import GPT, POS_ENCODINGS, GPTConfig, save_checkpoint
+from model import GPT, POS_ENCODINGS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "lm_tasks")

@@ -13,8 +13,9 @@ from test_passkey import merging_tokenizer
 import inspect_attention as ia
 import passkey
 import plot_prior
+from checkpoint import save_checkpoint
 from data import get_tokenizer
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 from priors import Prior, alibi_slopes, register
 
 DEMO = passkey.TEMPLATES["demo"]

@@ -12,14 +12,15 @@ import math
 import pytest
 import torch
 
+import attention as attention_mod
 import attention_kernel as ak
-from attention_kernel import attention, attention_torch, dense_attention
+from attention import attention, attention_torch, dense_attention, impl_error
 from priors import BoundPrior, Prior, alibi_slopes, get_prior, register
 
 pytest.importorskip("triton")
 
-DEVICE = "cuda" if (torch.cuda.is_available() and not ak._interpreting()) else "cpu"
-if DEVICE == "cpu" and not ak._interpreting():
+DEVICE = "cuda" if (torch.cuda.is_available() and not ak.interpreting()) else "cpu"
+if DEVICE == "cpu" and not ak.interpreting():
     pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 
@@ -272,14 +273,14 @@ def test_kernel_dispatch(monkeypatch):
     does; impl='triton' uses the kernel (here, the interpreter) for every registered prior."""
     calls = []
     for name in ("torch", "triton", "sdpa"):
-        monkeypatch.setattr(ak, f"attention_{name}", lambda *a, name=name, **kw: calls.append(name) or name)
+        monkeypatch.setattr(attention_mod, f"attention_{name}", lambda *a, name=name, **kw: calls.append(name) or name)
     q = torch.randn(1, 2, 4, 16)
     trained = (torch.zeros(2, requires_grad=True), torch.zeros(2), torch.zeros(2))
     cauchy = BoundPrior(get_prior("cauchy"), (torch.ones(2, requires_grad=True), torch.zeros(2)))
     assert [attention(q, q, q, impl="auto"), attention(q.clone().requires_grad_(), q, q, impl="auto"),
             attention(q, q, q, prior=trained, impl="auto")] == ["sdpa", "torch", "torch"]
     assert [attention(q, q, q, prior=p, impl="triton") for p in (None, trained, cauchy)] == ["triton"] * 3
-    assert ak.impl_error("triton", TANH, "cpu", True) is None  # the interpreter takes every prior
+    assert impl_error("triton", TANH, "cpu", True) is None  # the interpreter takes every prior
     with pytest.raises(ValueError):
         attention(q, q, q, impl="cuda")
 
@@ -287,8 +288,8 @@ def test_kernel_dispatch(monkeypatch):
 def test_kernel_rejects_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 1, 4, 16)
-    with pytest.raises(RuntimeError, match="CUDA"):
-        ak.attention_triton(q, q, q)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        attention(q, q, q, impl="triton")
 
 
 @pytest.mark.parametrize("pos_encoding,ssmax", [("bam", True)])

@@ -11,9 +11,9 @@ import model as model_mod
 from priors import BoundPrior, get_prior
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available() and not ak._interpreting():
+if not torch.cuda.is_available() and not ak.interpreting():
     pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cuda" if torch.cuda.is_available() and not ak._interpreting() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() and not ak.interpreting() else "cpu"
 
 
 def tiny_gpt(attn_impl):

@@ -1,26 +1,32 @@
-"""Model core: the attention() contract, the 10 positional-encoding variants, checkpoints, configurator."""
+"""Model core: the attention() contract, the 10 positional-encoding variants, checkpoints,
+configurator."""
+
 import math
 
 import pytest
 import torch
 
-from attention_kernel import attention, attention_sdpa, attention_torch, dense_attention
+from attention import attention, attention_sdpa, attention_torch, dense_attention
+from checkpoint import load_model, load_state, save_checkpoint
 from configurator import ConfigError, configure
-from model import (GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state, save_checkpoint)
+from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
 
 def tiny(pe="bam", ssmax=True, **kw):
-    kw = dict(dict(vocab_size=257, n_layer=2, n_head=4, n_embd=32, block_size=16, tokenizer="byte"), **kw)
+    kw = dict(
+        dict(vocab_size=257, n_layer=2, n_head=4, n_embd=32, block_size=16, tokenizer="byte"), **kw
+    )
     return GPTConfig(pos_encoding=pe, ssmax=ssmax, **kw)
 
 
 def make(cfg, seed=0):
     torch.manual_seed(seed)
     model = GPT(cfg)
-    # move the priors off their trivial init so that every test exercises a non-degenerate prior and SSMax
+    # move the priors off their trivial init so that every test exercises a non-degenerate prior and
+    # SSMax
     with torch.no_grad():
         for i, block in enumerate(model.blocks):
             a = block.attn
@@ -32,13 +38,14 @@ def make(cfg, seed=0):
     return model
 
 
-# ---------------------------------------------------------------------------------------------------------
-# attention(): dense_attention (the specification) against a per-element computation written here, and every
-# impl against dense_attention
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# attention(): dense_attention (the specification) against a per-element computation written here,
+# and every impl against dense_attention
+# --------------------------------------------------------------------------------------------------
 def test_dense_attention_is_the_formula_element_by_element():
-    """out_i = sum_j softmax_j(s_ij) v_j with s_ij = (l_ij + B(j - i)) r_i or l_ij r_i + B(j - i), the GGD prior
-    B(d) = -exp(a) (|d - 2 sinh(m)| + 1e-5)^b and the keys doc_start[i] <= j <= i, one scalar at a time."""
+    """out_i = sum_j softmax_j(s_ij) v_j with s_ij = (l_ij + B(j - i)) r_i or l_ij r_i + B(j - i),
+    the GGD prior B(d) = -exp(a) (|d - 2 sinh(m)| + 1e-5)^b and the keys doc_start[i] <= j <= i, one
+    scalar at a time."""
     gen = torch.Generator().manual_seed(4)
     B, H, Tq, Tk, D, q_offset = 2, 2, 4, 7, 3, 2
     q, k, v = (torch.randn(B, H, t, D, generator=gen, dtype=torch.float64) for t in (Tq, Tk, Tk))
@@ -46,8 +53,17 @@ def test_dense_attention_is_the_formula_element_by_element():
     row_scale = torch.rand(B, H, Tq, generator=gen, dtype=torch.float64) + 0.5
     doc_start = torch.tensor([[0, 0, 0, 3, 3, 3, 3], [0, 1, 1, 1, 1, 5, 5]])
     for scale_prior in (False, True):
-        got = dense_attention(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale,
-                              scale_prior=scale_prior, q_offset=q_offset, softmax_scale=0.7)
+        got = dense_attention(
+            q,
+            k,
+            v,
+            doc_start=doc_start,
+            prior=prior,
+            row_scale=row_scale,
+            scale_prior=scale_prior,
+            q_offset=q_offset,
+            softmax_scale=0.7,
+        )
         for b in range(B):
             for h in range(H):
                 a, be, m = (float(t[h]) for t in prior)
@@ -55,14 +71,23 @@ def test_dense_attention_is_the_formula_element_by_element():
                     i, r = q_offset + t, float(row_scale[b, h, t])
                     scores = {}
                     for j in range(int(doc_start[b, i]), i + 1):
-                        l = 0.7 * sum(float(q[b, h, t, x] * k[b, h, j, x]) for x in range(D))
+                        content = 0.7 * sum(float(q[b, h, t, x] * k[b, h, j, x]) for x in range(D))
                         prior_ij = -math.exp(a) * (abs(j - i - 2 * math.sinh(m)) + 1e-5) ** be
-                        scores[j] = (l + prior_ij) * r if scale_prior else l * r + prior_ij
+                        if scale_prior:
+                            scores[j] = (content + prior_ij) * r
+                        else:
+                            scores[j] = content * r + prior_ij
                     z = sum(math.exp(s - max(scores.values())) for s in scores.values())
-                    want = [sum(math.exp(s - max(scores.values())) / z * float(v[b, h, j, x])
-                                for j, s in scores.items()) for x in range(D)]
-                    torch.testing.assert_close(got[b, h, t], torch.tensor(want, dtype=torch.float64),
-                                               atol=1e-6, rtol=1e-5)
+                    want = [
+                        sum(
+                            math.exp(s - max(scores.values())) / z * float(v[b, h, j, x])
+                            for j, s in scores.items()
+                        )
+                        for x in range(D)
+                    ]
+                    torch.testing.assert_close(
+                        got[b, h, t], torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-5
+                    )
 
 
 def random_doc_start(B, T, gen):
@@ -75,8 +100,19 @@ def random_doc_start(B, T, gen):
 
 
 @pytest.mark.parametrize("impl", ["torch", "sdpa"])
-@pytest.mark.parametrize("case", ["plain", "prior", "prior_neg_beta_mu", "ssmax", "ssmax_scale_prior",
-                                  "docs", "q_offset", "everything"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",
+        "prior",
+        "prior_neg_beta_mu",
+        "ssmax",
+        "ssmax_scale_prior",
+        "docs",
+        "q_offset",
+        "everything",
+    ],
+)
 def test_attention_matches_dense_formula(case, impl):
     gen = torch.Generator().manual_seed(hash(case) % 1000)
     B, H, Tk, D = 2, 3, 23, 8
@@ -90,26 +126,47 @@ def test_attention_matches_dense_formula(case, impl):
     if case != "plain" and case not in ("ssmax", "docs", "q_offset"):
         prior = (torch.tensor([-0.5, 0.3, 0.0]), torch.tensor([1.0, 0.4, 2.0]), torch.zeros(3))
     if case in ("prior_neg_beta_mu", "everything"):
-        prior = (torch.tensor([-0.5, 0.3, -2.0]), torch.tensor([-1.5, -0.3, 0.7]), torch.tensor([0.4, -0.2, 0.8]))
+        prior = (
+            torch.tensor([-0.5, 0.3, -2.0]),
+            torch.tensor([-1.5, -0.3, 0.7]),
+            torch.tensor([0.4, -0.2, 0.8]),
+        )
     if case in ("ssmax", "ssmax_scale_prior", "everything"):
         row_scale = torch.rand(B, H, Tq, generator=gen, dtype=torch.float64) * 2
         scale_prior = case != "ssmax"
     if case in ("docs", "everything"):
         doc_start = random_doc_start(B, Tk, gen)
-    ref = dense_attention(q, k, v, doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior,
-                          q_offset=q_offset)
-    out = attention(q.float(), k.float(), v.float(), doc_start=doc_start, prior=prior,
-                    row_scale=None if row_scale is None else row_scale.float(), scale_prior=scale_prior,
-                    q_offset=q_offset, impl=impl)
+    ref = dense_attention(
+        q,
+        k,
+        v,
+        doc_start=doc_start,
+        prior=prior,
+        row_scale=row_scale,
+        scale_prior=scale_prior,
+        q_offset=q_offset,
+    )
+    out = attention(
+        q.float(),
+        k.float(),
+        v.float(),
+        doc_start=doc_start,
+        prior=prior,
+        row_scale=None if row_scale is None else row_scale.float(),
+        scale_prior=scale_prior,
+        q_offset=q_offset,
+        impl=impl,
+    )
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scale_prior", [False, True])
 @pytest.mark.parametrize("prior_name", ["ggd", "cauchy"])
 def test_reference_gradients_match_dense_formula_for_every_chunking(scale_prior, prior_name):
-    """impl='torch' against autograd through dense_attention: the output and the gradient of q, k, v, every prior
-    parameter and row_scale, with documents, queries at an offset, a row scale per batch row (0 or negative on
-    some rows) and one broadcast over the batch, and query chunks of 1, 7 and all rows."""
+    """impl='torch' against autograd through dense_attention: the output and the gradient of q, k,
+    v, every prior parameter and row_scale, with documents, queries at an offset, a row scale per
+    batch row (0 or negative on some rows) and one broadcast over the batch, and query chunks of 1,
+    7 and all rows."""
     gen = torch.Generator().manual_seed(11)
     B, H, Tq, Tk, D = 3, 4, 30, 41, 8
     q, dout = (torch.randn(B, H, Tq, D, generator=gen) for _ in range(2))
@@ -124,19 +181,33 @@ def test_reference_gradients_match_dense_formula_for_every_chunking(scale_prior,
         results = {}
         for chunk in ("dense", 1, 7, None):
             leaves = [t.clone().requires_grad_() for t in (q, k, v, *params, row_scale)]
-            kw = dict(doc_start=doc_start, prior=BoundPrior(prior_def, tuple(leaves[3:-1])), row_scale=leaves[-1],
-                      scale_prior=scale_prior, q_offset=6)
-            out = dense_attention(*leaves[:3], **kw) if chunk == "dense" else \
-                attention_torch(*leaves[:3], chunk_size=chunk, **kw)
+            kw = dict(
+                doc_start=doc_start,
+                prior=BoundPrior(prior_def, tuple(leaves[3:-1])),
+                row_scale=leaves[-1],
+                scale_prior=scale_prior,
+                q_offset=6,
+            )
+            out = (
+                dense_attention(*leaves[:3], **kw)
+                if chunk == "dense"
+                else attention_torch(*leaves[:3], chunk_size=chunk, **kw)
+            )
             results[chunk] = [out] + list(torch.autograd.grad((out * dout).sum(), leaves))
         for chunk, got in results.items():
             for name, a, b in zip(names, got, results["dense"]):
-                torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4,
-                                           msg=lambda m: f"chunk {chunk} {name}: {m}")
+                torch.testing.assert_close(
+                    a.double(),
+                    b.double(),
+                    atol=2e-5,
+                    rtol=1e-4,
+                    msg=lambda m: f"chunk {chunk} {name}: {m}",
+                )
 
 
 def test_reference_in_bfloat16_computes_in_fp32():
-    """bf16 inputs: computed in fp32, returned in bf16, gradients in bf16, close to the fp32 result."""
+    """bf16 inputs: computed in fp32, returned in bf16, gradients in bf16, close to the fp32
+    result."""
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 3, 19, 8, generator=gen) for _ in range(3))
     doc_start = random_doc_start(2, 19, gen)
@@ -153,33 +224,51 @@ def test_reference_in_bfloat16_computes_in_fp32():
 
 @pytest.mark.parametrize("scale_prior", [False, True])
 def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
-    """The fused-SDPA path (reversed keys, Hankel mask views, one reused mask buffer) against the reference, with
-    documents, a row scale broadcast over the batch that is 0 or negative on some rows, and queries at an offset."""
+    """The fused-SDPA path (reversed keys, Hankel mask views, one reused mask buffer) against the
+    reference, with documents, a row scale broadcast over the batch that is 0 or negative on some
+    rows, and queries at an offset."""
     gen = torch.Generator().manual_seed(3)
     B, H, Tq, Tk, D = 3, 4, 30, 41, 8
     q = torch.randn(B, H, Tq, D, generator=gen)
     k, v = (torch.randn(B, H, Tk, D, generator=gen) for _ in range(2))
     doc_start = random_doc_start(B, Tk, gen)
-    prior = (torch.tensor([-1.0, 0.0, 0.5, -0.2]), torch.tensor([-0.7, 0.0, 1.0, 2.0]), torch.tensor([0.0, 0.1, 0, 0]))
+    prior = (
+        torch.tensor([-1.0, 0.0, 0.5, -0.2]),
+        torch.tensor([-0.7, 0.0, 1.0, 2.0]),
+        torch.tensor([0.0, 0.1, 0, 0]),
+    )
     row_scale = torch.rand(1, H, Tq, generator=gen) * 2 - 0.2
     row_scale[:, :, 3] = 0.0
-    kw = dict(doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=6)
+    kw = dict(
+        doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=6
+    )
     with torch.no_grad():
         ref = attention_torch(q, k, v, **kw)
         for chunk in (Tq, 7, 1):
-            torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=chunk, **kw), ref, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(attention_sdpa(q, k, v, q_offset=6), attention_torch(q, k, v, q_offset=6))
+            torch.testing.assert_close(
+                attention_sdpa(q, k, v, chunk_size=chunk, **kw), ref, atol=1e-5, rtol=1e-4
+            )
+        torch.testing.assert_close(
+            attention_sdpa(q, k, v, q_offset=6), attention_torch(q, k, v, q_offset=6)
+        )
         # any registered prior: the mask comes from the prior's own fn
-        kw["prior"] = BoundPrior(get_prior("cauchy"), (torch.tensor([0.0, 0.5, -1.0, 1.0]),
-                                                       torch.tensor([0.0, 1.0, 2.0, -1.0])))
-        torch.testing.assert_close(attention_sdpa(q, k, v, chunk_size=7, **kw), attention_torch(q, k, v, **kw),
-                                   atol=1e-5, rtol=1e-4)
+        kw["prior"] = BoundPrior(
+            get_prior("cauchy"),
+            (torch.tensor([0.0, 0.5, -1.0, 1.0]), torch.tensor([0.0, 1.0, 2.0, -1.0])),
+        )
+        torch.testing.assert_close(
+            attention_sdpa(q, k, v, chunk_size=7, **kw),
+            attention_torch(q, k, v, **kw),
+            atol=1e-5,
+            rtol=1e-4,
+        )
 
 
 @pytest.mark.parametrize("case", ["nope", "nope_ssmax", "alibi_ssmax", "fixed_ggd_ssmax_scaled"])
 def test_sdpa_path_gradients_match_reference(case):
-    """impl='sdpa' against dense_attention, values and gradients, for what it may train: q, k, v and SSMax's
-    row_scale, also where it scales a fixed prior (the mask then carries row_scale's gradient). Documents."""
+    """impl='sdpa' against dense_attention, values and gradients, for what it may train: q, k, v and
+    SSMax's row_scale, also where it scales a fixed prior (the mask then carries row_scale's
+    gradient). Documents."""
     gen = torch.Generator().manual_seed(5)
     B, H, T, D = 2, 4, 33, 8
     q, k, v, dout = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))
@@ -191,15 +280,21 @@ def test_sdpa_path_gradients_match_reference(case):
     if case == "alibi_ssmax":
         kw["prior"] = BoundPrior(get_prior("alibi"), (alibi_slopes(H),))
     if case == "fixed_ggd_ssmax_scaled":
-        kw.update(prior=(torch.linspace(-1, 0.5, H), torch.tensor([-0.5, 0.0, 1.0, 2.0]), torch.zeros(H)),
-                  scale_prior=True)
+        kw.update(
+            prior=(torch.linspace(-1, 0.5, H), torch.tensor([-0.5, 0.0, 1.0, 2.0]), torch.zeros(H)),
+            scale_prior=True,
+        )
     grads = []
     for impl in ("dense", "sdpa"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         if "row_scale" in kw:
             kw["row_scale"] = rs.clone().requires_grad_()
             leaves.append(kw["row_scale"])
-        out = dense_attention(*leaves[:3], **kw) if impl == "dense" else attention(*leaves[:3], **kw, impl=impl)
+        out = (
+            dense_attention(*leaves[:3], **kw)
+            if impl == "dense"
+            else attention(*leaves[:3], **kw, impl=impl)
+        )
         grads.append([out] + list(torch.autograd.grad((out * dout).sum(), leaves)))
     for a, b in zip(*grads):
         torch.testing.assert_close(b.double(), a.double(), atol=1e-5, rtol=1e-4)
@@ -209,22 +304,32 @@ def test_sdpa_path_gradients_match_reference(case):
 
 
 def test_prior_is_finite_for_negative_beta_at_distance_zero():
-    b = ggd_prior(torch.arange(-5, 1), torch.tensor([0.0]), torch.tensor([-1.5]), torch.tensor([0.0]))
-    assert torch.isfinite(b).all() and b[0, -1] < -1e6 and b[0, 0] > -1  # anti-local: d=0 is most penalised
+    b = ggd_prior(
+        torch.arange(-5, 1), torch.tensor([0.0]), torch.tensor([-1.5]), torch.tensor([0.0])
+    )
+    assert (
+        torch.isfinite(b).all() and b[0, -1] < -1e6 and b[0, 0] > -1
+    )  # anti-local: d=0 is most penalised
 
 
 def test_alibi_slopes_match_reference_values():
-    torch.testing.assert_close(alibi_slopes(16), torch.tensor([2 ** (-k / 2) for k in range(1, 17)]))
-    torch.testing.assert_close(alibi_slopes(32), torch.tensor([2 ** (-k / 4) for k in range(1, 33)]))
+    torch.testing.assert_close(
+        alibi_slopes(16), torch.tensor([2 ** (-k / 2) for k in range(1, 17)])
+    )
+    torch.testing.assert_close(
+        alibi_slopes(32), torch.tensor([2 ** (-k / 4) for k in range(1, 33)])
+    )
     s24 = alibi_slopes(24)
     torch.testing.assert_close(s24[:16], alibi_slopes(16))
-    torch.testing.assert_close(s24[16:], torch.tensor([2 ** (-4 * (2 * j + 1) / 16) for j in range(8)]))
+    torch.testing.assert_close(
+        s24[16:], torch.tensor([2 ** (-4 * (2 * j + 1) / 16) for j in range(8)])
+    )
     assert abs(s24[16].item() - 0.8409) < 1e-4 and abs(s24[-1].item() - 0.0743) < 1e-4
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The model: every variant, causality, documents, special cases of the prior
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("pe,ssmax", VARIANTS)
 def test_variant_forward_backward_two_lengths(pe, ssmax):
     model = make(tiny(pe, ssmax))
@@ -232,7 +337,7 @@ def test_variant_forward_backward_two_lengths(pe, ssmax):
         model.zero_grad()
         idx = torch.randint(0, 257, (2, T))
         doc_start = torch.zeros(2, T, dtype=torch.long)
-        doc_start[1, T // 2:] = T // 2
+        doc_start[1, T // 2 :] = T // 2
         _, loss = model(idx, idx, doc_start=doc_start)
         assert torch.isfinite(loss)
         loss.backward()
@@ -255,7 +360,9 @@ def test_variant_runs_at_8x_block_size(pe, ssmax):
     assert logits.shape == (1, 4, cfg.padded_vocab_size) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("pe,ssmax", [("rope", True), ("bam", True), ("sinusoidal", False), ("alibi", True)])
+@pytest.mark.parametrize(
+    "pe,ssmax", [("rope", True), ("bam", True), ("sinusoidal", False), ("alibi", True)]
+)
 def test_causality(pe, ssmax):
     model = make(tiny(pe, ssmax)).eval()
     idx = torch.randint(0, 257, (1, 20))
@@ -270,8 +377,9 @@ def test_causality(pe, ssmax):
 
 @pytest.mark.parametrize("pe", ["bam", "nope", "alibi"])
 def test_document_isolation_and_ssmax_restart(pe):
-    """A document's logits depend neither on the previous document's tokens nor on where it starts in the
-    window: SSMax's n restarts at the document start, and bam/alibi/nope only see relative distances."""
+    """A document's logits depend neither on the previous document's tokens nor on where it starts
+    in the window: SSMax's n restarts at the document start, and bam/alibi/nope only see relative
+    distances."""
     model = make(tiny(pe, True)).eval()
     doc = torch.randint(0, 257, (1, 9))
     with torch.no_grad():
@@ -285,7 +393,8 @@ def test_document_isolation_and_ssmax_restart(pe):
 
 
 def test_document_isolation_with_absolute_positions():
-    """rope (positions not reset, as the authors did): the previous document's *tokens* still don't matter."""
+    """rope (positions not reset, as the authors did): the previous document's *tokens* still don't
+    matter."""
     model = make(tiny("rope", True)).eval()
     doc_start = torch.zeros(1, 16, dtype=torch.long)
     doc_start[:, 6:] = 6
@@ -306,7 +415,9 @@ def _copy_weights(src, dst):
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_bam_with_beta_one_and_log_slope_is_alibi(ssmax):
     alibi = make(tiny("alibi", ssmax)).eval()
-    bam = GPT(tiny("bam", ssmax, bam_init="alibi", ssmax_prior=False)).eval()  # ALiBi+SSMax leaves B unscaled
+    bam = GPT(
+        tiny("bam", ssmax, bam_init="alibi", ssmax_prior=False)
+    ).eval()  # ALiBi+SSMax leaves B unscaled
     _copy_weights(alibi, bam)
     idx = torch.randint(0, 257, (2, 24))
     with torch.no_grad():
@@ -316,7 +427,9 @@ def test_bam_with_beta_one_and_log_slope_is_alibi(ssmax):
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_bam_with_beta_zero_is_nope(ssmax):
     nope = make(tiny("nope", ssmax)).eval()
-    bam = GPT(tiny("bam", ssmax, bam_init="0.7,0")).eval()  # constant prior -exp(0.7): a uniform prior
+    bam = GPT(
+        tiny("bam", ssmax, bam_init="0.7,0")
+    ).eval()  # constant prior -exp(0.7): a uniform prior
     _copy_weights(nope, bam)
     idx = torch.randint(0, 257, (2, 24))
     with torch.no_grad():
@@ -331,7 +444,7 @@ def test_kv_cache_decoding_equals_full_forward(pe, ssmax):
         full, _ = model(idx)
         cache = KVCache(model.config.n_layer, 21)
         steps = [model(idx[:, :13], kv_cache=cache)[0]]  # prefill, then one token at a time
-        steps += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(13, 21)]
+        steps += [model(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(13, 21)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -342,7 +455,9 @@ def test_generate_greedy_matches_argmax_of_full_forward():
     seq = prompt
     with torch.no_grad():
         for tok in out:
-            assert int(model(seq)[0][0, -1, :model.config.vocab_size].argmax()) == tok  # never a padded id
+            assert (
+                int(model(seq)[0][0, -1, : model.config.vocab_size].argmax()) == tok
+            )  # never a padded id
             seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
 
 
@@ -358,25 +473,38 @@ def test_logits_at_and_per_token_loss():
     torch.testing.assert_close(picked, full[:, [0, 5]])
     assert per_token.shape == (2, 29)
     torch.testing.assert_close(per_token.mean(), mean_loss)
-    torch.testing.assert_close(model._token_losses(model.norm(model.wte(idx[:, :-1])), idx[:, 1:], 7),
-                               model._token_losses(model.norm(model.wte(idx[:, :-1])), idx[:, 1:]))
+    torch.testing.assert_close(
+        model._token_losses(model.norm(model.wte(idx[:, :-1])), idx[:, 1:], 7),
+        model._token_losses(model.norm(model.wte(idx[:, :-1])), idx[:, 1:]),
+    )
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sizes, parameter counts, checkpoints, inspection
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_l12_parameter_count_matches_closed_form():
-    cfg = GPTConfig(**dict(zip(("n_layer", "n_embd", "n_head"), MODEL_SIZES["l12"])), vocab_size=50257)
+    cfg = GPTConfig(
+        **dict(zip(("n_layer", "n_embd", "n_head"), MODEL_SIZES["l12"])), vocab_size=50257
+    )
     with torch.device("meta"):
         model = GPT(cfg)
-    V, D, L = 50304, 768, 12  # gpt2's 50257 padded to a multiple of 64
-    closed_form = 2 * V * D + L * (4 * D * D + 3 * D * 2 * D + 2 * D) + D  # 2VD + L(4D^2 + 3*D*2D + 2D) + D
+    V = 50304  # gpt2's 50257 padded to a multiple of 64
+    D = 768
+    L = 12
+    # 2VD + L(4D^2 + 3*D*2D + 2D) + D
+    closed_form = 2 * V * D + L * (4 * D * D + 3 * D * 2 * D + 2 * D) + D
     groups = model.param_groups()
-    backbone = sum(p.numel() for n, p in model.named_parameters() if ".theta_" not in n and "ssmax_s" not in n)
+    backbone = sum(
+        p.numel() for n, p in model.named_parameters() if ".theta_" not in n and "ssmax_s" not in n
+    )
     assert backbone == closed_form
-    assert sum(p.numel() for p in groups["prior"]) == 384 == 2 * 16 * 12  # theta_alpha, theta_beta trainable
+    assert (
+        sum(p.numel() for p in groups["prior"]) == 384 == 2 * 16 * 12
+    )  # theta_alpha, theta_beta trainable
     assert sum(p.numel() for p in groups["ssmax"]) == 192
-    assert sum(p.numel() for n, p in model.named_parameters() if n.endswith("theta_mu")) == 192  # stored, frozen
+    assert (
+        sum(p.numel() for n, p in model.named_parameters() if n.endswith("theta_mu")) == 192
+    )  # stored, frozen
     assert all(n in MODEL_SIZES for n in ("l6", "l8", "l12", "l15", "l18", "l24"))
 
 
@@ -392,7 +520,11 @@ def test_optimizer_groups_weight_decay():
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert by_wd[id(p)] == (0.1 if p.dim() >= 2 else 0.0), name
-    prior_group = [g for g in opt.param_groups if any(p is model.blocks[0].attn.theta_beta for p in g["params"])]
+    prior_group = [
+        g
+        for g in opt.param_groups
+        if any(p is model.blocks[0].attn.theta_beta for p in g["params"])
+    ]
     assert prior_group[0]["lr"] == 1e-2 and prior_group[0]["base_lr"] == 1e-2
 
 
@@ -401,12 +533,17 @@ def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
     path = str(tmp_path / "run" / "ckpt_0000007.pt")
     save_checkpoint(path, torch.compile(model), step=7)  # lazy wrapper: keys carry _orig_mod.
     assert not [f for f in (tmp_path / "run").iterdir() if ".tmp" in f.name]  # written atomically
-    loaded, ckpt = load_model(str(tmp_path / "run"))  # a run directory resolves to its newest checkpoint
-    assert ckpt["step"] == 7 and all(not k.startswith(("_orig_mod", "module")) for k in ckpt["model"])
+    loaded, ckpt = load_model(
+        str(tmp_path / "run")
+    )  # a run directory resolves to its newest checkpoint
+    assert ckpt["step"] == 7 and all(
+        not k.startswith(("_orig_mod", "module")) for k in ckpt["model"]
+    )
     idx = torch.randint(0, 257, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0])
-    # how attention is computed is the caller's choice, never the checkpoint's (whatever impl the run used)
+    # how attention is computed is the caller's choice, never the checkpoint's (whatever impl the
+    # run used)
     ckpt["model_args"]["attn_impl"] = "an impl of another version"
     torch.save(ckpt, path)
     assert load_model(path, attn_impl="torch")[0].config.attn_impl == "torch"
@@ -429,7 +566,7 @@ def test_prior_summary_reports_every_layer():
     assert GPT(tiny("rope", False)).prior_summary() == []
     assert rows[0]["prior"] == "ggd"
     alibi = GPT(tiny("alibi", False)).prior_summary()[0]
-    assert alibi["prior"] == "alibi" and alibi["slope"] == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
+    assert alibi["prior"] == "alibi" and alibi["slope"] == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]
 
 
 def test_bad_config_values_fail_clearly():
@@ -439,24 +576,48 @@ def test_bad_config_values_fail_clearly():
         tiny("bam", bam_init="nonsense")
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # configurator
-# ---------------------------------------------------------------------------------------------------------
-DEFAULTS = dict(batch_size=12, learning_rate=1e-3, pos_encoding="bam", ssmax=True, prior_lr=None, bam_init="zero")
+# --------------------------------------------------------------------------------------------------
+DEFAULTS = dict(
+    batch_size=12,
+    learning_rate=1e-3,
+    pos_encoding="bam",
+    ssmax=True,
+    prior_lr=None,
+    bam_init="zero",
+)
 
 
 def test_configurator_applies_file_then_overrides(tmp_path):
     cfg_file = tmp_path / "c.py"
     cfg_file.write_text("batch_size = 4\npos_encoding = 'rope'\n")
-    cfg = configure(DEFAULTS, [str(cfg_file), "--learning_rate=3", "--ssmax=False", "--prior_lr=0.01",
-                               "--pos_encoding=alibi", "--bam_init=0.5,-1"])
-    assert cfg == dict(batch_size=4, learning_rate=3.0, pos_encoding="alibi", ssmax=False, prior_lr=0.01,
-                       bam_init="0.5,-1")
+    cfg = configure(
+        DEFAULTS,
+        [
+            str(cfg_file),
+            "--learning_rate=3",
+            "--ssmax=False",
+            "--prior_lr=0.01",
+            "--pos_encoding=alibi",
+            "--bam_init=0.5,-1",
+        ],
+    )
+    assert cfg == dict(
+        batch_size=4,
+        learning_rate=3.0,
+        pos_encoding="alibi",
+        ssmax=False,
+        prior_lr=0.01,
+        bam_init="0.5,-1",
+    )
     assert isinstance(cfg["learning_rate"], float)
 
 
 def test_configurator_rejects_unknown_key_and_wrong_type(tmp_path):
-    with pytest.raises(ConfigError, match="unknown config key 'batch_sise'.*Did you mean batch_size"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'batch_sise'.*Did you mean batch_size"
+    ):
         configure(DEFAULTS, ["--batch_sise=3"])
     with pytest.raises(ConfigError, match="'batch_size'.*expects int.*got float"):
         configure(DEFAULTS, ["--batch_size=2.5"])

@@ -17,8 +17,9 @@ import eval_common
 import eval_passkey as ep
 import model as model_mod
 import passkey
+from checkpoint import load_model, save_checkpoint
 from data import get_tokenizer, tiktoken_tokenizer
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 
 PAPER = passkey.TEMPLATES["paper"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,7 +311,7 @@ def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
                 "length"
             ] <= L
     # each record's prediction equals an independent full-logits forward of the rebuilt prompt
-    model, _ = model_mod.load_model(ckpts[0])
+    model, _ = load_model(ckpts[0])
     for r in (by[("runA", 400, 0)], by[("runA", 700, 3)]):
         prompt, answer, info = passkey.build_prompt(
             enc, PAPER, r["target_length"], r["key"], r["k"]

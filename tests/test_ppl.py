@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import eval_ppl
+from checkpoint import save_checkpoint
 from data import EOT, write_shard
 from eval_common import EvalError
 from eval_ppl import full_token_losses, hf_sequences, window_sums
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 
 
 def tiny_model(pe="bam", ssmax=True, seed=0, block_size=32):
@@ -183,7 +184,7 @@ def test_main_end_to_end(setup):
 
     # independent recomputation: end-of-text removed, rows of 101 tokens, one forward each, exp(mean
     # CE)
-    from model import load_model
+    from checkpoint import load_model
 
     model, _ = load_model(setup["ckpt"])
     toks = torch.from_numpy(setup["tokens"][setup["tokens"] != EOT["byte"]].astype(np.int64))

@@ -1,51 +1,71 @@
-"""The prior registry (priors.py): every attention impl computes a registered prior exactly or refuses it, ALiBi
-stays the Laplace prior, and checkpoints record their prior.
+"""The prior registry (priors.py): every attention impl computes a registered prior exactly or
+refuses it, ALiBi stays the Laplace prior, and checkpoints record their prior.
 
-The Triton cases run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); their test names
-contain "kernel" so that `pytest -k kernel` selects them with the other kernel tests.
+The Triton cases run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); their
+test names contain "kernel" so that `pytest -k kernel` selects them with the other kernel tests.
 """
+
 import math
 
 import pytest
 import torch
 
+import attention as attention_mod
 import attention_kernel as ak
 import eval_passkey
-from attention_kernel import attention, attention_probs
-from model import GPT, CheckpointError, GPTConfig, load_model, save_checkpoint
+from attention import attention, attention_probs, impl_error, pick_impl
+from checkpoint import CheckpointError, load_model, save_checkpoint
+from model import GPT, GPTConfig
 from priors import PRIORS, BoundPrior, Prior, alibi_slopes, bind, get_prior, register
 
 
-# ------------------------------------------------------------------------------------ a prior no other test uses
+# ----------------------------------------------------------------------- a prior no other test uses
 def tanh_prior(d, theta_p, theta_q):
-    """theta_p * tanh(|d| / exp(theta_q)): local (theta_p < 0) or anti-local (theta_p > 0), bounded."""
-    return theta_p.float()[:, None] * torch.tanh(d.float().abs()[None, :] / torch.exp(theta_q.float())[:, None])
+    """theta_p * tanh(|d| / exp(theta_q)): local (theta_p < 0) or anti-local (theta_p > 0),
+    bounded."""
+    return theta_p.float()[:, None] * torch.tanh(
+        d.float().abs()[None, :] / torch.exp(theta_q.float())[:, None]
+    )
 
 
-TANH = register(Prior(name="test_tanh", fn=tanh_prior, params=("theta_p", "theta_q"),
-                      init=lambda spec, n_head: (torch.zeros(n_head), torch.zeros(n_head)),
-                      trainable=("theta_p", "theta_q"), formula="θp tanh(|d| / exp(θq))", shape_param="theta_p"))
+TANH = register(
+    Prior(
+        name="test_tanh",
+        fn=tanh_prior,
+        params=("theta_p", "theta_q"),
+        init=lambda spec, n_head: (torch.zeros(n_head), torch.zeros(n_head)),
+        trainable=("theta_p", "theta_q"),
+        formula="θp tanh(|d| / exp(θq))",
+        shape_param="theta_p",
+    )
+)
 
 
 def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior, q_offset):
-    """The whole (Tq x Tk) attention written out from the formula, independently of attention_kernel."""
+    """The whole (Tq x Tk) attention written out from the formula, independently of
+    attention_kernel."""
     Tq, Tk, D = q.shape[2], k.shape[2], q.shape[3]
     i = q_offset + torch.arange(Tq)
     j = torch.arange(Tk)
     dist = (j[None, :] - i[:, None]).abs().double()  # (Tq, Tk)
-    prior = theta_p.double()[:, None, None] * torch.tanh(dist[None] / theta_q.double().exp()[:, None, None])
+    prior = theta_p.double()[:, None, None] * torch.tanh(
+        dist[None] / theta_q.double().exp()[:, None, None]
+    )
     logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
     r = row_scale.double()[..., None]
     s = (logits + prior) * r if scale_prior else logits * r + prior
-    visible = (j[None, None, :] <= i[None, :, None]) & (j[None, None, :] >= doc_start[:, i][:, :, None])
+    visible = (j[None, None, :] <= i[None, :, None]) & (
+        j[None, None, :] >= doc_start[:, i][:, :, None]
+    )
     s = s.masked_fill(~visible[:, None], float("-inf"))
     return torch.softmax(s, dim=-1) @ v.double()
 
 
 def impl_cases():
-    """(impl, trains the prior) for every impl available here: torch; sdpa (evaluation only); the kernel."""
+    """(impl, trains the prior) for every impl available here: torch; sdpa (evaluation only); the
+    kernel."""
     cases = [("torch", True), ("sdpa", False)]
-    if ak.impl_error("triton", TANH, "cuda" if torch.cuda.is_available() else "cpu", True) is None:
+    if impl_error("triton", TANH, "cuda" if torch.cuda.is_available() else "cpu", True) is None:
         cases.append(("triton_kernel", True))
     return cases
 
@@ -62,16 +82,30 @@ def test_every_kernel_matches_dense_formula(impl, trains, scale_prior):
     ds[0, 13:], ds[0, 27:], ds[1, 20:] = 13, 27, 20
     theta_p, theta_q = torch.tensor([-2.0, 1.5, 0.3]), torch.tensor([0.0, 1.0, 2.5])
     pos = torch.arange(Tk)
-    rs = 0.8 * torch.log((pos - ds + 1).float())[:, None, q_offset:q_offset + Tq].expand(B, H, Tq).contiguous()
+    rs = (
+        0.8
+        * torch.log((pos - ds + 1).float())[:, None, q_offset : q_offset + Tq]
+        .expand(B, H, Tq)
+        .contiguous()
+    )
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, theta_p, theta_q, rs)]
     ref = dense_reference(*leaves[:3], ds, *leaves[3:5], leaves[5], scale_prior, q_offset)
     dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     ref_grads = torch.autograd.grad((ref * dout).sum(), leaves)
 
     mine = [t.detach().to(dev).requires_grad_(True) for t in leaves]
-    call = lambda: attention(*mine[:3], doc_start=ds.to(dev), prior=BoundPrior(TANH, tuple(mine[3:5])),
-                             row_scale=mine[5], scale_prior=scale_prior, q_offset=q_offset,
-                             impl=impl.replace("_kernel", ""))
+
+    def call():
+        return attention(
+            *mine[:3],
+            doc_start=ds.to(dev),
+            prior=BoundPrior(TANH, tuple(mine[3:5])),
+            row_scale=mine[5],
+            scale_prior=scale_prior,
+            q_offset=q_offset,
+            impl=impl.replace("_kernel", ""),
+        )
+
     if not trains:  # sdpa: the forward, and impl_error's refusal where the prior needs a gradient
         with torch.no_grad():
             out = call()
@@ -83,7 +117,9 @@ def test_every_kernel_matches_dense_formula(impl, trains, scale_prior):
     torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
     grads = torch.autograd.grad((out.double() * dout.to(dev)).sum(), mine)
     for name, g, r in zip(("q", "k", "v", "theta_p", "theta_q", "row_scale"), grads, ref_grads):
-        torch.testing.assert_close(g.double().cpu(), r.double(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            g.double().cpu(), r.double(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def test_attention_probs_are_the_reference_weights():
@@ -100,21 +136,40 @@ def test_attention_probs_are_the_reference_weights():
     torch.testing.assert_close(p @ v, attention(q, k, v, **kw, impl="torch"))
 
 
-# ------------------------------------------------------------------------------------------------ the registry
+# ------------------------------------------------------------------------------------- the registry
 def test_registry_names_and_errors():
     assert {"ggd", "alibi", "cauchy"} <= set(PRIORS) and get_prior("ggd") is PRIORS["ggd"]
     with pytest.raises(ValueError, match="unknown prior 'nope'.*ggd, alibi, cauchy"):
         get_prior("nope")
     with pytest.raises(ValueError, match="already registered"):
-        register(Prior(name="ggd", fn=tanh_prior, params=("theta_p", "theta_q"), init=TANH.init, trainable=()))
+        register(
+            Prior(
+                name="ggd",
+                fn=tanh_prior,
+                params=("theta_p", "theta_q"),
+                init=TANH.init,
+                trainable=(),
+            )
+        )
     assert register(TANH) is TANH  # registering the same prior twice is harmless
     with pytest.raises(ValueError, match="trainable"):
         register(Prior(name="bad", fn=tanh_prior, params=("a",), init=TANH.init, trainable=("b",)))
     # the five required fields make a full prior: the figure fields get defaults derived from it
-    minimal = Prior(name="test_minimal", fn=tanh_prior, params=("theta_p", "theta_q"), init=TANH.init,
-                    trainable=("theta_q",))
-    assert minimal.formula == "B(d) = tanh_prior(d, theta_p, theta_q)" and minimal.shape_param == "theta_q"
-    assert minimal.highlight is None and Prior("x", tanh_prior, ("a",), TANH.init, ()).shape_param == "a"
+    minimal = Prior(
+        name="test_minimal",
+        fn=tanh_prior,
+        params=("theta_p", "theta_q"),
+        init=TANH.init,
+        trainable=("theta_q",),
+    )
+    assert (
+        minimal.formula == "B(d) = tanh_prior(d, theta_p, theta_q)"
+        and minimal.shape_param == "theta_q"
+    )
+    assert (
+        minimal.highlight is None
+        and Prior("x", tanh_prior, ("a",), TANH.init, ()).shape_param == "a"
+    )
     triple = tuple(torch.zeros(2) for _ in range(3))
     assert bind(triple).prior.name == "ggd" and bind(None) is None
     with pytest.raises(TypeError):
@@ -124,21 +179,32 @@ def test_registry_names_and_errors():
 def test_cauchy_prior_formula():
     d = torch.arange(-6, 1)
     table = get_prior("cauchy").fn(d, torch.tensor([1.0, 0.7, 0.0]), torch.tensor([0.0, 1.2, 0.5]))
-    expect = torch.stack([-torch.log(1 + d.float() ** 2), -0.7 * torch.log(1 + (d.float() / math.exp(1.2)) ** 2),
-                          torch.zeros(len(d))])  # theta_a = 0 is flat: the 'zero' init starts as NoPE
+    expect = torch.stack(
+        [
+            -torch.log(1 + d.float() ** 2),
+            -0.7 * torch.log(1 + (d.float() / math.exp(1.2)) ** 2),
+            torch.zeros(len(d)),
+        ]
+    )  # theta_a = 0 is flat: the 'zero' init starts as NoPE
     torch.testing.assert_close(table, expect)
-    assert get_prior("cauchy").highlight(torch.tensor([-0.1, 0.2]), torch.zeros(2)).tolist() == [True, False]
+    assert get_prior("cauchy").highlight(torch.tensor([-0.1, 0.2]), torch.zeros(2)).tolist() == [
+        True,
+        False,
+    ]
 
 
 def test_alibi_prior_is_ggd_with_theta_beta_one():
-    """ALiBi -m|d| is GGD with theta_beta = 1 and theta_alpha = log m, up to GGD's eps (a constant per head, which
-    softmax ignores): equal tables up to that constant and equal attention, in both SSMax placements."""
+    """ALiBi -m|d| is GGD with theta_beta = 1 and theta_alpha = log m, up to GGD's eps (a constant
+    per head, which softmax ignores): equal tables up to that constant and equal attention, in both
+    SSMax placements."""
     H = 6
     slope = alibi_slopes(H)
     alibi = BoundPrior(get_prior("alibi"), (slope,))
     ggd = (slope.log(), torch.ones(H), torch.zeros(H))
     d = torch.arange(-300, 1)
-    torch.testing.assert_close(alibi.table(d) - bind(ggd).table(d), (slope * 1e-5)[:, None].expand(H, len(d)))
+    torch.testing.assert_close(
+        alibi.table(d) - bind(ggd).table(d), (slope * 1e-5)[:, None].expand(H, len(d))
+    )
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, H, 64, 16, generator=gen) for _ in range(3))
     rs = torch.rand(1, H, 64, generator=gen) + 0.5
@@ -150,15 +216,19 @@ def test_alibi_prior_is_ggd_with_theta_beta_one():
 
 def test_kernel_alibi_prior_matches_reference():
     """The kernel reads ALiBi's table like any prior's and agrees with the reference's -m|d|."""
-    if not (ak._triton_available() and (torch.cuda.is_available() or ak._interpreting())):
+    if not (ak.triton_available() and (torch.cuda.is_available() or ak.interpreting())):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
-    dev = "cuda" if torch.cuda.is_available() and not ak._interpreting() else "cpu"
+    dev = "cuda" if torch.cuda.is_available() and not ak.interpreting() else "cpu"
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 4, 48, 16, generator=gen).to(dev) for _ in range(3))
     ds = torch.zeros(1, 48, dtype=torch.long)
     ds[0, 30:] = 30
     alibi = BoundPrior(get_prior("alibi"), (alibi_slopes(4).to(dev),))
-    kw = dict(doc_start=ds.to(dev), prior=alibi, row_scale=torch.rand(1, 4, 48, generator=gen).to(dev) + 0.5)
+    kw = dict(
+        doc_start=ds.to(dev),
+        prior=alibi,
+        row_scale=torch.rand(1, 4, 48, generator=gen).to(dev) + 0.5,
+    )
     old, ak.INTERPRET_BLOCKS = ak.INTERPRET_BLOCKS, (16, 16)
     try:
         out = attention(q, k, v, **kw, impl="triton")
@@ -175,14 +245,16 @@ def test_auto_never_substitutes_a_prior():
     assert not torch.allclose(ref, attention(q, q, q, prior=(torch.zeros(2),) * 3, impl="torch"))
 
 
-# ------------------------------------------------------------------------------------------------- checkpoints
+# -------------------------------------------------------------------------------------- checkpoints
 def tiny(**kw):
-    return GPTConfig(vocab_size=257, tokenizer="byte", n_layer=2, n_head=2, n_embd=16, block_size=16, **kw)
+    return GPTConfig(
+        vocab_size=257, tokenizer="byte", n_layer=2, n_head=2, n_embd=16, block_size=16, **kw
+    )
 
 
 def test_old_checkpoint_without_prior_loads_as_ggd(tmp_path):
-    """Checkpoints written before the registry have no `prior` / `attn_impl`: they are GGD (and ALiBi's slopes
-    were never saved), and load to the same outputs."""
+    """Checkpoints written before the registry have no `prior` / `attn_impl`: they are GGD (and
+    ALiBi's slopes were never saved), and load to the same outputs."""
     x = torch.randint(0, 257, (1, 12))
     for pos in ("bam", "alibi"):
         torch.manual_seed(0)
@@ -206,44 +278,60 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
     save_checkpoint(str(tmp_path / "run" / "ckpt_0000001.pt"), model, step=1)
     loaded, ckpt = load_model(str(tmp_path / "run"), attn_impl="auto")
     assert ckpt["model_args"]["prior"] == "test_tanh" and loaded.config.attn_impl == "auto"
-    assert loaded.blocks[1].attn.prior().prior is TANH
+    assert loaded.blocks[1].attn.bound_prior().prior is TANH
     ckpt = torch.load(tmp_path / "run" / "ckpt_0000001.pt", weights_only=True)
     ckpt["model_args"]["prior"] = "my_unregistered_prior"
     torch.save(ckpt, tmp_path / "run" / "ckpt_0000001.pt")
     with pytest.raises(CheckpointError, match="'my_unregistered_prior', which is not registered"):
         load_model(str(tmp_path / "run"))
-    with pytest.raises(eval_passkey.ec.EXPECTED_ERRORS) as e:  # what the script prints as one line `error: ...`
-        eval_passkey.main(["--ckpt", str(tmp_path / "run"), "--template", "demo", "--out", str(tmp_path / "pk")])
+    with pytest.raises(
+        eval_passkey.ec.EXPECTED_ERRORS
+    ) as e:  # what the script prints as one line `error: ...`
+        eval_passkey.main(
+            ["--ckpt", str(tmp_path / "run"), "--template", "demo", "--out", str(tmp_path / "pk")]
+        )
     msg = str(e.value)
     assert "my_unregistered_prior" in msg and "\n" not in msg
 
 
 def test_one_decision_point_says_which_impl_computes_what(monkeypatch):
-    """impl_error: torch computes everything; sdpa is CPU-only and does not train a prior; triton needs CUDA (or
-    the interpreter) and the triton package. pick_impl: "auto" is the fastest that can, others raise its message."""
+    """impl_error: torch computes everything; sdpa is CPU-only and does not train a prior; triton
+    needs CUDA (or the interpreter) and the triton package. pick_impl: "auto" is the fastest that
+    can, others raise its message."""
     ggd, cauchy = get_prior("ggd"), get_prior("cauchy")
     trained = bind(tuple(torch.zeros(2, requires_grad=True) for _ in range(3)))
     fixed = BoundPrior(get_prior("alibi"), (torch.ones(2),))
     for prior in (None, ggd, cauchy, trained, fixed, TANH):
         for dev in ("cpu", "cuda", torch.device("cpu")):
-            assert ak.impl_error("torch", prior, dev, True) is None
-    assert ak.impl_error("sdpa", None, "cpu", True) is None and ak.impl_error("sdpa", fixed, "cpu", True) is None
-    assert ak.impl_error("sdpa", ggd, "cpu", False) is None and ak.impl_error("sdpa", trained, "cpu", False) is None
-    assert "cannot train a prior" in ak.impl_error("sdpa", ggd, "cpu", True)
-    assert "cannot train a prior" in ak.impl_error("sdpa", trained, "cpu", True)
-    assert "CPU evaluation path" in ak.impl_error("sdpa", None, "cuda", False)
-    assert "unknown attention impl 'flex'" in ak.impl_error("flex", None, "cpu", False)
-    assert ak.pick_impl("auto", ggd, "cpu", False) == "sdpa" and ak.pick_impl("auto", None, "cpu", True) == "torch"
+            assert impl_error("torch", prior, dev, True) is None
+    assert (
+        impl_error("sdpa", None, "cpu", True) is None
+        and impl_error("sdpa", fixed, "cpu", True) is None
+    )
+    assert (
+        impl_error("sdpa", ggd, "cpu", False) is None
+        and impl_error("sdpa", trained, "cpu", False) is None
+    )
+    assert "cannot train a prior" in impl_error("sdpa", ggd, "cpu", True)
+    assert "cannot train a prior" in impl_error("sdpa", trained, "cpu", True)
+    assert "CPU evaluation path" in impl_error("sdpa", None, "cuda", False)
+    assert "unknown attention impl 'flex'" in impl_error("flex", None, "cpu", False)
+    assert (
+        pick_impl("auto", ggd, "cpu", False) == "sdpa"
+        and pick_impl("auto", None, "cpu", True) == "torch"
+    )
     with pytest.raises(ValueError, match="cannot train a prior"):
-        ak.pick_impl("sdpa", cauchy, "cpu", True)
-    monkeypatch.setattr(ak, "_interpreting", lambda: False)
-    if ak._triton_available():
+        pick_impl("sdpa", cauchy, "cpu", True)
+    monkeypatch.setattr(attention_mod, "interpreting", lambda: False)
+    if ak.triton_available():
         for prior in (None, ggd, cauchy, TANH):  # every registered prior
-            assert ak.impl_error("triton", prior, "cuda", True) is None
-        assert ak.pick_impl("auto", cauchy, "cuda", True) == "triton"
-    assert "needs a CUDA device" in ak.impl_error("triton", ggd, "cpu", False)
+            assert impl_error("triton", prior, "cuda", True) is None
+        assert pick_impl("auto", cauchy, "cuda", True) == "triton"
+    assert "needs a CUDA device" in impl_error("triton", ggd, "cpu", False)
     monkeypatch.setattr(ak, "triton", None)
-    assert "needs the triton package" in ak.impl_error("triton", ggd, "cuda", False)
-    assert ak.pick_impl("auto", ggd, "cuda", True) == "torch"
+    assert "needs the triton package" in impl_error("triton", ggd, "cuda", False)
+    assert pick_impl("auto", ggd, "cuda", True) == "torch"
     with pytest.raises(ValueError, match="needs the triton package"):
-        attention(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), impl="triton")
+        attention(
+            torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), impl="triton"
+        )

@@ -16,10 +16,11 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import model
 import train
-from data import write_shard
 from configurator import ConfigError, configure
+from data import write_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS = ("python ", "torchrun ", "bash ", "make ", "OMP_NUM_THREADS=", "TRITON_INTERPRET=")
@@ -206,7 +207,7 @@ def stand_ins(tmp_path):
         gpt = model.GPT(model.GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
                                         block_size=64, pos_encoding=pe, ssmax=ssmax, prior=prior))
         for run in [f"{name}-s1"] + (["prior_lr_1e-2-s2"] if name == "bam_ssmax" else []):  # results/demo/README
-            model.save_checkpoint(str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000)
+            checkpoint.save_checkpoint(str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000)
 
 
 TEXT_VARIANTS = (("nope", "nope", False), ("sinusoidal", "sinusoidal", False), ("rope", "rope", False),

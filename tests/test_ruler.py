@@ -16,9 +16,10 @@ import torch
 
 import eval_ruler as R
 import model as model_mod
+from checkpoint import save_checkpoint
 from data import get_tokenizer, write_shard
 from eval_common import EvalError
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 
 ENC = get_tokenizer("byte")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

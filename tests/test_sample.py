@@ -11,8 +11,9 @@ import pytest
 import torch
 from test_eval_lm import greedy_without_cache
 
+from checkpoint import save_checkpoint
 from data import get_tokenizer
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 from sample import SEPARATOR, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

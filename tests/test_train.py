@@ -1,19 +1,23 @@
-"""train.py: end to end as a user runs it, DDP equivalence, exact resume after a crash, every variant learns,
-and the failures a user meets (typos, bad settings, missing data, a diverging run) say what is wrong."""
+"""train.py: end to end as a user runs it, DDP equivalence, exact resume after a crash, every
+variant learns, and the failures a user meets (typos, bad settings, missing data, a diverging run)
+say what is wrong."""
+
 import json
 import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 import train
+from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError
 from data import TokenLoader, get_tokenizer, write_shard
-from model import POS_ENCODINGS, GPT, GPTConfig, load_checkpoint, load_model
+from model import GPT, POS_ENCODINGS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
@@ -21,14 +25,17 @@ VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """Byte-tokenized shards: a 3,000-token val shard and a ~16,000-token train shard of short documents."""
+    """Byte-tokenized shards: a 3,000-token val shard and a ~16,000-token train shard of short
+    documents."""
     d = tmp_path_factory.mktemp("data")
     enc = get_tokenizer("byte")
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat and the dog ran far away from home with a big red ball".split()
     tokens = []
     for _ in range(220):
-        tokens += [enc.eot_token] + enc.encode_ordinary(" ".join(rng.choice(words, int(rng.integers(5, 40)))))
+        tokens += [enc.eot_token] + enc.encode_ordinary(
+            " ".join(rng.choice(words, int(rng.integers(5, 40))))
+        )
     write_shard(str(d / "tiny_val_000000.bin"), tokens[:3000], "byte")
     write_shard(str(d / "tiny_train_000001.bin"), tokens[3000:], "byte")
     return str(d)
@@ -36,10 +43,28 @@ def data_dir(tmp_path_factory):
 
 def tiny(data_dir, out_dir, **overrides):
     """argv for a tiny float32 run on CPU (2 layers, n_embd 32, 4 heads, context 32)."""
-    s = dict(data_dir=data_dir, out_dir=str(out_dir), n_layer=2, n_embd=32, n_head=4, block_size=32, batch_size=4,
-             tokens_per_step=0, gradient_accumulation_steps=1, max_iters=6, eval_interval=3, eval_iters=4,
-             log_interval=1, ckpt_interval=3, keep_last=0, learning_rate=1e-2, min_lr=1e-3, device="cpu",
-             dtype="float32", compile=False)
+    s = dict(
+        data_dir=data_dir,
+        out_dir=str(out_dir),
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        block_size=32,
+        batch_size=4,
+        tokens_per_step=0,
+        gradient_accumulation_steps=1,
+        max_iters=6,
+        eval_interval=3,
+        eval_iters=4,
+        log_interval=1,
+        ckpt_interval=3,
+        keep_last=0,
+        learning_rate=1e-2,
+        min_lr=1e-3,
+        device="cpu",
+        dtype="float32",
+        compile=False,
+    )
     s.update(overrides)
     return [f"--{k}={v}" for k, v in s.items()]
 
@@ -49,50 +74,86 @@ def metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+def changed(cfg, **settings):
+    """A copy of resolved settings (a namespace) with some of them changed."""
+    return SimpleNamespace(**{**vars(cfg), **settings})
+
+
 def run_cli(args, timeout=240, **env):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_end_to_end_cli(data_dir, tmp_path):
-    """python train.py CONFIG --key=value, as a user runs it: the run directory and its checkpoint are complete,
-    and the logged val loss is the document-masked loss of the saved model on the val split."""
+    """python train.py CONFIG --key=value, as a user runs it: the run directory and its checkpoint
+    are complete, and the logged val loss is the document-masked loss of the saved model on the val
+    split."""
     config = tmp_path / "tiny.py"
-    config.write_text("n_layer = 2\nn_embd = 32\nn_head = 4\nblock_size = 32\nbatch_size = 4\n"
-                      "tokens_per_step = 256\n")  # 256 / (4 x 32) = 2 micro-batches
+    # tokens_per_step 256 / (4 x 32) = 2 micro-batches
+    config.write_text(
+        "n_layer = 2\nn_embd = 32\nn_head = 4\nblock_size = 32\nbatch_size = 4\n"
+        "tokens_per_step = 256\n"
+    )
     out = tmp_path / "run"
-    args = [str(config), f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=6", "--eval_interval=3", "--eval_iters=4", "--log_interval=2",
-        "--ckpt_interval=3", "--keep_last=1", "--learning_rate=1e-2", "--device=cpu", "--dtype=float32",
-        "--compile=False"]
-    r = run_cli(args)
+    settings = "--max_iters=6 --eval_interval=3 --eval_iters=4 --log_interval=2 --ckpt_interval=3"
+    settings += " --keep_last=1 --learning_rate=1e-2 --device=cpu --dtype=float32 --compile=False"
+    r = run_cli([str(config), f"--data_dir={data_dir}", f"--out_dir={out}", *settings.split()])
     assert r.returncode == 0, r.stderr
     assert "parameters:" in r.stdout and "16 trainable prior" in r.stdout
     assert "step 6/6 | loss" in r.stdout and "done: step 6 of 6" in r.stdout
 
-    assert sorted(os.listdir(out)) == ["ckpt_0000006.pt", "config.json", "env.json", "metrics.jsonl"]  # keep_last=1
+    check_run_directory(out, config)
+    check_val_loss_is_the_masked_loss(out, data_dir)
+
+
+def check_run_directory(out, config):
+    """config.json, env.json, metrics.jsonl and the one checkpoint kept (keep_last=1)."""
+    assert sorted(os.listdir(out)) == [
+        "ckpt_0000006.pt",
+        "config.json",
+        "env.json",
+        "metrics.jsonl",
+    ]
     cfg = json.load(open(out / "config.json"))
-    assert cfg["gradient_accumulation_steps"] == 2 and cfg["tokenizer"] == "byte" and cfg["vocab_size"] == 257
+    assert cfg["gradient_accumulation_steps"] == 2
+    assert cfg["tokenizer"] == "byte" and cfg["vocab_size"] == 257
     env = json.load(open(out / "env.json"))
-    assert env["torch"] == torch.__version__ and "train.py" in env["command"] and str(config) in env["command"]
+    assert env["torch"] == torch.__version__
+    assert "train.py" in env["command"] and str(config) in env["command"]
+
     rec = metrics(out)
     assert [m["step"] for m in rec] == [0, 2, 3, 4, 6]
     assert "val_loss" in rec[0] and "train_loss" not in rec[0]
-    assert all(k in rec[-1] for k in ("train_loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "val_loss"))
+    logged = ("train_loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "val_loss")
+    assert all(k in rec[-1] for k in logged)
     assert "mfu" not in rec[-1]  # CPU
-    prior = rec[-1]["prior"]
-    assert len(prior["theta_beta"]) == 2 and all(lo <= med <= hi for lo, med, hi in prior["theta_beta"])
+    theta_beta = rec[-1]["prior"]["theta_beta"]
+    assert len(theta_beta) == 2 and all(lo <= med <= hi for lo, med, hi in theta_beta)
 
     ckpt = load_checkpoint(str(out))
-    assert ckpt["step"] == 6 and ckpt["config"]["pos_encoding"] == "bam" and "optimizer" in ckpt and ckpt["rng"]
+    assert ckpt["step"] == 6 and ckpt["config"]["pos_encoding"] == "bam"
+    assert "optimizer" in ckpt and ckpt["rng"]
+
+
+def check_val_loss_is_the_masked_loss(out, data_dir):
+    """The last logged val loss is the document-masked loss of the saved model (masking is on)."""
     model, _ = load_model(str(out))
     assert model.config.tokenizer == "byte" and model.config.vocab_size == 257
     val = TokenLoader(data_dir, "val", 32, 4)
     with torch.no_grad():
-        losses = [model(x, y, doc_start=d)[1] for x, y, d in (val.get_batch(k) for k in range(4))]
-        unmasked = [model(x, y)[1] for x, y, _ in (val.get_batch(k) for k in range(4))]
-    assert rec[-1]["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), abs=1e-6)
-    assert abs(rec[-1]["val_loss"] - torch.stack(unmasked).mean().item()) > 1e-4  # masking is really on
+        batches = [val.get_batch(k) for k in range(4)]
+        losses = [model(x, y, doc_start=d)[1] for x, y, d in batches]
+        unmasked = [model(x, y)[1] for x, y, _ in batches]
+    val_loss = metrics(out)[-1]["val_loss"]
+    assert val_loss == pytest.approx(torch.stack(losses).mean().item(), abs=1e-6)
+    assert abs(val_loss - torch.stack(unmasked).mean().item()) > 1e-4  # masking is really on
 
 
 def test_cli_config_typo_is_a_clear_error():
@@ -102,16 +163,23 @@ def test_cli_config_typo_is_a_clear_error():
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("bad, message", [
-    (["--pos_encoding=alibbi"], "pos_encoding must be one of"),
-    (["--tokens_per_step=1000"], "tokens_per_step=1000 is not a multiple of batch_size x block_size"),
-    (["--model_size=l13"], "model_size must be '' or one of"),
-    (["--n_embd=30"], "n_embd=30 is not divisible by n_head=4"),
-    (["--dtype=fp16"], "dtype must be bfloat16, float16 or float32"),
-    (["--min_lr=1.0"], "min_lr=1.0 is above learning_rate"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--pos_encoding=alibbi"], "pos_encoding must be one of"),
+        (
+            ["--tokens_per_step=1000"],
+            "tokens_per_step=1000 is not a multiple of batch_size x block_size",
+        ),
+        (["--model_size=l13"], "model_size must be '' or one of"),
+        (["--n_embd=30"], "n_embd=30 is not divisible by n_head=4"),
+        (["--dtype=fp16"], "dtype must be bfloat16, float16 or float32"),
+        (["--min_lr=1.0"], "min_lr=1.0 is above learning_rate"),
+    ],
+)
 def test_bad_settings_fail_before_touching_data(tmp_path, bad, message):
-    # the data directory does not exist: a semantic error must be reported first, and nothing is written
+    # the data directory does not exist: a semantic error must be reported first, and nothing is
+    # written
     with pytest.raises(ConfigError, match="invalid settings") as e:
         train.main(tiny(str(tmp_path / "no_data"), tmp_path / "run") + bad)
     assert message in str(e.value)
@@ -121,74 +189,132 @@ def test_bad_settings_fail_before_touching_data(tmp_path, bad, message):
 def test_missing_data_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         train.main(tiny(str(tmp_path / "nowhere"), tmp_path / "run"))
-    assert "data directory" in str(e.value) and "does not exist" in str(e.value) and "prepare" in str(e.value)
+    assert (
+        "data directory" in str(e.value)
+        and "does not exist" in str(e.value)
+        and "prepare" in str(e.value)
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
     # as torchrun launches rank 0 of 2: one line, before any process group, data or run directory
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
-    r = subprocess.run([sys.executable, "train.py", "config/bam_120m.py", f"--data_dir={data_dir}",
-                        f"--out_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "config/bam_120m.py",
+            f"--data_dir={data_dir}",
+            f"--out_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("train.py: error: invalid settings: device=auto found no CUDA GPU under torchrun")
+    assert r.stderr.startswith(
+        "train.py: error: invalid settings: device=auto found no CUDA GPU under torchrun"
+    )
     assert "pass --device=cpu" in r.stderr
     # the GPU recipe's settings without torchrun, and on purpose with --device=cpu
-    c = train.configure({k: getattr(train, k) for k in train.config_keys}, [os.path.join(ROOT, "config/bam_120m.py")])
-    with pytest.raises(ConfigError, match="dtype=bfloat16 and compile=True; to train on the CPU on purpose"):
+    c = train.configure(
+        {k: getattr(train, k) for k in train.config_keys},
+        [os.path.join(ROOT, "config/bam_120m.py")],
+    )
+    c = train.resolve_config(c, world_size=1)
+    with pytest.raises(
+        ConfigError, match="dtype=bfloat16 and compile=True; to train on the CPU on purpose"
+    ):
         train.check_device(c, ddp=False)
-    train.check_device(dict(c, device="cpu"), ddp=True)
-    train.check_device(dict(c, compile=False), ddp=False)
+    assert train.check_device(changed(c, device="cpu"), ddp=True) == torch.device("cpu")
+    assert train.check_device(changed(c, compile=False), ddp=False) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device='cuda:0' needs a CUDA GPU, and torch finds none"):
+        train.check_device(changed(c, device="cuda:0"), ddp=False)
+    with pytest.raises(ConfigError, match="device='gpu' is not a device torch knows"):
+        train.check_device(changed(c, device="gpu"), ddp=False)
     assert not (tmp_path / "run").exists()
 
 
-def test_settings_block_lists_every_model_setting_with_the_models_default():
-    """The paper's switches (pos_encoding, ssmax, prior, bam_init, ...) are settings a reader sees in train.py."""
+def test_model_settings_come_from_gptconfig():
+    """The paper's switches (pos_encoding, ssmax, prior, bam_init, ...) are train.py settings with
+    GPTConfig's defaults, declared once in model.py: train.py's settings block does not restate
+    them."""
+    import ast
     from dataclasses import fields
-    model_fields = {f.name: f.default for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")}
+
+    model_fields = {
+        f.name: f.default for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")
+    }
     assert set(model_fields) <= set(train.config_keys)
     assert {k: getattr(train, k) for k in model_fields} == model_fields
     assert all(k.islower() for k in train.config_keys)
+    with open(os.path.join(ROOT, "train.py")) as f:
+        module = ast.parse(f.read())
+    assigned = {
+        t.id
+        for node in module.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    assert "out_dir" in assigned and "model_size" in assigned
+    assert not assigned & set(model_fields), "train.py restates model settings: " + str(
+        assigned & set(model_fields)
+    )
 
 
 def test_tokens_per_step_sets_accumulation():
     c = train.resolve_config({k: getattr(train, k) for k in train.config_keys}, world_size=8)
-    assert c["gradient_accumulation_steps"] == 589824 // (48 * 512)  # 24 in all, 3 per process
-    assert (c["n_layer"], c["n_embd"], c["n_head"]) == (12, 768, 16)
-    c = train.resolve_config(dict(c, model_size="l24", batch_size=16), world_size=8)
-    assert c["gradient_accumulation_steps"] == 72 and (c["n_layer"], c["n_embd"], c["n_head"]) == (24, 2048, 64)
+    assert c.gradient_accumulation_steps == 589824 // (48 * 512)  # 24 in all, 3 per process
+    assert (c.n_layer, c.n_embd, c.n_head) == (12, 768, 16)
+    c = train.resolve_config(dict(vars(c), model_size="l24", batch_size=16), world_size=8)
+    assert c.gradient_accumulation_steps == 72 and (c.n_layer, c.n_embd, c.n_head) == (24, 2048, 64)
 
 
 def test_lr_schedule():
-    c = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 0, "max_iters": 100}
+    c = SimpleNamespace(learning_rate=1e-3, min_lr=1e-4, warmup_iters=0, max_iters=100)
     assert train.get_lr(0, c) == 1e-3
     assert train.get_lr(50, c) == pytest.approx(5.5e-4)
     assert 1e-4 < train.get_lr(99, c) < 1.01e-4
-    w = dict(c, warmup_iters=10)
+    w = changed(c, warmup_iters=10)
     assert train.get_lr(0, w) == pytest.approx(1e-4) and train.get_lr(9, w) == pytest.approx(1e-3)
 
 
 def test_configs_resolve():
-    """config/bam_120m.py and config/bam_1b.py are the paper recipe and divide into 8-GPU micro-batches."""
+    """config/bam_120m.py and config/bam_1b.py are the paper recipe and divide into 8-GPU
+    micro-batches."""
     from configurator import configure
+
     defaults = {k: getattr(train, k) for k in train.config_keys}
-    for path, size, accum in (("bam_120m.py", (12, 768, 16), 24), ("bam_1b.py", (24, 2048, 64), 72)):
-        c = train.resolve_config(configure(defaults, [os.path.join(ROOT, "config", path)]), world_size=8)
-        assert (c["n_layer"], c["n_embd"], c["n_head"]) == size and c["gradient_accumulation_steps"] == accum
-        assert (c["pos_encoding"], c["ssmax"], c["block_size"], c["max_iters"]) == ("bam", True, 512, 20000)
-        assert (c["learning_rate"], c["min_lr"], c["weight_decay"], c["grad_clip"]) == (1e-3, 1e-4, 0.1, 1.0)
-        assert (c["beta1"], c["beta2"], c["warmup_iters"], c["seed"], c["dtype"]) == (0.9, 0.95, 0, 42, "bfloat16")
-        assert c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] == 589824
+    for path, size, accum in (
+        ("bam_120m.py", (12, 768, 16), 24),
+        ("bam_1b.py", (24, 2048, 64), 72),
+    ):
+        c = train.resolve_config(
+            configure(defaults, [os.path.join(ROOT, "config", path)]), world_size=8
+        )
+        assert (c.n_layer, c.n_embd, c.n_head) == size and c.gradient_accumulation_steps == accum
+        assert (c.pos_encoding, c.ssmax, c.block_size, c.max_iters) == ("bam", True, 512, 20000)
+        assert (c.learning_rate, c.min_lr, c.weight_decay, c.grad_clip) == (1e-3, 1e-4, 0.1, 1.0)
+        assert (c.beta1, c.beta2, c.warmup_iters, c.seed, c.dtype) == (0.9, 0.95, 0, 42, "bfloat16")
+        assert c.batch_size * c.block_size * c.gradient_accumulation_steps == 589824
 
 
 def test_paper_config_has_the_papers_parameter_count():
-    """config/bam_120m.py is the authors' setup: mistral data, no repeat, and l12 with the 32,768-token vocabulary
-    has the paper's 121.13M parameters (gpt2's 50,257 would give 148.07M)."""
+    """config/bam_120m.py is the authors' setup: mistral data, no repeat, and l12 with the
+    32,768-token vocabulary has the paper's 121.13M parameters (gpt2's 50,257 would give 148.07M).
+    """
     from configurator import configure
-    c = configure({k: getattr(train, k) for k in train.config_keys}, [os.path.join(ROOT, "config", "bam_120m.py")])
+
+    c = configure(
+        {k: getattr(train, k) for k in train.config_keys},
+        [os.path.join(ROOT, "config", "bam_120m.py")],
+    )
     c = train.resolve_config(c, world_size=1)
-    assert c["data_dir"] == "data/fineweb_mistral" and c["allow_data_repeat"] is False
+    assert c.data_dir == "data/fineweb_mistral" and c.allow_data_repeat is False
     vocab = get_tokenizer("mistral").n_vocab
     assert vocab == 32768
     model = GPT(GPTConfig(**train.model_args(c, vocab, "mistral")))
@@ -202,19 +328,28 @@ def test_a_run_that_would_repeat_data_is_refused(data_dir, tmp_path):
     r = run_cli(tiny(data_dir, tmp_path / "run", max_iters=steps), timeout=120)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     missing = steps * 128 - windows * 32
-    assert f"{missing:,} missing" in r.stderr and "prepare_fineweb.py --name sample-100BT" in r.stderr
+    assert (
+        f"{missing:,} missing" in r.stderr and "prepare_fineweb.py --name sample-100BT" in r.stderr
+    )
     assert "--allow_data_repeat=True" in r.stderr and not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="longer than every train shard.*prepare more data"):  # not one window
+    with pytest.raises(
+        ConfigError, match="longer than every train shard.*prepare more data"
+    ):  # not one window
         train.main(tiny(data_dir, tmp_path / "run", block_size=20_000))
-    c = dict(max_iters=steps, block_size=32, allow_data_repeat=True, data_dir=data_dir, tokenizer="byte")
+    c = SimpleNamespace(
+        max_iters=steps, block_size=32, allow_data_repeat=True, data_dir=data_dir, tokenizer="byte"
+    )
     train.check_data_budget(c, windows, 128)  # allowed: no error
-    train.check_data_budget(dict(c, allow_data_repeat=False, max_iters=steps - 1), windows, 128)  # fits
+    train.check_data_budget(
+        changed(c, allow_data_repeat=False, max_iters=steps - 1), windows, 128
+    )  # fits
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
-    """A run that dies in the middle of step 5 (its last checkpoint at step 3) and is resumed follows the
-    uninterrupted run's trajectory bit for bit: train and val losses, grad norms and the final weights."""
+    """A run that dies in the middle of step 5 (its last checkpoint at step 3) and is resumed
+    follows the uninterrupted run's trajectory bit for bit: train and val losses, grad norms and the
+    final weights."""
     full, broken = tmp_path / "full", tmp_path / "broken"
     args = dict(max_iters=8, gradient_accumulation_steps=2, eval_interval=4, ckpt_interval=3)
     train.main(tiny(data_dir, full, **args))
@@ -224,7 +359,9 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
 
     class CrashingLoader(TokenLoader):
         def get_batch(self, step, micro_step=0, grad_accum=1):
-            if step == 4 and micro_step == 1:  # update 5, second micro-batch: forward/backward of micro 0 done
+            if (
+                step == 4 and micro_step == 1
+            ):  # update 5, second micro-batch: forward/backward of micro 0 done
                 raise Crash
             return super().get_batch(step, micro_step, grad_accum)
 
@@ -235,9 +372,13 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
     assert [m["step"] for m in metrics(broken)] == [0, 1, 2, 3, 4]
     assert sorted(f for f in os.listdir(broken) if f.startswith("ckpt")) == ["ckpt_0000003.pt"]
 
-    with pytest.raises(train.TrainingError, match="already holds checkpoints"):  # no silent restart over a run
+    with pytest.raises(
+        train.TrainingError, match="already holds checkpoints"
+    ):  # no silent restart over a run
         train.main(tiny(data_dir, broken, **args))
-    with pytest.raises(train.TrainingError, match="n_embd: 32 vs 64"):  # a different model cannot resume it
+    with pytest.raises(
+        train.TrainingError, match="n_embd: 32 vs 64"
+    ):  # a different model cannot resume it
         train.main(tiny(data_dir, broken, **args, n_embd=64, resume=True))
     with open(broken / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "train_l')  # a record cut short by the crash
@@ -245,29 +386,52 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
     assert summary["step"] == 8
 
     a, b = metrics(full), metrics(broken)
-    assert [m["step"] for m in b] == list(range(9))  # step 4's lost record was replaced, not duplicated
+    assert [m["step"] for m in b] == list(
+        range(9)
+    )  # step 4's lost record was replaced, not duplicated
     timing = ("tokens_per_s", "ms_per_step")
-    assert [{k: v for k, v in m.items() if k not in timing} for m in a] == \
-           [{k: v for k, v in m.items() if k not in timing} for m in b]  # everything but timings is identical
+    assert [{k: v for k, v in m.items() if k not in timing} for m in a] == [
+        {k: v for k, v in m.items() if k not in timing} for m in b
+    ]  # everything but timings is identical
     wa = load_checkpoint(str(full / "ckpt_0000008.pt"))["model"]
     wb = load_checkpoint(str(broken / "ckpt_0000008.pt"))["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     env = json.load(open(broken / "env.json"))
-    assert env["start_step"] == 3 and [e["start_step"] for e in env["earlier_launches"]] == [0]  # the crashed one
+    assert env["start_step"] == 3 and [e["start_step"] for e in env["earlier_launches"]] == [
+        0
+    ]  # the crashed one
 
 
-@pytest.mark.parametrize("pos_encoding, ssmax", VARIANTS, ids=[f"{p}{'+ssmax' if s else ''}" for p, s in VARIANTS])
+@pytest.mark.parametrize(
+    "pos_encoding, ssmax", VARIANTS, ids=[f"{p}{'+ssmax' if s else ''}" for p, s in VARIANTS]
+)
 def test_every_variant_learns(data_dir, tmp_path, pos_encoding, ssmax):
     out = tmp_path / "run"
-    train.main(tiny(data_dir, out, pos_encoding=pos_encoding, ssmax=ssmax, max_iters=14, eval_interval=14,
-                    ckpt_interval=14, learning_rate=2e-2))
+    train.main(
+        tiny(
+            data_dir,
+            out,
+            pos_encoding=pos_encoding,
+            ssmax=ssmax,
+            max_iters=14,
+            eval_interval=14,
+            ckpt_interval=14,
+            learning_rate=2e-2,
+        )
+    )
     rec = metrics(out)
-    first, last = np.mean([m["train_loss"] for m in rec[1:4]]), np.mean([m["train_loss"] for m in rec[-3:]])
+    first, last = (
+        np.mean([m["train_loss"] for m in rec[1:4]]),
+        np.mean([m["train_loss"] for m in rec[-3:]]),
+    )
     assert last < first - 0.3, (first, last)
     assert rec[-1]["val_loss"] < rec[0]["val_loss"] - 0.3
     assert ("prior" in rec[-1]) == (pos_encoding == "bam")
     ckpt = load_checkpoint(str(out))
-    assert (ckpt["model_args"]["pos_encoding"], ckpt["model_args"]["ssmax"]) == (pos_encoding, ssmax)
+    assert (ckpt["model_args"]["pos_encoding"], ckpt["model_args"]["ssmax"]) == (
+        pos_encoding,
+        ssmax,
+    )
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
@@ -287,57 +451,114 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     with pytest.raises(train.TrainingError, match=r"non-finite loss nan at step 5") as e:
         train.main(tiny(data_dir, out, max_iters=8, ckpt_interval=2))
     assert "ckpt_0000004.pt" in str(e.value)
-    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt")) == ["ckpt_0000002.pt", "ckpt_0000004.pt"]
+    assert sorted(f for f in os.listdir(out) if f.startswith("ckpt")) == [
+        "ckpt_0000002.pt",
+        "ckpt_0000004.pt",
+    ]
     assert all(torch.isfinite(t).all() for t in load_checkpoint(str(out))["model"].values())
     assert metrics(out)[-1]["step"] == 4
 
 
 def test_diverging_learning_rate_stops(data_dir, tmp_path):
-    """The real thing, no monkeypatching: an absurd learning rate without clipping blows the model up, and the run
-    stops at the first non-finite loss or gradient norm with the step in the message."""
-    with pytest.raises(train.TrainingError, match=r"non-finite (loss|gradient norm) \S+ at step \d+"):
-        train.main(tiny(data_dir, tmp_path / "run", max_iters=30, learning_rate=1e12, min_lr=1e12, grad_clip=0.0,
-                        eval_interval=100, ckpt_interval=100))
+    """The real thing, no monkeypatching: an absurd learning rate without clipping blows the model
+    up, and the run stops at the first non-finite loss or gradient norm with the step in the
+    message."""
+    with pytest.raises(
+        train.TrainingError, match=r"non-finite (loss|gradient norm) \S+ at step \d+"
+    ):
+        train.main(
+            tiny(
+                data_dir,
+                tmp_path / "run",
+                max_iters=30,
+                learning_rate=1e12,
+                min_lr=1e12,
+                grad_clip=0.0,
+                eval_interval=100,
+                ckpt_interval=100,
+            )
+        )
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
-    os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None
+    and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+    reason="torchrun not installed",
+)
 def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
-    """torchrun --nproc_per_node=2 (gloo) with 2 micro-batches in all (1 per process) ends with the same weights as
-    one process doing both micro-batches: the ranks read disjoint data and the gradients are averaged correctly."""
-    args = tiny(data_dir, tmp_path / "ddp", gradient_accumulation_steps=2, max_iters=3, eval_interval=3,
-                ckpt_interval=3)
+    """torchrun --nproc_per_node=2 (gloo) with 2 micro-batches in all (1 per process) ends with the
+    same weights as one process doing both micro-batches: the ranks read disjoint data and the
+    gradients are averaged correctly."""
+    args = tiny(
+        data_dir,
+        tmp_path / "ddp",
+        gradient_accumulation_steps=2,
+        max_iters=3,
+        eval_interval=3,
+        ckpt_interval=3,
+    )
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "x 1 accumulation x 2 processes" in r.stdout
-    train.main(tiny(data_dir, tmp_path / "one", gradient_accumulation_steps=2, max_iters=3, eval_interval=3,
-                    ckpt_interval=3))
+    train.main(
+        tiny(
+            data_dir,
+            tmp_path / "one",
+            gradient_accumulation_steps=2,
+            max_iters=3,
+            eval_interval=3,
+            ckpt_interval=3,
+        )
+    )
     a = load_checkpoint(str(tmp_path / "ddp"))
     b = load_checkpoint(str(tmp_path / "one"))
     assert a["world_size"] == 2 and len(a["rng"]) == 2
     assert max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]) < 1e-5
     la, lb = metrics(tmp_path / "ddp"), metrics(tmp_path / "one")
-    assert [m.get("train_loss") for m in la] == pytest.approx([m.get("train_loss") for m in lb], abs=1e-5)
+    assert [m.get("train_loss") for m in la] == pytest.approx(
+        [m.get("train_loss") for m in lb], abs=1e-5
+    )
     # and they really trained: the weights moved away from the initialisation (seed 42 on rank 0)
     torch.manual_seed(42)
     init = GPT(load_model(str(tmp_path / "one"))[0].config).state_dict()
-    assert all(not torch.equal(init[k], b["model"][k]) for k in ("wte.weight", "blocks.0.attn.theta_beta"))
+    assert all(
+        not torch.equal(init[k], b["model"][k]) for k in ("wte.weight", "blocks.0.attn.theta_beta")
+    )
 
 
 @pytest.mark.slow
 def test_compiled_training_matches_eager(data_dir, tmp_path):
     train.main(tiny(data_dir, tmp_path / "eager", max_iters=3, eval_interval=3, ckpt_interval=3))
-    train.main(tiny(data_dir, tmp_path / "compiled", max_iters=3, eval_interval=3, ckpt_interval=3, compile=True))
+    train.main(
+        tiny(
+            data_dir,
+            tmp_path / "compiled",
+            max_iters=3,
+            eval_interval=3,
+            ckpt_interval=3,
+            compile=True,
+        )
+    )
     a, b = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
-    assert [m.get("train_loss") for m in a] == pytest.approx([m.get("train_loss") for m in b], abs=1e-4)
+    assert [m.get("train_loss") for m in a] == pytest.approx(
+        [m.get("train_loss") for m in b], abs=1e-4
+    )
 
 
 def test_wandb_logging_on_request(data_dir, tmp_path, monkeypatch):
-    """--wandb_log=True sends every metrics record (its numbers) to wandb, named after out_dir; off by default."""
+    """--wandb_log=True sends every metrics record (its numbers) to wandb, named after out_dir; off
+    by default."""
     import importlib.machinery
     import types
+
     calls = []
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
@@ -346,8 +567,19 @@ def test_wandb_logging_on_request(data_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     train.main(tiny(data_dir, tmp_path / "off", max_iters=2, eval_interval=2, ckpt_interval=2))
     assert calls == []
-    train.main(tiny(data_dir, tmp_path / "on", max_iters=2, eval_interval=2, ckpt_interval=2, wandb_log=True))
+    train.main(
+        tiny(
+            data_dir, tmp_path / "on", max_iters=2, eval_interval=2, ckpt_interval=2, wandb_log=True
+        )
+    )
     (_, init), *logs = calls
-    assert init["name"] == "on" and init["project"] == "bam-gpt" and init["config"]["max_iters"] == 2
-    assert [step for _, step, _ in logs] == [m["step"] for m in metrics(tmp_path / "on")] == [0, 1, 2]
-    assert logs[-1][2]["val_loss"] == metrics(tmp_path / "on")[-1]["val_loss"] and "train_loss" in logs[-1][2]
+    assert (
+        init["name"] == "on" and init["project"] == "bam-gpt" and init["config"]["max_iters"] == 2
+    )
+    assert (
+        [step for _, step, _ in logs] == [m["step"] for m in metrics(tmp_path / "on")] == [0, 1, 2]
+    )
+    assert (
+        logs[-1][2]["val_loss"] == metrics(tmp_path / "on")[-1]["val_loss"]
+        and "train_loss" in logs[-1][2]
+    )

@@ -1,6 +1,7 @@
-"""The repo speaks of what it is, not of how it was made: its markdown, its Python outside tests/ (comments,
-docstrings, messages and names), its scripts and its committed results hold none of the wording below; and the
-README stays short enough to read (<= 20,000 bytes)."""
+"""The repo speaks of what it is, not of how it was made: its markdown, its Python outside tests/
+(comments, docstrings, messages and names), its scripts and its committed results hold none of the
+wording below; and the README stays short enough to read (<= 20,000 bytes)."""
+
 import os
 import re
 import subprocess
@@ -12,8 +13,12 @@ README_MAX_BYTES = 22_000
 
 # (pattern, why it does not belong). Case-insensitive unless the pattern says (?-i:...).
 WORDING = [
-    (r"\bsessions?\b(?! starts)", "who made the repo, not what it is"),  # pytest's "test session starts" is a log
-    (r"\bthis machine\b", "a machine the reader does not have: name the hardware (\"2-core CPU (x86-64)\")"),
+    # pytest's "test session starts" is a log
+    (r"\bsessions?\b(?! starts)", "who made the repo, not what it is"),
+    (
+        r"\bthis machine\b",
+        'a machine the reader does not have: name the hardware ("2-core CPU (x86-64)")',
+    ),
     (r"\bthis project's\b", "name the hardware or the fact instead"),
     (r"\bnot met\b", "an acceptance verdict"),
     (r"\bacceptance\b", "an acceptance verdict"),
@@ -36,10 +41,16 @@ TEXT_RESULTS = (".md", ".json", ".csv", ".txt", ".log", ".jsonl")
 
 
 def repo_files():
-    """The repo's files, relative to ROOT: git's tracked and not-ignored files, or a walk of the tree without git."""
+    """The repo's files, relative to ROOT: git's tracked and not-ignored files, or a walk of the
+    tree without git."""
     try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return sorted(f for f in out.splitlines() if os.path.isfile(os.path.join(ROOT, f)))
     except (OSError, subprocess.CalledProcessError):
         files = []
@@ -86,41 +97,49 @@ def test_the_files_are_found():
 
 def test_readme_size():
     size = os.path.getsize(os.path.join(ROOT, "README.md"))
-    assert size <= README_MAX_BYTES, f"README.md is {size:,} bytes; move detail beside the code it describes"
+    assert size <= README_MAX_BYTES, (
+        f"README.md is {size:,} bytes; move detail beside the code it describes"
+    )
 
 
-@pytest.mark.parametrize("text", [
-    "no GPU was available to the session that wrote it",
-    "on this project's 2-core CPU machine",
-    "stretch (>= 0.9 at 64x) bam_ssmax: NOT met: seed 2",
-    "TARGET = {'cpu': 1.10}",
-    "(2 min 51 s in a quieter run of 354 tests)",
-    "From the recipe search (on the earlier machine)",
-    "follows the decisions of its reference notes",
-    "the text of the paper was not available to us in full",
-    "| H100 SXM | 48 | ggd @a9f1e05 | 0.28 |",
-    "see [results/demo_float/](results/demo_float/)",
-    "LEGACY_SETTINGS = {'gap_tokens': 0}",
-    '"paper32k": dict(lengths=PAPER_LENGTHS)',
-    "re-exported: `from attention_kernel import alibi_slopes` keeps working",
-    "this machine has no CUDA GPU",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no GPU was available to the session that wrote it",
+        "on this project's 2-core CPU machine",
+        "stretch (>= 0.9 at 64x) bam_ssmax: NOT met: seed 2",
+        "TARGET = {'cpu': 1.10}",
+        "(2 min 51 s in a quieter run of 354 tests)",
+        "From the recipe search (on the earlier machine)",
+        "follows the decisions of its reference notes",
+        "the text of the paper was not available to us in full",
+        "| H100 SXM | 48 | ggd @a9f1e05 | 0.28 |",
+        "see [results/demo_float/](results/demo_float/)",
+        "LEGACY_SETTINGS = {'gap_tokens': 0}",
+        '"paper32k": dict(lengths=PAPER_LENGTHS)',
+        "re-exported: `from attention_kernel import alibi_slopes` keeps working",
+        "this machine has no CUDA GPU",
+    ],
+)
 def test_the_patterns_catch_the_wording(text):
     assert hits(text)
 
 
-@pytest.mark.parametrize("text", [
-    "target lengths in tokens; the target of each window is scored once",
-    "triton.compile(src, target=GPUTarget('cuda', arch, 32))",
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
-    "@dataclass(frozen=True)",
-    "@triton.jit",
-    "@torch.library.custom_op('bam::triton_attention_fwd', mutates_args=())",
-    "a feedback loop, deadbeef, @acceded",
-    "a metric is met when the run has data",
-    "python dev/perf_model.py --out dev/results/perf_model",
-    "Measured on a 2-core CPU (x86-64): 1.35 (220 vs 163 ms per step)",
-    "============================= test session starts ==============================",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "target lengths in tokens; the target of each window is scored once",
+        "triton.compile(src, target=GPUTarget('cuda', arch, 32))",
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+        "@dataclass(frozen=True)",
+        "@triton.jit",
+        "@torch.library.custom_op('bam::triton_attention_fwd', mutates_args=())",
+        "a feedback loop, deadbeef, @acceded",
+        "a metric is met when the run has data",
+        "python dev/perf_model.py --out dev/results/perf_model",
+        "Measured on a 2-core CPU (x86-64): 1.35 (220 vs 163 ms per step)",
+        "============================= test session starts ==============================",
+    ],
+)
 def test_the_patterns_leave_legitimate_words(text):
     assert not hits(text)

@@ -1,0 +1,464 @@
+"""
+The attention of bam-gpt: one function, one formula, several implementations of it.
+
+    out = attention(q, k, v, *, doc_start=None, prior=None, row_scale=None,
+                    scale_prior=False, q_offset=None, softmax_scale=None, impl="auto")
+
+q is (B, H, Tq, D), k and v (B, H, Tk, D), Tq <= Tk; query t sits at position i = q_offset + t
+(default Tk - Tq).
+    l_ij = softmax_scale * q_i . k_j     the content score (softmax_scale: 1/sqrt(D))
+    s_ij = (l_ij + prior(j - i)) r_i     if scale_prior (BAM + SSMax),
+           l_ij r_i + prior(j - i)       else
+    out_i = sum_j softmax_j(s_ij) v_j    over the visible keys doc_start[i] <= j <= i (causal, same
+                                         document)
+prior(d): the log-prior of the distance (priors.py); prior is None (NoPE), a BoundPrior, or a bare
+GGD triple of (H,) tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1. doc_start
+(B, Tk): each position's document start. Impls: "torch" the chunked reference (any prior, any
+device), "sdpa" the CPU evaluation path, "triton" the fused kernel (CUDA, attention_kernel.py);
+"auto" the fastest that can. impl_error is the one place that says which impl can do what, and
+attention() the one place that checks and resolves the arguments for every impl.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attention_kernel import attention_triton, interpreting, triton_available
+from priors import BoundPrior, Prior, bind
+
+IMPLS = ("auto", "torch", "sdpa", "triton")
+
+
+def dense_attention(
+    q,
+    k,
+    v,
+    *,
+    doc_start=None,
+    prior=None,
+    row_scale=None,
+    scale_prior=False,
+    q_offset=None,
+    softmax_scale=None,
+):
+    """The formula above, written out densely (Tq x Tk) in float64: the specification the tests hold
+    every impl to. Returns float64."""
+    prior = bind(prior)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    i = torch.arange(q.shape[2], device=q.device)[:, None] + q_offset  # query positions
+    j = torch.arange(k.shape[2], device=q.device)[None, :]  # key positions
+
+    content = softmax_scale * q.double() @ k.double().transpose(-1, -2)
+    log_prior = 0.0
+    if prior is not None:
+        log_prior = prior.table((j - i).flatten()).double().view(-1, *(j - i).shape)
+    row = 1.0 if row_scale is None else row_scale.double()[..., None]
+    scores = (content + log_prior) * row if scale_prior else content * row + log_prior
+
+    visible = j <= i
+    if doc_start is not None:
+        visible = visible & (j >= doc_start[:, i])[:, None]  # (B, 1, Tq, Tk)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v.double()
+
+
+# ---- The reference (impl "torch") ----------------------------------------------------------------
+# dense_attention's math in fp32, a chunk of queries at a time, so that only a (chunk x Tk) block of
+# scores ever exists: memory is linear in the length. Any prior, any device.
+def _offset_and_scale(q, k, q_offset, softmax_scale):
+    """attention()'s defaults: q_offset = Tk - Tq (the queries are the last positions),
+    softmax_scale = 1/sqrt(D)."""
+    if q_offset is None:
+        q_offset = k.shape[2] - q.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    return int(q_offset), float(softmax_scale)
+
+
+def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
+    # ~4 fp32 temporaries of shape (B, H, rows, n_keys) are alive at once (scores, prior, mask,
+    # probabilities)
+    return max(1, budget_bytes // (16 * batch * heads * max(n_keys, 1)))
+
+
+def _query_chunks(Tq, doc_start, q_offset, chunk):
+    """(start, stop, first_key) per chunk: query rows start..stop-1, and the first key any of them
+    can see."""
+    for start in range(0, Tq, chunk):
+        stop = min(start + chunk, Tq)
+        first_key = 0
+        if doc_start is not None:
+            first_key = int(doc_start[:, q_offset + start : q_offset + stop].min())
+        yield start, stop, first_key
+
+
+def _neg_inf_where(hidden):
+    # 0 where visible, -inf where hidden, added to the scores: faster on CPU than masked_fill, and
+    # its backward is the identity
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
+def _chunk_scores(
+    q,
+    k,
+    start,
+    stop,
+    first_key,
+    q_offset,
+    *,
+    doc_start,
+    prior,
+    row_scale,
+    scale_prior,
+    softmax_scale,
+):
+    """The masked scores s of query rows start..stop-1 against keys first_key..q_offset + stop - 1:
+    (B, H, stop - start, keys) fp32."""
+    end = q_offset + stop  # one past the last key any of these rows sees
+    i = torch.arange(q_offset + start, end, device=q.device)[:, None]  # query positions
+    j = torch.arange(first_key, end, device=q.device)[None, :]  # key positions
+    queries = softmax_scale * q[:, :, start:stop].float()
+    content = queries @ k[:, :, first_key:end].float().transpose(-1, -2)
+
+    log_prior = 0.0
+    if (
+        prior is not None
+    ):  # a function of d = j - i alone: evaluated once per distance, then gathered
+        nearest = first_key - (end - 1)  # the most negative distance of the chunk
+        table = prior.table(torch.arange(nearest, stop - start, device=q.device))
+        log_prior = table[:, j - i - nearest]
+    row = 1.0 if row_scale is None else row_scale[:, :, start:stop, None].float()
+    scores = (content + log_prior) * row if scale_prior else content * row + log_prior
+
+    visible = j <= i
+    if doc_start is not None:
+        visible = visible & (j >= doc_start[:, i])[:, None]
+    return scores + _neg_inf_where(~visible)
+
+
+def _chunked_probs(q, k, *, doc_start, prior, q_offset, softmax_scale, chunk_size=None, **kw):
+    """(start, stop, first_key, end, softmax_j(s_ij)) per chunk of query rows start..stop-1, over
+    their keys first_key..end-1."""
+    prior = bind(prior)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    chunk = chunk_size or _chunk_rows(q.shape[0], q.shape[1], k.shape[2])
+    for start, stop, first_key in _query_chunks(q.shape[2], doc_start, q_offset, chunk):
+        scores = _chunk_scores(
+            q,
+            k,
+            start,
+            stop,
+            first_key,
+            q_offset,
+            doc_start=doc_start,
+            prior=prior,
+            softmax_scale=softmax_scale,
+            **kw,
+        )
+        yield start, stop, first_key, q_offset + stop, torch.softmax(scores, dim=-1)
+
+
+def attention_torch(
+    q,
+    k,
+    v,
+    *,
+    doc_start=None,
+    prior=None,
+    row_scale=None,
+    scale_prior=False,
+    q_offset=None,
+    softmax_scale=None,
+    chunk_size=None,
+):
+    """The reference implementation of attention() (impl "torch")."""
+    chunks = _chunked_probs(
+        q,
+        k,
+        doc_start=doc_start,
+        prior=prior,
+        row_scale=row_scale,
+        scale_prior=scale_prior,
+        q_offset=q_offset,
+        softmax_scale=softmax_scale,
+        chunk_size=chunk_size,
+    )
+    outs = [probs @ v[:, :, first_key:end].float() for _, _, first_key, end, probs in chunks]
+    return torch.cat(outs, dim=2).to(q.dtype)
+
+
+def attention_probs(
+    q,
+    k,
+    *,
+    doc_start=None,
+    prior=None,
+    row_scale=None,
+    scale_prior=False,
+    q_offset=None,
+    softmax_scale=None,
+):
+    """The attention weights softmax_j(s_ij), (B, H, Tq, Tk) float32, 0 on hidden keys: for
+    inspecting a few rows."""
+    all_probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
+    chunks = _chunked_probs(
+        q,
+        k,
+        doc_start=doc_start,
+        prior=prior,
+        row_scale=row_scale,
+        scale_prior=scale_prior,
+        q_offset=q_offset,
+        softmax_scale=softmax_scale,
+    )
+    for start, stop, first_key, end, probs in chunks:
+        all_probs[:, :, start:stop, first_key:end] = probs
+    return all_probs
+
+
+# ---- attention() and the one decision point: which impl can compute which prior, where -----------
+def needs_grad(*tensors):
+    """Whether autograd will want a gradient of any of these (tensors, BoundPriors, None)."""
+    flat = []
+    for x in tensors:
+        flat += x.params if isinstance(x, BoundPrior) else (x,)
+    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in flat)
+
+
+def _trained(prior):
+    """A registered Prior with trainable parameters, or a BoundPrior whose parameters require
+    grad."""
+    if isinstance(prior, Prior):
+        return bool(prior.trainable)
+    return prior is not None and any(t.requires_grad for t in bind(prior).params)
+
+
+def impl_error(impl, prior, device, grad, dtype=None, head_dim=None):
+    """Why `impl` cannot compute `prior` (a Prior, a BoundPrior or None) on `device` ("cpu", "cuda"
+    or a torch.device) with gradients (grad=True) or without, for inputs of `dtype` and `head_dim`
+    (None: any); None if it can."""
+    if impl not in IMPLS:
+        return f"unknown attention impl {impl!r}; choose one of {', '.join(IMPLS)}"
+
+    device = torch.device(device)
+    if impl == "sdpa" and device.type != "cpu":
+        return "impl='sdpa' is the CPU evaluation path; on a GPU use impl='triton' (or 'auto')"
+    if impl == "sdpa" and grad and _trained(prior):
+        return (
+            "impl='sdpa' cannot train a prior (it enters PyTorch's fused kernel as a constant "
+            "mask); train with impl='torch' (or 'auto')"
+        )
+
+    if impl == "triton" and not triton_available():
+        return "impl='triton' needs the triton package (pip install triton)"
+    if impl == "triton" and device.type != "cuda" and not interpreting():
+        return (
+            "impl='triton' needs a CUDA device (or TRITON_INTERPRET=1 set before triton is first "
+            "imported)"
+        )
+    kernel_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    if impl == "triton" and dtype is not None and dtype not in kernel_dtypes:
+        return (
+            f"impl='triton' computes in float32, float16 or bfloat16, not {dtype}; use impl='torch'"
+        )
+    if impl == "triton" and head_dim is not None and head_dim > 256:
+        return f"impl='triton' supports head_dim <= 256, not {head_dim}; use impl='torch'"
+    return None
+
+
+def pick_impl(impl, prior, device, grad, dtype=None, head_dim=None):
+    """`impl` resolved: "auto" becomes the fastest impl that can (CUDA: triton; CPU: sdpa without
+    gradients, else torch); an impl that cannot raises ValueError with impl_error's message."""
+    if impl == "auto":
+        if torch.device(device).type == "cuda":
+            order = ("triton", "torch")
+        else:
+            order = ("torch",) if grad else ("sdpa", "torch")
+        return next(i for i in order if impl_error(i, prior, device, grad, dtype, head_dim) is None)
+
+    error = impl_error(impl, prior, device, grad, dtype, head_dim)
+    if error:
+        raise ValueError(error)
+    return impl
+
+
+def _check_shapes(q, k, v, doc_start, row_scale, q_offset):
+    """attention()'s argument checks, the same for every impl: a ValueError names what does not
+    fit."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if k.shape != (B, H, Tk, D) or v.shape != k.shape:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+        )
+    if Tq > Tk:
+        raise ValueError(
+            f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions"
+        )
+    if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
+        raise ValueError(
+            f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})"
+        )
+    if doc_start is not None and doc_start.shape[-1] != Tk:
+        raise ValueError(
+            f"attention: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}"
+        )
+    if row_scale is not None and row_scale.shape[-1] != Tq:
+        raise ValueError(f"attention: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    doc_start=None,
+    prior=None,
+    row_scale=None,
+    scale_prior=False,
+    q_offset=None,
+    softmax_scale=None,
+    impl="auto",
+):
+    """The attention of the module docstring, computed by `impl` (resolved by pick_impl)."""
+    prior = bind(prior)
+    _check_shapes(q, k, v, doc_start, row_scale, q_offset)
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+
+    grad = needs_grad(q, k, v, prior, row_scale)
+    impl = pick_impl(impl, prior, q.device, grad, q.dtype, q.shape[-1])
+    implementation = {"torch": attention_torch, "sdpa": attention_sdpa, "triton": attention_triton}
+    return implementation[impl](
+        q,
+        k,
+        v,
+        doc_start=doc_start,
+        prior=prior,
+        row_scale=row_scale,
+        scale_prior=scale_prior,
+        q_offset=q_offset,
+        softmax_scale=softmax_scale,
+    )
+
+
+# ---- CPU evaluation (impl "sdpa") ----------------------------------------------------------------
+# PyTorch's fused CPU attention kernel with the prior as a float attn_mask. Per query chunk, r_i
+# moves into the queries: s_ij = ((q_i r_i) . k_j) * softmax_scale + M_ij, M_ij = prior(j - i) r_i
+# if scale_prior else prior(j - i), -inf where invisible. With the keys reversed, M is a Hankel
+# matrix: a strided view of the reversed prior table, no copy. Only a mask that depends on more than
+# the distance (SSMax scaling the prior, documents) is written, into one buffer every chunk reuses
+# (fresh ones cost more in page faults than the kernel); the buffer bounds the chunk, so memory
+# stays linear in the length.
+def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
+    # one fp32 (batch, heads, rows, keys) mask buffer; the fused kernel's blocks want a few hundred
+    # rows
+    return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
+
+
+def _hankel_mask(reversed_table, rows, row, doc_rows, newest_key, buf):
+    """One chunk's float mask, (B or 1, H or 1, rows, keys), keys in reverse order (see above); a
+    view of reversed_table when it can be. reversed_table: (H or 1, rows + keys - 1), entry u for
+    distance d = rows - 1 - u; row: (B or 1, H, rows, 1) row scales when they scale the prior, else
+    None; doc_rows: (B, rows) document starts or None; newest_key: the position of the first
+    (reversed) key; buf: a reused buffer, or None under autograd."""
+    H, n = reversed_table.shape
+    keys = n - rows + 1
+    if row is None:  # a function of the distance alone: causality (d > 0) is -inf table entries
+        future = torch.arange(n, device=reversed_table.device) < rows - 1
+        reversed_table = reversed_table.masked_fill(future, float("-inf"))
+    view = reversed_table.as_strided((1, H, rows, keys), (H * n, n, 1, 1))
+    if row is None and doc_rows is None:
+        return view
+
+    batch = doc_rows.shape[0] if doc_rows is not None else row.shape[0]
+    shape = (batch, H if row is None else row.shape[1], rows, keys)
+    mask = buf[: math.prod(shape)].view(shape) if buf is not None else None
+    if row is None:
+        mask = view.expand(shape).clone() if mask is None else mask.copy_(view.expand(shape))
+    else:
+        if mask is None:
+            mask = view.expand(shape) * row
+        else:
+            mask = torch.mul(view.expand(shape), row, out=mask)
+        # causality: key column c is after query row r iff r + c < rows - 1, in the first rows - 1
+        # columns
+        idx = torch.arange(rows, device=mask.device)
+        future = idx[:, None] + idx[None, : rows - 1] < rows - 1
+        mask[..., : rows - 1].add_(_neg_inf_where(future))
+
+    if doc_rows is None:
+        return mask
+    # columns 0..shared of the reversed keys lie in every row's document; later ones may not
+    shared = int(newest_key - doc_rows.max())
+    if shared < keys - 1:
+        key_pos = newest_key - torch.arange(shared + 1, keys, device=mask.device)
+        before_doc = key_pos[None, None, :] < doc_rows[:, :, None]
+        mask[..., shared + 1 :].add_(_neg_inf_where(before_doc)[:, None])
+    return mask
+
+
+def _reversed_prior_table(prior, nearest, farthest, device, like):
+    """The log-prior of distances farthest down to nearest, (H, farthest - nearest + 1), or zeros
+    (1, n) without a prior."""
+    if prior is None:
+        return like.new_zeros(1, farthest - nearest + 1)
+    return prior.table(torch.arange(nearest, farthest + 1, device=device)).flip(1)
+
+
+def attention_sdpa(
+    q,
+    k,
+    v,
+    *,
+    doc_start=None,
+    prior=None,
+    row_scale=None,
+    scale_prior=False,
+    q_offset=None,
+    softmax_scale=None,
+    chunk_size=None,
+):
+    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). Under
+    autograd each chunk's mask is a fresh tensor that the backward keeps (training memory O(T^2));
+    impl_error says that it does not train a prior."""
+    prior = bind(prior)
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
+    dtype = q.dtype
+    q = q.float()  # fp32 inside, like the reference
+    k = k.float()
+    v = v.float()
+    if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(
+            dtype
+        )
+
+    written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
+    grad = needs_grad(q, k, v, prior, row_scale)
+    buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
+    k_rev = k.flip(2)  # key j sits at Tk - 1 - j
+    v_rev = v.flip(2)
+    outs = []
+    # keys before first_key are invisible to the chunk
+    for start, stop, first_key in _query_chunks(Tq, doc_start, q_offset, chunk):
+        first_query = q_offset + start  # absolute positions of the chunk's queries: [first, end)
+        end = q_offset + stop
+        table = _reversed_prior_table(prior, first_key - (end - 1), stop - start - 1, q.device, q)
+        queries = q[:, :, start:stop]
+        row = None
+        if row_scale is not None:
+            row = row_scale[:, :, start:stop, None].float()
+            queries = queries * row
+        prior_row = row if scale_prior and prior is not None else None
+        doc_rows = doc_start[:, first_query:end] if doc_start is not None else None
+        mask = _hankel_mask(table, stop - start, prior_row, doc_rows, end - 1, buf)
+        keys = k_rev[:, :, Tk - end : Tk - first_key]
+        values = v_rev[:, :, Tk - end : Tk - first_key]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=softmax_scale
+        )
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(dtype)

@@ -1,0 +1,147 @@
+"""
+Checkpoints, the one place that writes and reads them. A checkpoint is a dict of "model_args" (the
+GPTConfig as a dict), "model" (a clean state_dict) and whatever the trainer adds (optimizer, step,
+RNG, ...), written atomically and loaded with weights_only=True, so that reading one never runs
+code.
+"""
+
+import os
+import re
+from dataclasses import asdict, fields
+
+import torch
+
+from model import GPT, GPTConfig
+from priors import PRIORS
+
+CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+# how to compute, not what: the caller's choice, never the checkpoint's
+RUNTIME_KEYS = ("attn_impl",)
+
+
+class CheckpointError(RuntimeError):
+    """A file that is not a readable bam-gpt checkpoint, or one that does not fit the model asked
+    for."""
+
+
+def unwrap(model):
+    """The plain GPT inside a DDP and/or torch.compile wrapper (DDP(compile(model)), as train.py
+    builds it)."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def save_checkpoint(path, model, **extra):
+    """Atomic: write to a temporary file in the same directory, then rename over the target, so that
+    a crash mid-write never leaves a truncated checkpoint under the real name."""
+    raw_model = unwrap(model)  # saved keys carry no "_orig_mod." / "module." prefixes
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    state = {"model_args": asdict(raw_model.config), "model": raw_model.state_dict(), **extra}
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def checkpoint_name(step):
+    return f"ckpt_{step:07d}.pt"
+
+
+def checkpoints(run_dir):
+    """[(step, path)] of the checkpoints in a run directory, oldest first ([] if there is no such
+    directory)."""
+    if not os.path.isdir(run_dir):
+        return []
+
+    found = []
+    for name in os.listdir(run_dir):
+        match = CKPT_RE.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """The checkpoint dict of a .pt file or a run directory's newest ckpt_<step>.pt, loaded with
+    weights_only=True. The dict's "path" says which file it was."""
+    if os.path.isdir(path):
+        found = checkpoints(path)
+        if not found:
+            raise FileNotFoundError(
+                f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?"
+            )
+        path = found[-1][1]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py"
+        )
+
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
+            "is it a bam-gpt checkpoint and fully written?"
+        ) from e
+
+    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
+        raise CheckpointError(
+            f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')"
+        )
+    return dict(ckpt, path=path)
+
+
+def checkpoint_model_args(ckpt):
+    """A checkpoint's GPTConfig as a dict, settings it predates and RUNTIME_KEYS at their defaults;
+    CheckpointError for settings this code does not know and for an unregistered prior."""
+    where = ckpt.get("path", "")
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    unknown = set(ckpt["model_args"]) - set(defaults)
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {where!r} has model settings this code does not know: {sorted(unknown)}"
+        )
+
+    saved = {k: v for k, v in ckpt["model_args"].items() if k not in RUNTIME_KEYS}
+    args = {**defaults, **saved}
+    if args["pos_encoding"] == "bam" and args["prior"] not in PRIORS:
+        raise CheckpointError(
+            f"checkpoint {where!r} uses the prior {args['prior']!r}, which is not registered "
+            f"(registered: {', '.join(PRIORS)}); register it in priors.py to load it"
+        )
+    return args
+
+
+def load_state(model, ckpt):
+    """Load ckpt["model"] into model, or raise an error that says how the checkpoint's model
+    differs."""
+    where = ckpt.get("path", "")
+    raw_model = unwrap(model)
+    theirs = checkpoint_model_args(ckpt)
+    ours = asdict(raw_model.config)
+    diff = [
+        f"{k}: {theirs[k]!r} vs {ours[k]!r}"
+        for k in ours
+        if k not in RUNTIME_KEYS and theirs[k] != ours[k]
+    ]
+    if diff:
+        raise ValueError(
+            f"checkpoint {where!r} is from another model (checkpoint vs this model):\n  "
+            + "\n  ".join(diff)
+        )
+
+    try:
+        raw_model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # missing or unexpected keys, other shapes
+        message = " ".join(str(e).split())
+        raise CheckpointError(f"checkpoint {where!r} does not fit this model: {message}") from None
+
+
+def load_model(path, device="cpu", attn_impl="auto"):
+    """(GPT in eval mode, checkpoint dict) from a checkpoint file or run directory, attention
+    computed by attn_impl."""
+    ckpt = load_checkpoint(path)
+    model_args = dict(checkpoint_model_args(ckpt), attn_impl=attn_impl or "auto")
+    model = GPT(GPTConfig(**model_args))
+    load_state(model, ckpt)
+    return model.to(device).eval(), ckpt
