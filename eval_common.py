@@ -407,8 +407,9 @@ def seed_table(cells, path_prefix, caption, worst, digits=2):
     per variant with several seeds the median and the worst over them.
 
     cells: {run label: {multiple of the training length: value}}; worst: ("min", min) where higher
-    is better (accuracy), ("max", max) where lower is (perplexity). Writes <path_prefix>.{md,csv,json}
-    and returns the markdown; None (nothing written) when no label carries a seed."""
+    is better (accuracy), ("max", max) where lower is (perplexity). Writes
+    <path_prefix>.{md,csv,json} and returns the markdown; None (nothing written) when no label
+    carries a seed."""
     by_run = {seed_split(label): values for label, values in cells.items()}
     if all(seed is None for _, seed in by_run):
         return None
@@ -417,21 +418,29 @@ def seed_table(cells, path_prefix, caption, worst, digits=2):
     body = []
 
     def add(variant, statistic, seed, n_seeds, values, first_cells, bold=""):
-        rows.append(dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds,
-                         **{f"{m}x": values.get(m) for m in mults}))
-        body.append([*first_cells, *(f"{bold}{values[m]:.{digits}f}{bold}" if m in values else "–"
-                                     for m in mults)])
+        columns = {f"{m}x": values.get(m) for m in mults}
+        rows.append(
+            dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds, **columns)
+        )
+        shown = [f"{bold}{values[m]:.{digits}f}{bold}" if m in values else "–" for m in mults]
+        body.append([*first_cells, *shown])
 
     for variant in dict.fromkeys(v for v, _ in by_run):
         seeds = sorted((seed for v, seed in by_run if v == variant), key=lambda x: (x is None, x))
         for seed in seeds:
-            add(variant, "seed", seed, 1, by_run[(variant, seed)], [variant, "–" if seed is None else seed])
+            seed_cell = "–" if seed is None else seed
+            add(variant, "seed", seed, 1, by_run[(variant, seed)], [variant, seed_cell])
+
         statistics_ = (("median", statistics.median), worst) if len(seeds) > 1 else ()
         for name, statistic in statistics_:
-            per_mult = {m: [by_run[(variant, s)][m] for s in seeds if m in by_run[(variant, s)]] for m in mults}
+            # over the seeds that have the cell (a length can be skipped for lack of memory)
+            per_mult = {
+                m: [by_run[(variant, s)][m] for s in seeds if m in by_run[(variant, s)]]
+                for m in mults
+            }
             values = {m: statistic(v) for m, v in per_mult.items() if v}
-            add(variant, name, None, len(seeds), values,
-                [f"**{variant}**", f"**{name} of {len(seeds)}**"], bold="**")
+            first_cells = [f"**{variant}**", f"**{name} of {len(seeds)}**"]
+            add(variant, name, None, len(seeds), values, first_cells, bold="**")
 
     write_table(rows, path_prefix)
     text = markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\n{caption}\n"

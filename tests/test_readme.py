@@ -1,9 +1,11 @@
-"""The markdown files' commands do not drift from the code: every command in a bash block, a table or prose of
-README.md, dev/README.md, results/demo/README.md (every markdown file of the repo) names a script, config, file
-or make target that exists, and its options parse (argparse scripts through their build_parser(), train.py
-through the configurator). The cheap ones, the demo's evaluation steps, run as written on tiny stand-in
-checkpoints (with a model forward that costs nothing); commands marked GPU or internet are parsed, never run.
-Every relative link and image points to a file that exists."""
+"""The markdown files' commands do not drift from the code: every command in a bash block, a table
+or prose of README.md, dev/README.md, results/demo/README.md (every markdown file of the repo) names
+a script, config, file or make target that exists, and its options parse (argparse scripts through
+their build_parser(), train.py through the configurator). The cheap ones, the demo's evaluation
+steps, run as written on tiny stand-in checkpoints (with a model forward that costs nothing);
+commands marked GPU or internet are parsed, never run. Every relative link and image points to a
+file that exists."""
+
 import importlib
 import importlib.util
 import json
@@ -24,18 +26,37 @@ from data import write_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS = ("python ", "torchrun ", "bash ", "make ", "OMP_NUM_THREADS=", "TRITON_INTERPRET=")
-RUN = ("eval_passkey.py", "eval_ppl.py", "plot_prior.py")  # cheap on tiny checkpoints: run as written
-WITH_COMMANDS = ("README.md", "dev/README.md", "results/demo/README.md", "results/text/README.md")  # each holds commands
+RUN = (
+    "eval_passkey.py",
+    "eval_ppl.py",
+    "plot_prior.py",
+)  # cheap on tiny checkpoints: run as written
+WITH_COMMANDS = (
+    "README.md",
+    "dev/README.md",
+    "results/demo/README.md",
+    "results/text/README.md",
+)  # each holds commands
 
 
 def repo_files(*suffixes):
-    """The repo's files ending in one of `suffixes` (git's tracked and not-ignored files, or a walk without git)."""
+    """The repo's files ending in one of `suffixes` (git's tracked and not-ignored files, or a walk
+    without git)."""
     try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
-        out = [os.path.relpath(os.path.join(d, n), ROOT) for d, dirs, names in os.walk(ROOT)
-               if not re.search(r"/(\.git|\.venv|data|out)(/|$)", d) for n in names]
+        out = [
+            os.path.relpath(os.path.join(d, n), ROOT)
+            for d, dirs, names in os.walk(ROOT)
+            if not re.search(r"/(\.git|\.venv|data|out)(/|$)", d)
+            for n in names
+        ]
     return sorted(f for f in out if f.endswith(suffixes) and os.path.isfile(os.path.join(ROOT, f)))
 
 
@@ -44,8 +65,9 @@ def markdown_files():
 
 
 def commands(path):
-    """[(command, note)] of one markdown file: each command of a bash block (continuation lines joined) with its
-    trailing comment, and each inline command (in a table or in prose) with its line as its note."""
+    """[(command, note)] of one markdown file: each command of a bash block (continuation lines
+    joined) with its trailing comment, and each inline command (in a table or in prose) with its
+    line as its note."""
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
@@ -54,8 +76,11 @@ def commands(path):
             if command.strip():
                 out.append((command.strip(), comment))
     for line in text.splitlines():  # inline commands in tables and prose
-        out += [(c, line) for c in re.findall(r"`([^`]+)`", line)
-                if c.startswith(STARTS) and not re.fullmatch(r"[A-Z_]+=\S*", c)]  # not a bare VAR=value
+        out += [
+            (c, line)
+            for c in re.findall(r"`([^`]+)`", line)
+            if c.startswith(STARTS) and not re.fullmatch(r"[A-Z_]+=\S*", c)
+        ]  # not a bare VAR=value
     return out
 
 
@@ -78,12 +103,13 @@ def script_and_args(argv):
         return "pytest", argv[3:]
     if argv[0] in ("python", "torchrun"):
         i = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-        return argv[i], argv[i + 1:]
+        return argv[i], argv[i + 1 :]
     return None, None
 
 
 def load_script(script):
-    """The module of a script given by its path from the repo root (dev/bench.py, eval_passkey.py)."""
+    """The module of a script given by its path from the repo root (dev/bench.py,
+    eval_passkey.py)."""
     if "/" not in script:
         return importlib.import_module(script[:-3])
     name = script[:-3].replace("/", "_")
@@ -101,10 +127,16 @@ def check_parses(command):
         makefile = open(os.path.join(ROOT, "Makefile")).read()
         for a in argv[1:]:
             name = a.split("=")[0]
-            assert (re.search(rf"^{re.escape(name)} \?=", makefile, re.M) if "=" in a
-                    else re.search(rf"^{re.escape(a)}:", makefile, re.M)), f"{command}: make has no {a}"
+            assert (
+                re.search(rf"^{re.escape(name)} \?=", makefile, re.M)
+                if "=" in a
+                else re.search(rf"^{re.escape(a)}:", makefile, re.M)
+            ), f"{command}: make has no {a}"
     elif argv[0] == "source":  # the environment that make creates
-        assert argv[1] == ".venv/bin/activate" and "-m venv .venv" in open(os.path.join(ROOT, "Makefile")).read()
+        assert (
+            argv[1] == ".venv/bin/activate"
+            and "-m venv .venv" in open(os.path.join(ROOT, "Makefile")).read()
+        )
     elif argv[0] == "bash":
         assert os.path.isfile(os.path.join(ROOT, argv[1])), f"{command}: no {argv[1]}"
     elif script == "pytest":
@@ -117,7 +149,9 @@ def check_parses(command):
         except ConfigError as e:
             pytest.fail(f"{command}: {e}")
     else:
-        assert script and os.path.isfile(os.path.join(ROOT, script)), f"{command}: no script {script}"
+        assert script and os.path.isfile(os.path.join(ROOT, script)), (
+            f"{command}: no script {script}"
+        )
         try:
             load_script(script).build_parser().parse_args(args)
         except SystemExit:
@@ -141,8 +175,11 @@ def test_command_parses(path, command, note):
     check_parses(command)
     if needs_gpu_or_internet(note):
         return
-    assert not re.search(r"--max_length 262144|bam_120m|bam_1b|--preset|--compile(=True)?(?![=\w])|--long_forward=131072",
-                         command), f"{path}: {command}: needs a GPU or internet but is not marked so"
+    assert not re.search(
+        r"--max_length 262144|bam_120m|bam_1b|--preset|--compile(=True)?(?![=\w])"
+        r"|--long_forward=131072",
+        command,
+    ), f"{path}: {command}: needs a GPU or internet but is not marked so"
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target) and ![alt](target)
@@ -152,14 +189,20 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target) and ![alt](t
 def test_links_point_to_files(path):
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
     here = os.path.dirname(path)
-    missing = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)
-               and not os.path.exists(os.path.join(ROOT, here, t))]
+    missing = [
+        t
+        for t in LINK.findall(text)
+        if not re.match(r"[a-z]+:", t) and not os.path.exists(os.path.join(ROOT, here, t))
+    ]
     assert not missing, f"{path} links to files that do not exist: {missing}"
 
 
 def test_code_cites_readme_sections_that_exist():
-    """A comment or docstring that cites `README, "Section"` names a heading of README.md (its first words)."""
-    readme = re.sub(r"```.*?```", "", open(os.path.join(ROOT, "README.md")).read(), flags=re.S)  # not code
+    """A comment or docstring that cites `README, "Section"` names a heading of README.md (its first
+    words)."""
+    readme = re.sub(
+        r"```.*?```", "", open(os.path.join(ROOT, "README.md")).read(), flags=re.S
+    )  # not code
     headings = [h.strip() for h in re.findall(r"^#+ (.*)$", readme, re.M)]
     stale = []
     for path in (f for f in repo_files(".py", ".sh") if not f.startswith("tests/")):
@@ -168,61 +211,115 @@ def test_code_cites_readme_sections_that_exist():
             cited = " ".join(re.sub(r"^\s*#", " ", cited, flags=re.M).split())
             if not any(h.startswith(cited) for h in headings):
                 stale.append(f"{path}: README, {cited!r}")
-    assert not stale, f"citations of README sections that do not exist (headings: {headings}): {stale}"
+    assert not stale, (
+        f"citations of README sections that do not exist (headings: {headings}): {stale}"
+    )
 
 
 def test_makefile_runs_scripts_that_exist():
     """`make demo` and `make gpu-check` run scripts by path: each exists."""
-    recipes = [line for line in open(os.path.join(ROOT, "Makefile")).read().splitlines() if line.startswith("\t")]
-    scripts = {s for line in recipes for s in re.findall(r"(?<![\w/$(.-])([\w/]+\.(?:py|sh))\b", line)}
+    recipes = [
+        line
+        for line in open(os.path.join(ROOT, "Makefile")).read().splitlines()
+        if line.startswith("\t")
+    ]
+    scripts = {
+        s for line in recipes for s in re.findall(r"(?<![\w/$(.-])([\w/]+\.(?:py|sh))\b", line)
+    }
     missing = [s for s in sorted(scripts) if not os.path.isfile(os.path.join(ROOT, s))]
     assert scripts and not missing, f"the Makefile runs scripts that do not exist: {missing}"
 
 
 def known_options():
     """Every option of every script with a build_parser(), and every train.py setting as --key."""
-    options = {f"--{k}" for k in train.config_keys} | {"--key"}  # `--key=value`: the configurator's syntax
+    options = {f"--{k}" for k in train.config_keys} | {
+        "--key"
+    }  # `--key=value`: the configurator's syntax
     for path in repo_files(".py"):
-        if not path.startswith("tests/") and "def build_parser" in open(os.path.join(ROOT, path)).read():
+        if (
+            not path.startswith("tests/")
+            and "def build_parser" in open(os.path.join(ROOT, path)).read()
+        ):
             options |= set(load_script(path).build_parser()._option_string_actions)
     return options
 
 
 def test_inline_options_exist():
-    """An option quoted in prose (`--allow_data_repeat=True`, `--preset paper`) is one that some script accepts."""
+    """An option quoted in prose (`--allow_data_repeat=True`, `--preset paper`) is one that some
+    script accepts."""
     options = known_options()
     unknown = []
     for path in markdown_files():
-        for span in re.findall(r"`([^`\n]+)`", open(os.path.join(ROOT, path), encoding="utf-8").read()):
+        for span in re.findall(
+            r"`([^`\n]+)`", open(os.path.join(ROOT, path), encoding="utf-8").read()
+        ):
             if not span.startswith(STARTS):  # whole commands are parsed by test_command_parses
-                unknown += [f"{path}: {o}" for o in re.findall(r"(?<![\w-])--\w+", span) if o not in options]
+                unknown += [
+                    f"{path}: {o}" for o in re.findall(r"(?<![\w-])--\w+", span) if o not in options
+                ]
     assert not unknown, f"options no script accepts: {unknown}"
 
 
 def stand_ins(tmp_path):
-    """Tiny byte-level checkpoints at the demo's run paths (training them is what make demo does)."""
-    for name, pe, ssmax, prior in (("bam_ssmax", "bam", True, "ggd"), ("rope", "rope", False, "ggd"),
-                                   ("alibi", "alibi", False, "ggd"), ("nope", "nope", False, "ggd"),
-                                   ("cauchy", "bam", True, "cauchy")):
-        gpt = model.GPT(model.GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
-                                        block_size=64, pos_encoding=pe, ssmax=ssmax, prior=prior))
-        for run in [f"{name}-s1"] + (["prior_lr_1e-2-s2"] if name == "bam_ssmax" else []):  # results/demo/README
-            checkpoint.save_checkpoint(str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000)
+    """Tiny byte-level checkpoints at the demo's run paths (training them is what make demo
+    does)."""
+    for name, pe, ssmax, prior in (
+        ("bam_ssmax", "bam", True, "ggd"),
+        ("rope", "rope", False, "ggd"),
+        ("alibi", "alibi", False, "ggd"),
+        ("nope", "nope", False, "ggd"),
+        ("cauchy", "bam", True, "cauchy"),
+    ):
+        gpt = model.GPT(
+            model.GPTConfig(
+                vocab_size=257,
+                tokenizer="byte",
+                n_layer=1,
+                n_head=2,
+                n_embd=16,
+                block_size=64,
+                pos_encoding=pe,
+                ssmax=ssmax,
+                prior=prior,
+            )
+        )
+        for run in [f"{name}-s1"] + (
+            ["prior_lr_1e-2-s2"] if name == "bam_ssmax" else []
+        ):  # results/demo/README
+            checkpoint.save_checkpoint(
+                str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000
+            )
 
 
-TEXT_VARIANTS = (("nope", "nope", False), ("sinusoidal", "sinusoidal", False), ("rope", "rope", False),
-                 ("alibi", "alibi", False), ("bam", "bam", False), ("bam_ssmax", "bam", True))
+TEXT_VARIANTS = (
+    ("nope", "nope", False),
+    ("sinusoidal", "sinusoidal", False),
+    ("rope", "rope", False),
+    ("alibi", "alibi", False),
+    ("bam", "bam", False),
+    ("bam_ssmax", "bam", True),
+)
 
 
 def text_stand_ins(tmp_path):
-    """Tiny byte-level checkpoints at the text demo's run paths, trained (they say) on data/text; its
-    validation split, and data/demo/s1's, hold random bytes."""
+    """Tiny byte-level checkpoints at the text demo's run paths, trained (they say) on data/text;
+    its validation split, and data/demo/s1's, hold random bytes."""
     for name, pe, ssmax in TEXT_VARIANTS:
-        gpt = model.GPT(model.GPTConfig(vocab_size=257, tokenizer="byte", n_layer=1, n_head=2, n_embd=16,
-                                        block_size=64, pos_encoding=pe, ssmax=ssmax))
+        gpt = model.GPT(
+            model.GPTConfig(
+                vocab_size=257,
+                tokenizer="byte",
+                n_layer=1,
+                n_head=2,
+                n_embd=16,
+                block_size=64,
+                pos_encoding=pe,
+                ssmax=ssmax,
+            )
+        )
         for seed in (1, 2, 3):
             path = tmp_path / "out" / "text" / f"{name}-s{seed}" / "ckpt_0002000.pt"
-            model.save_checkpoint(str(path), gpt, step=2000, config={"data_dir": "data/text"})
+            checkpoint.save_checkpoint(str(path), gpt, step=2000, config={"data_dir": "data/text"})
     tokens = torch.randint(0, 256, (262_144,), generator=torch.Generator().manual_seed(0)).numpy()
     for data_dir in ("text", "demo/s1"):  # dev/README.md scores a demo model on the demo's data
         os.makedirs(tmp_path / "data" / data_dir)
@@ -238,8 +335,8 @@ def blank_forward(self, idx, targets=None, *, logits_at=None, **kwargs):
 
 
 def test_cheap_commands_run(tmp_path, monkeypatch):
-    """The demo's evaluation steps, as written, in a directory holding stand-ins for the demo's checkpoints
-    (the scripts' main() in this process, with a model forward that costs nothing)."""
+    """The demo's evaluation steps, as written, in a directory holding stand-ins for the demo's
+    checkpoints (the scripts' main() in this process, with a model forward that costs nothing)."""
     stand_ins(tmp_path)
     text_stand_ins(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -255,8 +352,14 @@ def test_cheap_commands_run(tmp_path, monkeypatch):
     results = tmp_path / "out" / "demo" / "results"
     summary = json.loads((results / "passkey_summary.json").read_text())
     assert len(summary) == 4 * 7 and all(r["n"] == 20 for r in summary)
-    assert (results / "demo_table.md").exists()  # eval_passkey.py writes it for run names with a seed
+    assert (
+        results / "demo_table.md"
+    ).exists()  # eval_passkey.py writes it for run names with a seed
     text = tmp_path / "out" / "text" / "results"
-    windows = [r for r in json.loads((text / "ppl_summary.json").read_text()) if r["scope"] == "window"]
-    assert len({r["label"] for r in windows}) == 6 and max(r["window_end"] for r in windows) == 64 * 64
+    windows = [
+        r for r in json.loads((text / "ppl_summary.json").read_text()) if r["scope"] == "window"
+    ]
+    assert (
+        len({r["label"] for r in windows}) == 6 and max(r["window_end"] for r in windows) == 64 * 64
+    )
     assert (text / "ppl_table.md").exists()  # eval_ppl.py writes it for run names with a seed
