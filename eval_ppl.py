@@ -200,27 +200,9 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         window=args.window,
         dtype=dtype,
     )
-    by_key = {log.key(r): r for r in log.records}
-    records = []
-    resumed = 0
     t0 = time.time()
     reset_peak_memory(device)
-    for i in tqdm(range(len(seqs)), desc=name, unit="seq"):
-        digest = hashlib.sha1(np.ascontiguousarray(seqs[i], dtype="<i8").tobytes()).hexdigest()
-        digest = digest[:16]
-        rec = by_key.get(log.key(dict(key, seq=i)))
-        if rec is None:
-            rec = score_sequence(run["model"], seqs[i], args.window, device, dtype)
-            rec = dict(key, seq=i, tokens_sha1=digest, **rec)
-            log.add(rec)
-        elif rec["tokens_sha1"] != digest:
-            raise EvalError(
-                f"{log.path} holds a result for sequence {i} computed on other tokens (the data "
-                "changed since); use a fresh --out or delete that file"
-            )
-        else:
-            resumed += 1
-        records.append(rec)
+    records, resumed = score_all(args, run, seqs, key, device, dtype, log)
     if resumed:
         print(f"{name}: {resumed} of {len(seqs)} sequences resumed from {log.path}")
 
@@ -237,6 +219,31 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         f"({time.time() - t0:.1f}s)"
     )
     return out
+
+
+def score_all(args, run, seqs, key, device, dtype, log):
+    """(records, how many were resumed): every sequence's record, from `log` where it holds one for
+    these tokens, else scored now and added to it."""
+    by_key = {log.key(r): r for r in log.records}
+    records = []
+    resumed = 0
+    for i in tqdm(range(len(seqs)), desc=run["label"], unit="seq"):
+        digest = hashlib.sha1(np.ascontiguousarray(seqs[i], dtype="<i8").tobytes()).hexdigest()
+        digest = digest[:16]
+        rec = by_key.get(log.key(dict(key, seq=i)))
+        if rec is None:
+            rec = score_sequence(run["model"], seqs[i], args.window, device, dtype)
+            rec = dict(key, seq=i, tokens_sha1=digest, **rec)
+            log.add(rec)
+        elif rec["tokens_sha1"] != digest:
+            raise EvalError(
+                f"{log.path} holds a result for sequence {i} computed on other tokens (the data "
+                "changed since); use a fresh --out or delete that file"
+            )
+        else:
+            resumed += 1
+        records.append(rec)
+    return records, resumed
 
 
 def score_sequence(model, seq, window, device, dtype):
