@@ -260,6 +260,22 @@ def test_inline_options_exist():
     assert not unknown, f"options no script accepts: {unknown}"
 
 
+def tiny_byte_gpt(pos_encoding, ssmax, prior="ggd"):
+    """A one-layer byte-level model trained at 64 tokens, as the demos' stand-in."""
+    config = model.GPTConfig(
+        vocab_size=257,
+        tokenizer="byte",
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        block_size=64,
+        pos_encoding=pos_encoding,
+        ssmax=ssmax,
+        prior=prior,
+    )
+    return model.GPT(config)
+
+
 def stand_ins(tmp_path):
     """Tiny byte-level checkpoints at the demo's run paths (training them is what make demo
     does)."""
@@ -270,19 +286,7 @@ def stand_ins(tmp_path):
         ("nope", "nope", False, "ggd"),
         ("cauchy", "bam", True, "cauchy"),
     ):
-        gpt = model.GPT(
-            model.GPTConfig(
-                vocab_size=257,
-                tokenizer="byte",
-                n_layer=1,
-                n_head=2,
-                n_embd=16,
-                block_size=64,
-                pos_encoding=pe,
-                ssmax=ssmax,
-                prior=prior,
-            )
-        )
+        gpt = tiny_byte_gpt(pe, ssmax, prior)
         for run in [f"{name}-s1"] + (
             ["prior_lr_1e-2-s2"] if name == "bam_ssmax" else []
         ):  # results/demo/README
@@ -305,18 +309,7 @@ def text_stand_ins(tmp_path):
     """Tiny byte-level checkpoints at the text demo's run paths, trained (they say) on data/text;
     its validation split, and data/demo/s1's, hold random bytes."""
     for name, pe, ssmax in TEXT_VARIANTS:
-        gpt = model.GPT(
-            model.GPTConfig(
-                vocab_size=257,
-                tokenizer="byte",
-                n_layer=1,
-                n_head=2,
-                n_embd=16,
-                block_size=64,
-                pos_encoding=pe,
-                ssmax=ssmax,
-            )
-        )
+        gpt = tiny_byte_gpt(pe, ssmax)
         for seed in (1, 2, 3):
             path = tmp_path / "out" / "text" / f"{name}-s{seed}" / "ckpt_0002000.pt"
             checkpoint.save_checkpoint(str(path), gpt, step=2000, config={"data_dir": "data/text"})
