@@ -37,7 +37,7 @@ def prior_tables(model, dist):
         bound = block.attn.prior()
         if bound is None:
             continue
-        table = bound.table(d).double()  # (H, 1 + len(dist))
+        table = bound.prior.fn(d, *bound.params).double()  # the formula, without attention's floor
         rule = bound.prior.highlight
         highlighted = rule(*bound.params).tolist() if rule is not None else [False] * table.shape[0]
         row = summary[i]
