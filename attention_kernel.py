@@ -1,9 +1,43 @@
 """
-The Triton kernel of bam-gpt's attention (impl "triton"): flash attention with any registered prior and SSMax,
-forward and backward, registered as torch.library custom ops. attention.py holds the contract, the formula and
-the one decision point (impl_error); it checks and resolves the arguments before calling attention_triton.
+The Triton kernel of bam-gpt's attention (impl "triton"): flash attention with any registered prior
+and SSMax, forward and backward, registered as torch.library custom ops. attention.py holds the
+contract, the formula and the one decision point (impl_error); it checks and resolves the arguments
+before calling attention_triton.
+
+Structure (Triton's fused-attention tutorial): the forward is one online-softmax loop over key
+blocks, in base 2 (log2 e folded into the scores). The backward is a preprocess
+Delta = rowsum(O * dO), a kernel per key block that accumulates dK and dV over query blocks, and a
+kernel per query block for dQ (no atomics), which also sums the gradients of SSMax's row scale and
+of the prior's parameters: per-program partial sums, reduced afterwards in a fixed order, so that
+two backward passes are bitwise equal. Every kernel visits its blocks in three stages: the unmasked
+ones, then the masked ones before and after them (document starts, the diagonal).
+
+The kernels never see a prior's formula, only tables by distance, built once per call from the
+registry's BoundPrior.table (floored at priors.LOG_PRIOR_FLOOR): lp(d) per head, and for the K
+parameters that need a gradient their derivative tables J_k(d) = d lp(d) / d theta_k (forward-mode
+autograd), K a compile-time constant. A tile's log-prior depends on d = j - i only (a Toeplitz
+tile); each table is stored as 4 copies shifted by one entry, so that every row of a tile is a
+16-byte aligned run of one copy: vectorised loads.
+
+Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
+without SSMax):
+    l = softmax_scale q_i.k_j ;  s = (l + lp) r  if scale_prior  else  l r + lp ;  -inf if hidden
+    P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij), stored in base 2
+    dP = dO V^T ;  Delta_i = sum_j P_ij dP_ij = rowsum(O_i * dO_i) ;  dS = P (dP - Delta)
+    dq = softmax_scale r sum_j dS k_j ;  dk = softmax_scale sum_i dS r q_i ;  dv = P^T dO
+    dtheta_k = sum_ij w_i dS_ij J_k(d_ij),  w = r if scale_prior else 1
+    dr_i = sum_j dS_ij x_ij,  x = l + lp if scale_prior else l,
+           where sum_j dS_ij l_ij = softmax_scale q_i.(dS K)_i comes from dQ's own product.
+Numerics: the scores are one explicit fma (s = fma(q.k, coef_i, lp r_i)), the same in every kernel,
+so the backward recomputes the forward's scores bit for bit even with fp fusion on; a row with one
+visible key thus gets P = 1 exactly, and its gradients, exactly 0 in real arithmetic, are set to 0
+(dQ, d theta, d row_scale) rather than left as rounding noise. The floor bounds every score and
+every derivative table, so that Delta's rounding (O is stored in the inputs' dtype) reaches d theta
+at most times |floor|, not times a prior of -3e7.
 """
+
 import contextlib
+import math
 import os
 from typing import Optional
 
@@ -12,44 +46,6 @@ import torch.nn.functional as F
 
 from priors import BoundPrior
 
-# ----------------------------------------------------------------------------------------------------------
-# Triton kernel: flash attention with any registered prior and SSMax applied per tile.
-# Structure follows Triton's fused-attention tutorial: forward = one online-softmax loop over K/V blocks in
-# base 2 (exp2, log2(e) folded into the scores) in stages (unmasked tiles, then the boundary tiles masked);
-# backward = preprocess Delta = rowsum(O * dO), a kernel per K/V block accumulating dK, dV over query blocks,
-# and a separate kernel per query block for dQ (no atomics), which also produces d row_scale and per-program
-# partial sums for the prior parameters, reduced afterwards in PyTorch (deterministic: two runs are bitwise equal).
-#
-# The kernel never sees a prior's formula, only tables by distance, built in PyTorch once per call from the
-# registered fn (_prior_tables): B(d) per head, and for the K parameters that need a gradient their derivative
-# tables J_k(d) = dB(d)/dtheta_k (forward-mode autograd, outside the custom ops), K a compile-time constant.
-# Why derivative tables and not the gradient w.r.t. the table (dB per head and distance, handed to autograd):
-# dB(d) is a sum along the diagonals of every dS tile, which a query-block program can neither hold (its
-# distances span the whole row) nor store in linear memory, so it would need a third kernel per block diagonal
-# recomputing S, P and dP, after a pass that knows Delta' (below). perf_model.py (sm_90, D = 64, bf16) puts a
-# forward-class kernel with a prior at 0.137 clocks per score before any diagonal reduction, and what the dQ
-# kernel adds for two derivative tables (GGD's or Cauchy's trained parameters) at 0.128, +0.059 for a third:
-# for the shipped priors the tables cost less, need no extra pass or new reduction, and keep the exact zero.
-#
-# Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i = row_scale (1 without SSMax):
-#   l = softmax_scale * q_i.k_j ;  s = (l + B) r  if scale_prior  else  l r + B ;  masked s = -inf
-#   P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij) (stored in base 2)
-# Backward, with Delta_i = sum_j P_ij dP_ij = rowsum(O_i * dO_i) and dP = dO V^T:
-#   dS = P * (dP - Delta)          gradient w.r.t. the final score s
-#   dl = dS r,  dq = softmax_scale dl K,  dk = softmax_scale dl^T Q,  dv = P^T dO
-#   dtheta_k = sum_ij w_i dS_ij J_k(d_ij), w = r if scale_prior else 1 ;  dr_i = sum_j dS_ij x_ij,
-#   x = l + B if scale_prior else l
-# A prior can be huge where the probability sits (GGD with theta_beta < 0: B(d = mu) about -3e7): exact in fp32
-# softmax, but sum_j dS_ij J_ij then multiplies rounding noise in (dP - Delta) by 1e7 on rows where that entry
-# carries the probability (a document's first query). Because sum_j dS_ij = 0 exactly in real arithmetic, the dQ
-# kernel replaces Delta by Delta'_i = sum_j P_ij dP_ij (accumulated in the same loop) for those gradients:
-#   sum_j P (dP - Delta') f = sum_j dS f - (Delta' - Delta) sum_j P f,
-# which makes them exactly 0 where the reference's are (one visible key) and more accurate elsewhere.
-# All kernels run with enable_fp_fusion=False and compute scores through the one _scores helper from the one
-# table the forward saved, so that the backward's recomputed s is bit-identical to the forward's: with
-# |s| ~ 1e7 one ulp is 2^2, and P = exp2(s - LSE) of a row whose single key carries that prior would otherwise
-# come out as 2^(+-ulp) instead of 1.
-# ----------------------------------------------------------------------------------------------------------
 try:
     import triton
     import triton.language as tl
@@ -58,20 +54,31 @@ except ImportError:  # the reference path works without triton
 
 
 def interpreting():
-    """Whether Triton's interpreter is on (TRITON_INTERPRET=1): the kernels then run, slowly, on CPU tensors."""
+    """Whether Triton's interpreter is on (TRITON_INTERPRET=1): the kernels then run, slowly, on CPU
+    tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_available():
-    return triton is not None  # the import is tried once, above (no import inside code that torch.compile traces)
+    return (
+        triton is not None
+    )  # the import is tried once, above (no import inside code that torch.compile traces)
 
+
+FP_FUSION = True  # every launch's enable_fp_fusion (dev/perf_model.py compiles with the same)
+TABLE_COPIES = (
+    4  # shifted copies per table: a tile row is then a 16-byte aligned run of fp32 entries
+)
 
 if triton is not None:
-    # Triton's interpreter multiplies bfloat16 blocks as their raw uint16 storage; there (only) tl.dot gets its
-    # bf16 operands upcast to fp32, which is exact, so the CPU tests still see bf16 rounding of P and dS.
+    # Triton's interpreter multiplies bfloat16 blocks as their raw uint16 storage; there (only)
+    # tl.dot gets its bf16 operands upcast to fp32, which is exact, so the CPU tests still see bf16
+    # rounding of P and dS.
     _INTERPRET_BF16_UPCAST = tl.constexpr(interpreting())
-    _LOG2E = tl.constexpr(1.4426950408889634)
+    _LN2 = tl.constexpr(0.6931471805599453)
+    _COPIES = tl.constexpr(TABLE_COPIES)
 
+    # fmt: off
     @triton.jit
     def _dot(a, b, acc, DOT_PREC: tl.constexpr):
         if _INTERPRET_BF16_UPCAST:
@@ -82,133 +89,145 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
     @triton.jit
-    def _prior_tile(qpos, kpos, tab, d0):
-        """B(d) for a tile, read by distance d = kpos - qpos (broadcast against each other) from the head's table,
-        whose entry t holds B(d0 + t). One load per score instead of a log2 and an exp2 (see perf_model.py)."""
-        return tl.load(tab + (kpos - qpos - d0))
+    def _table_tile(tab, tab_stride, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """A (ROWS, COLS) tile of a table by distance: entry (r, c) is t[(col0 + c) - (row0 + r)],
+        read from the table's shifted copies (copy k at tab + k * tab_stride holds t[y - k] at y):
+        row r reads copy r % 4, at a multiple of 4 from col0 - row0, so its COLS entries are one
+        aligned vector load."""
+        r = tl.arange(0, ROWS)[:, None]
+        c = tl.arange(0, COLS)[None, :]
+        copy = (r % _COPIES) * tab_stride
+        return tl.load(tab + copy + (col0 - row0) - (r // _COPIES) * _COPIES + c)
 
     @triton.jit
-    def _scores(qk, bias, r, sm_scale, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr):
-        """Final score in base 2 (s * log2 e) and the content score l. Shared by all kernels so that the backward
-        recomputes bit-identical scores (LSE of a row with one huge-prior key depends on it)."""
-        l = qk * sm_scale
-        s = l
-        if HAS_RS:
-            if HAS_PRIOR:
-                if SCALE_PRIOR:
-                    s = (l + bias) * r
-                else:
-                    s = l * r + bias
-            else:
-                s = l * r
-        else:
-            if HAS_PRIOR:
-                s = l + bias
-        return s * _LOG2E, l
-
-    @triton.jit
-    def _visible(qpos, kpos, ds):
-        """causal AND same document: doc_start[i] <= j <= i (broadcast shapes)."""
-        return (kpos <= qpos) & (kpos >= ds)
-
-    @triton.jit
-    def _tile_scores(qk, qpos, kpos, ds, r, tab, d0, sm_scale, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
-                     HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr):
-        """The (masked) final scores of a tile from its raw q.k products, as every kernel computes them: prior,
-        _scores, then -inf where the key is not visible. qpos, kpos, ds (the queries' doc_start) and r broadcast
-        against qk (the dK/dV kernel passes them transposed). Returns s (base 2), l and the prior B (0 without one)."""
-        bias = 0.0
+    def _tile_scores(qk, lp, qpos, kpos, doc, coef, r, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
+                     HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr):
+        """A tile's scores in base 2 from its raw q.k products and its log-prior tile lp (base 2),
+        as every kernel computes them: one fma, coef = softmax_scale log2(e) r per row, then -inf
+        where hidden (doc: the rows' doc_start). qpos, kpos, doc, coef and r broadcast against qk
+        (dK/dV passes them transposed)."""
         if HAS_PRIOR:
-            bias = _prior_tile(qpos, kpos, tab, d0)
-        s, l = _scores(qk, bias, r, sm_scale, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
-        if MASKED:
-            if HAS_DOC:
-                vis = _visible(qpos, kpos, ds)
+            if SCALE_PRIOR:
+                s = tl.fma(qk, coef, lp * r)
             else:
-                vis = kpos <= qpos
-            s = tl.where(vis, s, float("-inf"))
-        return s, l, bias
+                s = tl.fma(qk, coef, lp)
+        else:
+            s = qk * coef
+
+        if MASKED:
+            visible = kpos <= qpos
+            if HAS_DOC:
+                visible = visible & (kpos >= doc)
+            s = tl.where(visible, s, float("-inf"))
+        return s
 
     @triton.jit
     def _program_ids(H):
-        """(block index, batch * head index, batch, head) of this program; b and h are 64-bit so that base offsets
-        such as b * stride_b do not overflow (B * H * T * D may exceed 2^31)."""
+        """(block index, batch * head index, batch, head) of this program; b and h are 64-bit so
+        that base offsets such as b * stride_b do not overflow (B * H * T * D may exceed 2^31)."""
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         return pid, bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
 
     @triton.jit
-    def _row_state(DS_ptr, RS_ptr, srt, offs_m, qpos, row_ok,
+    def _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
                    HAS_DOC: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr):
-        """A block of query rows' doc_start (0 without documents) and SSMax row_scale r (1 without SSMax).
-        DS_ptr points at this batch's doc_start, RS_ptr at this (batch, head)'s row_scale."""
+        """A block of query rows' doc_start (0 without documents), row scale r (1 without SSMax) and
+        score coefficient coef = softmax_scale log2(e) r. DOC_ptr points at this batch's doc_start,
+        RS_ptr at this (batch, head)'s row_scale."""
         if HAS_DOC:
-            ds_rows = tl.load(DS_ptr + qpos, mask=row_ok, other=0)
+            doc = tl.load(DOC_ptr + qpos, mask=row_ok, other=0)
         else:
-            ds_rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+            doc = tl.zeros([BLOCK_M], dtype=tl.int32)
+
         if HAS_RS:
-            r_rows = tl.load(RS_ptr + offs_m * srt, mask=row_ok, other=0.0)
+            r = tl.load(RS_ptr + offs_m * srt, mask=row_ok, other=0.0)
         else:
-            r_rows = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        return ds_rows, r_rows
+            r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+        return doc, r, r * qk_scale
 
     @triton.jit
-    def _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk,
-                        HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Key-block ranges for query block pid_m (forward and dQ): [lo, u0) masked (document boundary),
-        [u0, u1) unmasked, [u1, hi) masked (diagonal). Blocks before lo / from hi on are never loaded."""
+    def _stage_blocks(stage: tl.constexpr, start, clean_start, clean_end, end):
+        """The blocks [lo, hi) of a stage: 0 the unmasked ones, 1 and 2 the masked ones before and
+        after."""
+        if stage == 0:
+            return clean_start, clean_end
+        elif stage == 1:
+            return start, clean_start
+        else:
+            return clean_end, end
+
+    @triton.jit
+    def _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
+                          HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Key blocks of query block pid_m (forward and dQ): [start, end) holds every visible key;
+        blocks in [clean_start, clean_end) need no mask, those before hold document starts, those
+        after the diagonal."""
         q_first = q_offset + pid_m * BLOCK_M
-        q_last_valid = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
-        hi = q_last_valid // BLOCK_N + 1  # last key needed = last valid query position (causal)
-        causal_lo = (q_first + 1) // BLOCK_N  # blocks < causal_lo lie entirely at or below the diagonal
-        if HAS_DOC:
-            min_ds = tl.min(tl.where(row_ok, ds_rows, Tk), 0)  # earliest document start of the block's rows
-            max_ds = tl.max(tl.where(row_ok, ds_rows, 0), 0)
-            lo = tl.minimum(min_ds // BLOCK_N, hi)
-            doc_hi = (max_ds + BLOCK_N - 1) // BLOCK_N  # blocks >= doc_hi start after every row's document start
-        else:
-            lo = tl.full([], 0, tl.int32)
-            doc_hi = tl.full([], 0, tl.int32)
-        u1 = tl.minimum(tl.maximum(causal_lo, lo), hi)
-        u0 = tl.minimum(tl.maximum(doc_hi, lo), u1)
-        return lo, u0, u1, hi
+        q_last = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
+        end = q_last // BLOCK_N + 1  # the last key needed is the last valid query's own (causal)
+        causal_clean = (q_first + 1) // BLOCK_N  # blocks before it lie at or below every diagonal
 
-    # ------------------------------------------------------------------ forward
+        if HAS_DOC:
+            first_doc = tl.min(tl.where(row_ok, doc, Tk), 0)  # the rows' earliest document start
+            last_doc = tl.max(tl.where(row_ok, doc, 0), 0)
+            start = tl.minimum(first_doc // BLOCK_N, end)
+            doc_clean = (last_doc + BLOCK_N - 1) // BLOCK_N  # from here: after every doc start
+        else:
+            start = tl.full([], 0, tl.int32)
+            doc_clean = tl.full([], 0, tl.int32)
+
+        clean_end = tl.minimum(tl.maximum(causal_clean, start), end)
+        clean_start = tl.minimum(tl.maximum(doc_clean, start), clean_end)
+        return start, clean_start, clean_end, end
+
+    # -------------------------------------------------------------------------------------- forward
     @triton.jit
-    def _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, stride_kt, stride_kd, stride_vt, stride_vd,
-                   offs_d, d_ok, qpos, ds_rows, r_rows, tab, d0, sm_scale, Tk, blk_lo, blk_hi,
-                   MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                   SCALE_PRIOR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    def _fwd_stage(acc, row_sum, row_max, q, K_ptr, V_ptr, skt, skd, svt, svd,
+                   offs_d, d_ok, row0, qpos, doc, coef, r, tab, tab_stride, Tk, blk_lo, blk_hi,
+                   MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                   SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
-            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            n0 = blk * BLOCK_N
+            offs_n = n0 + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
-            kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+            kT = tl.load(K_ptr + offs_n[None, :] * skt + offs_d[:, None] * skd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+            lp = 0.0
+            if HAS_PRIOR:
+                lp = _table_tile(tab, tab_stride, row0, n0, BLOCK_M, BLOCK_N)
+
             qk = _dot(q, kT, None, DOT_PREC)
-            s, _l, _b = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None], r_rows[:, None],
-                                     tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
-            # online softmax; a row with nothing visible yet has m = -inf: subtract 0 instead (no -inf - -inf)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+            s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
+                             r[:, None], MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
+
+            # online softmax; a row with nothing visible yet has max -inf: subtract 0 instead (no
+            # -inf - -inf)
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            p = tl.exp2(s - safe_max[:, None])
+            alpha = tl.exp2(row_max - safe_max)
+            row_sum = row_sum * alpha + tl.sum(p, 1)
+
+            v = tl.load(V_ptr + offs_n[:, None] * svt + offs_d[None, :] * svd,
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
             acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
-            m_i = m_new
-        return acc, l_i, m_i
+            row_max = new_max
+        return acc, row_sum, row_max
 
     @triton.jit
-    def _attn_fwd(Q, K, V, O, LSE, DS, RS, PTAB,
+    def _attn_fwd(Q, K, V, OUT, LSE, DOC, RS, PTAB,
                   sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
-                  sdsb, srb, srh, srt,
-                  H, Tq, Tk, q_offset, sm_scale, d0, n_dist,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  sdocb, srb, srh, srt,
+                  H, Tq, Tk, q_offset, sm_scale, tab_stride,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                  HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row0 = pid_m * BLOCK_M
+        offs_m = row0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
         qpos = q_offset + offs_m
         offs_d = tl.arange(0, BLOCK_D)
@@ -217,477 +236,620 @@ if triton is not None:
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
-        ds_rows, r_rows = _row_state(DS + b * sdsb, RS + b * srb + h * srh, srt, offs_m, qpos, row_ok,
-                                     HAS_DOC, HAS_RS, BLOCK_M)
-        tab = PTAB + h * n_dist  # this head's prior table (unused without a prior)
-        lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # stage 1 (tutorial STAGE 1): tiles below the diagonal and after every row's document start, no mask
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
-                                   ds_rows, r_rows, tab, d0, sm_scale, Tk, u0, u1,
-                                   False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, DOT_PREC)
-        # stage 2 (tutorial STAGE 2): boundary tiles, masked -- document starts, then the diagonal
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
-                                   ds_rows, r_rows, tab, d0, sm_scale, Tk, lo, u0,
-                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, DOT_PREC)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, qpos,
-                                   ds_rows, r_rows, tab, d0, sm_scale, Tk, u1, hi,
-                                   True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_N, DOT_PREC)
-        # epilogue: rows with no visible key give O = 0 and LSE = +inf (so the backward's P is exactly 0)
-        has_mass = l_i > 0.0
-        o = acc / tl.where(has_mass, l_i, 1.0)[:, None]
-        lse = tl.where(has_mass, tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(tl.where(has_mass, l_i, 1.0)),
-                       float("inf"))
-        tl.store(LSE + bh * Tq + offs_m, lse, mask=row_ok)
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod, o.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        DOC_ptr = DOC + b * sdocb
+        RS_ptr = RS + b * srb + h * srh
+        doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
+                                  HAS_DOC, HAS_RS, BLOCK_M)
+        tab = PTAB + h * (_COPIES * tab_stride)  # this head's prior table (unused without a prior)
+        start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
+                                                               HAS_DOC, BLOCK_M, BLOCK_N)
 
-    # ------------------------------------------------------------------ backward
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for stage in tl.static_range(3):
+            blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
+            acc, row_sum, row_max = _fwd_stage(
+                acc, row_sum, row_max, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, row0,
+                qpos, doc, coef, r, tab, tab_stride, Tk, blk_lo, blk_hi,
+                stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, BLOCK_M, BLOCK_N, DOT_PREC)
+
+        # rows with no visible key give 0 and LSE = +inf (so that the backward's P is exactly 0)
+        has_mass = row_sum > 0.0
+        safe_sum = tl.where(has_mass, row_sum, 1.0)
+        o = acc / safe_sum[:, None]
+        finite_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        lse = tl.where(has_mass, finite_max + tl.log2(safe_sum), float("inf"))
+        tl.store(LSE + bh * Tq + offs_m, lse, mask=row_ok)
+        tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    # ------------------------------------------------------------------------------------- backward
     @triton.jit
-    def _attn_bwd_preprocess(O, DO, DELTA, sob, soh, sot, sod, sdob, sdoh, sdot, sdod, H, Tq,
+    def _attn_bwd_preprocess(OUT, DO, DELTA, sob, soh, sot, sod, sdob, sdoh, sdot, sdod, H, Tq,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_m < Tq)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod, mask=mask, other=0.0)
-        do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod, mask=mask, other=0.0)
+        o = tl.load(OUT + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+                    mask=mask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
+                     mask=mask, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + bh * Tq + offs_m, delta, mask=offs_m < Tq)
 
     @triton.jit
-    def _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                        sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
-                        Tq, q_offset, blk_lo, blk_hi,
-                        MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                        SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
+    def _dkdv_stage(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DOC_ptr, RS_ptr,
+                    sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
+                    Tq, q_offset, blk_lo, blk_hi,
+                    MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                    HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
-            offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            m0 = blk * BLOCK_M
+            offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < Tq
             qpos = q_offset + offs_m
             qT = tl.load(Q_ptr + offs_m[None, :] * sqt + offs_d[:, None] * sqd,
                          mask=d_ok[:, None] & row_ok[None, :], other=0.0)
             # padded query rows: LSE = +inf makes P = 0, and dO = 0, so they add nothing
             lse = tl.load(LSE_ptr + offs_m, mask=row_ok, other=float("inf"))
-            qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
+            delta = tl.load(DELTA_ptr + offs_m, mask=row_ok, other=0.0)
             # doc_start is only needed (and loaded) for the masked tiles
-            ds, r = _row_state(DS_ptr, RS_ptr, srt, offs_m, qpos, row_ok, MASKED and HAS_DOC, HAS_RS, BLOCK_M)
-            sT, _l, _b = _tile_scores(qkT, qpos[None, :], offs_n[:, None], ds[None, :], r[None, :],
-                                      tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
+            doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
+                                      MASKED and HAS_DOC, HAS_RS, BLOCK_M)
+            lpT = 0.0
+            if HAS_PRIOR:  # the transposed tile: entry (key, query) from the reversed table
+                lpT = _table_tile(rtab, tab_stride, n0, m0, BLOCK_N, BLOCK_M)
+
+            qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
+            sT = _tile_scores(qkT, lpT, qpos[None, :], offs_n[:, None], doc[None, :], coef[None, :],
+                              r[None, :], MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
             pT = tl.exp2(sT - lse[None, :])
+
             do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
-            delta = tl.load(DELTA_ptr + offs_m, mask=row_ok, other=0.0)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC)
-            dsT = pT * (dpT - delta[None, :])
+            dscoreT = pT * (dpT - delta[None, :])
             if HAS_RS:
-                dsT = dsT * r[None, :]  # dl = dS r
-            dk = _dot(dsT.to(qT.dtype), tl.trans(qT), dk, DOT_PREC)
+                dscoreT = dscoreT * r[None, :]  # the gradient of l = dS r
+            dk = _dot(dscoreT.to(qT.dtype), tl.trans(qT), dk, DOT_PREC)
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DS, RS, PTAB, QEND, QCLEAN,
-                       sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod,
-                       sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sdsb, srb, srh, srt,
-                       H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_kblocks,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                       SCALE_PRIOR: tl.constexpr, DOT_PREC: tl.constexpr):
+    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DOC, RS, RTAB, QEND, QCLEAN,
+                       sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+                       sdob, sdoh, sdot, sdod,
+                       sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sdocb, srb, srh, srt,
+                       H, Tq, Tk, q_offset, sm_scale, tab_stride, n_kblocks,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                       HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_n, bh, b, h = _program_ids(H)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < Tk
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        tab = PTAB + h * n_dist  # this head's prior table (unused without a prior)
-        n0 = pid_n * BLOCK_N
+        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
+                    mask=kv_mask, other=0.0)
+        rtab = RTAB + h * (_COPIES * tab_stride)  # this head's reversed prior table, if any
+
+        # the query blocks that see this key block: [start, end), from the first query at or after
+        # n0 to the last block whose earliest document start is <= the block's last key (_kv_ranges)
         n_qblocks = (Tq + BLOCK_M - 1) // BLOCK_M
-        # query blocks that can see this key block: from the first query at or after n0 ...
-        lo = tl.maximum(n0 - q_offset, 0) // BLOCK_M
-        # ... to the last query block whose earliest document start is <= n_last (precomputed, see _kv_ranges)
         if HAS_DOC:
-            hi = tl.load(QEND + b * n_kblocks + pid_n)
-            clean_end = tl.load(QCLEAN + b * n_kblocks + pid_n)  # blocks < clean_end: every doc_start <= n0
+            end = tl.load(QEND + b * n_kblocks + pid_n)
+            doc_clean = tl.load(QCLEAN + b * n_kblocks + pid_n)  # before it: every doc_start <= n0
         else:
-            hi = n_qblocks
-            clean_end = n_qblocks
-        lo = tl.minimum(lo, hi)
-        # first query block whose first query is at or after the block's last key (a ragged last key block is
-        # thus always in the masked stage, where keys >= Tk are masked as being after every query)
+            end = n_qblocks
+            doc_clean = n_qblocks
+        start = tl.minimum(tl.maximum(n0 - q_offset, 0) // BLOCK_M, end)
+        # the first query block whose first query is at or after the block's last key (a ragged last
+        # key block is thus always masked, where keys >= Tk are masked as being after every query)
         causal_clean = (tl.maximum(n0 + BLOCK_N - 1 - q_offset, 0) + BLOCK_M - 1) // BLOCK_M
-        u0 = tl.minimum(tl.maximum(causal_clean, lo), hi)
-        u1 = tl.minimum(tl.maximum(clean_end, u0), hi)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        clean_start = tl.minimum(tl.maximum(causal_clean, start), end)
+        clean_end = tl.minimum(tl.maximum(doc_clean, clean_start), end)
+
         Q_ptr = Q + b * sqb + h * sqh
         DO_ptr = DO + b * sdob + h * sdoh
         LSE_ptr = LSE + bh * Tq
         DELTA_ptr = DELTA + bh * Tq
-        DS_ptr = DS + b * sdsb
+        DOC_ptr = DOC + b * sdocb
         RS_ptr = RS + b * srb + h * srh
-        # the diagonal query blocks, masked (tutorial: "compute dK and dV for masked blocks" first)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
-                                 Tq, q_offset, lo, u0,
-                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, DOT_PREC)
-        # then the query blocks strictly below the diagonal and inside the key block's document, unmasked
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
-                                 Tq, q_offset, u0, u1,
-                                 False, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, DOT_PREC)
-        # finally query blocks where a later document starts (document boundary), masked
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DS_ptr, RS_ptr,
-                                 sqt, sqd, sdot, sdod, srt, offs_n, offs_d, d_ok, tab, d0, sm_scale,
-                                 Tq, q_offset, u1, hi,
-                                 True, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, DOT_PREC)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for stage in tl.static_range(3):
+            blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
+            dk, dv = _dkdv_stage(
+                dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DOC_ptr, RS_ptr,
+                sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
+                Tq, q_offset, blk_lo, blk_hi,
+                stage > 0, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, BLOCK_N, DOT_PREC)
+
         tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd,
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd,
                  dv.to(DV.dtype.element_ty), mask=kv_mask)
 
-    # The dQ kernel's per-row sums over the row's visible keys j (dS = P (dP - Delta)): pdp = sum P dP (Delta');
-    # sx, px = sum dS x, sum P x (row_scale; x as in the section comment); sj, pj: tuples of K, whose entry k holds
-    # sum dS J_k, sum P J_k (prior parameter k). Each "p" sum corrects its "s" sum for Delta' - Delta.
+    # The dQ kernel's sums over a row's visible keys j, kept per score (2-D, reduced once after the
+    # loop, so that the loop does no cross-lane reductions): dlp_acc = dS lp (d row_scale with
+    # scale_prior), and dj_acc, a tuple of K, whose entry k holds dS J_k (prior parameter k).
     @triton.jit
-    def _bwd_dq_inner(dq, a_pdp, a_sx, a_px, a_sj, a_pj, q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd,
-                      offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
-                      MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                      SCALE_PRIOR: tl.constexpr, ACC_DPP: tl.constexpr, N_GRAD: tl.constexpr,
-                      NEED_RS_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                      STAGES: tl.constexpr):
+    def _dq_stage(dq, dlp_acc, dj_acc, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt, svd,
+                  offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo, blk_hi,
+                  MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                  SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                  STAGES: tl.constexpr):
         for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):  # pipelines the tables' loads too
-            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            n0 = blk * BLOCK_N
+            offs_n = n0 + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
             kT = tl.load(K_ptr + offs_n[None, :] * skt + offs_d[:, None] * skd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
-            jt = ()  # the derivative tables' tiles, issued with the K/V loads so that they are pipelined like them
-            for k in tl.static_range(N_GRAD):
-                jt = jt + (_prior_tile(qpos[:, None], offs_n[None, :], jtab + k * n_dist, d0),)
+            lp = 0.0
+            if HAS_PRIOR:
+                lp = _table_tile(tab, tab_stride, row0, n0, BLOCK_M, BLOCK_N)
+            jt = ()  # the derivative tables' tiles
+            for i in tl.static_range(N_GRAD):
+                jt = jt + (_table_tile(jtab + i * (_COPIES * tab_stride), tab_stride, row0, n0,
+                                       BLOCK_M, BLOCK_N),)
+
             qk = _dot(q, kT, None, DOT_PREC)
-            s, l, bias = _tile_scores(qk, qpos[:, None], offs_n[None, :], ds_rows[:, None], r_rows[:, None],
-                                      tab, d0, sm_scale, MASKED, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR)
+            s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
+                             r[:, None], MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
             p = tl.exp2(s - lse[:, None])
             dp = _dot(do, vT, None, DOT_PREC)
-            ds = p * (dp - delta[:, None])
-            if HAS_RS:
-                dl = ds * r_rows[:, None]
-            else:
-                dl = ds
-            dq = _dot(dl.to(kT.dtype), tl.trans(kT), dq, DOT_PREC)
-            if ACC_DPP:  # Delta' = sum_j P dP (see the section comment)
-                a_pdp += tl.sum(p * dp, 1)
-            if NEED_RS_GRAD:
-                x = l
-                if HAS_PRIOR and SCALE_PRIOR:
-                    x = l + bias
-                a_sx += tl.sum(ds * x, 1)
-                a_px += tl.sum(p * x, 1)
-            sj, pj = (), ()
-            for k in tl.static_range(N_GRAD):
-                sj, pj = sj + (a_sj[k] + tl.sum(ds * jt[k], 1),), pj + (a_pj[k] + tl.sum(p * jt[k], 1),)
-            a_sj, a_pj = sj, pj
-        return dq, a_pdp, a_sx, a_px, a_sj, a_pj
+            dscore = p * (dp - delta[:, None])
+            dq = _dot(dscore.to(kT.dtype), tl.trans(kT), dq, DOT_PREC)  # sum_j dS k_j; r at the end
+
+            if NEED_RS_GRAD and HAS_PRIOR and SCALE_PRIOR:
+                dlp_acc += dscore * lp
+            summed = ()
+            for i in tl.static_range(N_GRAD):
+                summed = summed + (dj_acc[i] + dscore * jt[i],)
+            dj_acc = summed
+        return dq, dlp_acc, dj_acc
 
     @triton.jit
-    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DS, RS, PTAB, JTAB, DRS, PART,
-                     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdob, sdoh, sdot, sdod,
-                     sdqb, sdqh, sdqt, sdqd, sdsb, srb, srh, srt,
-                     H, Tq, Tk, q_offset, sm_scale, d0, n_dist, n_qblocks,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_RS: tl.constexpr,
-                     SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                     ACC_DPP: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
+    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DOC, RS, PTAB, JTAB, DRS, PART,
+                     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+                     sdob, sdoh, sdot, sdod,
+                     sdqb, sdqh, sdqt, sdqd, sdocb, srb, srh, srt,
+                     H, Tq, Tk, q_offset, sm_scale, tab_stride, n_qblocks,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                     HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr,
+                     NEED_RS_GRAD: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row0 = pid_m * BLOCK_M
+        offs_m = row0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
         qpos = q_offset + offs_m
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         qd_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd, mask=qd_mask, other=0.0)
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=qd_mask, other=0.0)
         do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                      mask=qd_mask, other=0.0)
         lse = tl.load(LSE + bh * Tq + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
-        ds_rows, r_rows = _row_state(DS + b * sdsb, RS + b * srb + h * srh, srt, offs_m, qpos, row_ok,
-                                     HAS_DOC, HAS_RS, BLOCK_M)
-        tab = PTAB + h * n_dist  # this head's prior table (unused without a prior)
-        jtab = JTAB + h * (N_GRAD * n_dist)  # its derivative tables, one per parameter that needs a gradient
-        lo, u0, u1, hi = _q_block_ranges(pid_m, row_ok, ds_rows, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-        a_pdp, a_sx, a_px, a_sj, a_pj = zero, zero, zero, (), ()
-        for k in tl.static_range(N_GRAD):
-            a_sj, a_pj = a_sj + (zero,), a_pj + (zero,)
+        DOC_ptr = DOC + b * sdocb
+        RS_ptr = RS + b * srb + h * srh
+        doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
+                                  HAS_DOC, HAS_RS, BLOCK_M)
+        tab = PTAB + h * (_COPIES * tab_stride)  # this head's prior table (unused without a prior)
+        jtab = JTAB + h * (N_GRAD * _COPIES * tab_stride)  # its derivative tables, if any
+        start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
+                                                               HAS_DOC, BLOCK_M, BLOCK_N)
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
-        # the same three stages as the forward: unmasked interior tiles, then document-boundary and diagonal tiles
+
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        dlp_acc = zero
+        dj_acc = ()
+        for i in tl.static_range(N_GRAD):
+            dj_acc = dj_acc + (zero,)
         for stage in tl.static_range(3):
-            if stage == 0:
-                blk_lo, blk_hi, masked = u0, u1, False
-            elif stage == 1:
-                blk_lo, blk_hi, masked = lo, u0, True
-            else:
-                blk_lo, blk_hi, masked = u1, hi, True
-            dq, a_pdp, a_sx, a_px, a_sj, a_pj = _bwd_dq_inner(
-                dq, a_pdp, a_sx, a_px, a_sj, a_pj, q, do, lse, delta, r_rows, K_ptr, V_ptr, skt, skd, svt, svd,
-                offs_d, d_ok, qpos, ds_rows, tab, jtab, d0, n_dist, sm_scale, Tk, blk_lo, blk_hi,
-                masked, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, ACC_DPP, N_GRAD, NEED_RS_GRAD,
-                BLOCK_N, DOT_PREC, STAGES)
+            blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
+            dq, dlp_acc, dj_acc = _dq_stage(
+                dq, dlp_acc, dj_acc, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt, svd,
+                offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo, blk_hi,
+                stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, N_GRAD, NEED_RS_GRAD,
+                BLOCK_M, BLOCK_N, DOT_PREC, STAGES)
+
+        # a row with one visible key has P = 1 whatever its scores: its gradients are exactly 0
+        multi = tl.where(row_ok & (qpos > doc), 1.0, 0.0)
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
-                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
-        corr = a_pdp - delta  # Delta' - Delta
-        if NEED_RS_GRAD:
-            tl.store(DRS + bh * Tq + offs_m, a_sx - corr * a_px, mask=row_ok)
-        w = tl.where(row_ok, 1.0, 0.0)
-        if HAS_RS and SCALE_PRIOR:
-            w = w * r_rows  # dB = dS r
-        for k in tl.static_range(N_GRAD):
-            tl.store(PART + (bh * n_qblocks + pid_m) * N_GRAD + k, tl.sum(w * (a_sj[k] - corr * a_pj[k]), 0))
+                 (dq * (sm_scale * r * multi)[:, None]).to(DQ.dtype.element_ty), mask=qd_mask)
+        if NEED_RS_GRAD:  # sum_j dS l = softmax_scale q.(sum_j dS k_j); + sum_j dS lp (scale_prior)
+            drs = sm_scale * tl.sum(q.to(tl.float32) * dq, 1)
+            if HAS_PRIOR and SCALE_PRIOR:
+                drs += _LN2 * tl.sum(dlp_acc, 1)  # the tile lp is in base 2
+            tl.store(DRS + bh * Tq + offs_m, drs * multi, mask=row_ok)
+        w = multi
+        if SCALE_PRIOR:
+            w = w * r  # d lp = dS r
+        for i in tl.static_range(N_GRAD):
+            partial = tl.sum(w * tl.sum(dj_acc[i], 1), 0)
+            tl.store(PART + (bh * n_qblocks + pid_m) * N_GRAD + i, partial)
+    # fmt: on
 
 
-# ------------------------------------------------------------------ launch configuration and the autograd wrapper
-# Fixed tiles per (head_dim, dtype) rather than triton.autotune: the backward's tile-skipping tables depend on the
-# block sizes, and under the interpreter autotuning would multiply test time. Tests may set INTERPRET_BLOCKS.
+# --------------------------------------------------------------------------------------------------
+# Launch configuration, the prior's tables, and the custom ops
+# --------------------------------------------------------------------------------------------------
+# Fixed tiles per (head_dim, dtype) rather than triton.autotune: the backward's tile-skipping
+# tables depend on the block sizes, and under the interpreter autotuning would multiply test time.
+# Tests may set INTERPRET_BLOCKS.
 INTERPRET_BLOCKS = (32, 32)
 
 
 def _configs(block_d, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels. Chosen so that the sm_90
-    builds (ptxas, all prior/SSMax/document flags on) spill no or almost no registers; not tuned on hardware."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels. Chosen so
+    that the sm_90 builds (ptxas, all prior/SSMax/document flags on) spill no or almost no
+    registers; not tuned on hardware."""
     if interpreting():
         bm, bn = INTERPRET_BLOCKS
         return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
-    if dtype == torch.float32:  # ieee dots run on FMA units: the exact path for gradient checks, not for speed
+    if (
+        dtype == torch.float32
+    ):  # ieee dots run on FMA units: the exact path for gradient checks, not for speed
         if block_d <= 64:
             return dict(fwd=(64, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=64)
         return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
     if block_d <= 64:
         return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 2), pre=128)
-    # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead: perf_model.py
-    # predicts 5x the time, bound by shared-memory bandwidth)
+    # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead:
+    # the performance model's shared-memory bandwidth bound, dev/README.md)
     return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
 
 
 def _dq_stages(cfg, n_grad):
-    """Pipeline stages of the dQ loop. tl.range pipelines all its loads, the prior's 1 + K table tiles too (the
-    kernel argument num_stages only those that feed a dot: the derivative tables' tiles then went through a
-    layout conversion in shared memory, 12 bytes per score each, perf_model.py); beyond 96 KB of table tiles
-    per extra stage they would not fit beside K and V on an A100, and stay unpipelined."""
+    """Pipeline stages of the dQ loop. tl.range pipelines all its loads, the prior's 1 + K table
+    tiles too (the kernel argument num_stages only those that feed a dot); beyond 96 KB of table
+    tiles per extra stage they would not fit beside K and V on an A100, and stay unpipelined."""
     bm, bn, _, stages = cfg["dq"]
     return stages if (1 + n_grad) * bm * bn * 4 * (stages - 1) <= 96 * 1024 else 1
 
 
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
 def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
-    """The prior by distance for the kernels, which never evaluate a formula: (table, jtab, theta, d0). table
-    (H, n) fp32: entry t is B(d0 + t), for every distance a tile touches (padded rows and keys included). jtab
-    (H, K, n): the derivative tables dB/dtheta_k of the K parameters that need a gradient; theta (H, K) those
-    parameters stacked: the ops never read its values, they return its gradient sum_ij w dS J_k and autograd
-    takes it on to the parameters (None, None when K = 0). The derivatives are forward-mode autograd (a tangent
-    of ones per parameter: B_h depends on head h's parameters only), here because the ops run below the autograd
-    key, where forward-mode AD is not allowed. d > 0 is never visible: 0 there, so that a prior undefined there
-    (inf, NaN) cannot reach a gradient sum as 0 * inf."""
+    """The prior by distance for the kernels, which never evaluate a formula: (table, jtab, theta,
+    start). The kernels index a table by x = j - (i - q_offset) = d + q_offset, the key's position
+    minus the query's row: table (H, n) fp32 holds lp(d) at x = start + t, for every x a tile
+    touches (padded rows and keys included; start and start + n - 1 multiples of 16). jtab (H, K,
+    n): the derivative tables d lp / d theta_k of the K parameters that need a gradient; theta (H,
+    K) those parameters stacked: the ops never read its values, they return its gradient sum_ij w dS
+    J_k and autograd takes it on to the parameters (None, None when K = 0). The derivatives are
+    forward-mode autograd (a tangent of ones per parameter: lp_h depends on head h's parameters
+    only), here because the ops run below the autograd key, where forward-mode AD is not allowed. d
+    > 0 is never visible: 0 there, so that a prior undefined there (inf, NaN) cannot reach a
+    gradient sum as 0 * inf."""
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
-    d0 = -(q_offset + Tq - 1) - pad
-    n = Tq + Tk + 2 * pad - 1
-    d = torch.arange(d0, d0 + n, device=device)
+    start = -_round_up(Tq + pad, 16)
+    stop = _round_up(Tk + pad, 16)
+    d = torch.arange(start, stop + 1, device=device) - q_offset
     future = d > 0
     params = tuple(t.detach() for t in prior.params)
-    of = lambda *ps: BoundPrior(prior.prior, ps).table(d).float().expand(H, n)  # the registry's fn
-    table = of(*params).masked_fill(future, 0.0).contiguous()
-    need = [i for i, t in enumerate(prior.params) if t.requires_grad] if torch.is_grad_enabled() else []
-    if not need:
-        return table, None, None, d0
-    ones = [tuple(torch.ones_like(t) if j == i else torch.zeros_like(t) for j, t in enumerate(params)) for i in need]
-    jtab = torch.stack([torch.func.jvp(of, params, tangent)[1] for tangent in ones], 1)
-    theta = torch.stack([prior.params[i].float() for i in need], 1)
-    return table, jtab.masked_fill(future, 0.0).contiguous(), theta, d0
+
+    def table_of(*values):  # the registry's table (with its floor), one row per head
+        return BoundPrior(prior.prior, values).table(d).float().expand(H, -1)
+
+    table = table_of(*params).masked_fill(future, 0.0).contiguous()
+    trained = (
+        [i for i, t in enumerate(prior.params) if t.requires_grad]
+        if torch.is_grad_enabled()
+        else []
+    )
+    if not trained:
+        return table, None, None, start
+
+    tangents = [
+        tuple(torch.ones_like(t) if j == i else torch.zeros_like(t) for j, t in enumerate(params))
+        for i in trained
+    ]
+    jtab = torch.stack([torch.func.jvp(table_of, params, tangent)[1] for tangent in tangents], 1)
+    theta = torch.stack([prior.params[i].float() for i in trained], 1)
+    return table, jtab.masked_fill(future, 0.0).contiguous(), theta, start
 
 
-def _kv_ranges(ds_rows, block_m, block_n, Tk):
-    """Per (batch, key block): (q_end, q_clean). Query blocks >= q_end see none of the key block (their earliest
-    doc_start is after its last key); query blocks < q_clean have every doc_start <= the block's first key, so
-    documents need no mask there. Exact for the usual non-decreasing doc_start, conservative otherwise."""
-    B, Tq = ds_rows.shape
-    nm = triton.cdiv(Tq, block_m)
-    pad = nm * block_m - Tq
+def _shifted_copies(table, start):
+    """The kernels' layout of tables by x (entry t at x = start + t, start a multiple of 16): (...,
+    4, L) copies, copy c holding the entry of x at y = x + c, and a view of them that starts at y =
+    0 (what _table_tile reads from; L, the copies' stride, and the view's offset are multiples of
+    16)."""
+    n = table.shape[-1]
+    length = _round_up(n + TABLE_COPIES - 1, 16)
+    copies = torch.stack([F.pad(table, (c, length - n - c)) for c in range(TABLE_COPIES)], -2)
+    return copies[..., -start:], length
+
+
+def _kv_ranges(doc_rows, block_m, block_n, Tk):
+    """Per (batch, key block): (q_end, q_clean). Query blocks >= q_end see none of the key block
+    (their earliest doc_start is after its last key); query blocks < q_clean have every doc_start <=
+    the block's first key, so documents need no mask there. Exact for the usual non-decreasing
+    doc_start, conservative otherwise."""
+    batch, Tq = doc_rows.shape
+    n_qb = triton.cdiv(Tq, block_m)
+    pad = n_qb * block_m - Tq
     big = torch.iinfo(torch.int32).max
-    rows = ds_rows.to(torch.int64)
-    qmin = F.pad(rows, (0, pad), value=big).view(B, nm, block_m).amin(-1)
-    qmax = F.pad(rows, (0, pad), value=-1).view(B, nm, block_m).amax(-1)
-    suffix_min = qmin.flip(-1).cummin(-1).values.flip(-1).contiguous()  # non-decreasing
-    prefix_max = qmax.cummax(-1).values.contiguous()  # non-decreasing
-    n0 = torch.arange(0, Tk, block_n, device=ds_rows.device)
+    rows = doc_rows.to(torch.int64)
+    first = F.pad(rows, (0, pad), value=big).view(batch, n_qb, block_m).amin(-1)
+    last = F.pad(rows, (0, pad), value=-1).view(batch, n_qb, block_m).amax(-1)
+    suffix_min = first.flip(-1).cummin(-1).values.flip(-1).contiguous()  # non-decreasing
+    prefix_max = last.cummax(-1).values.contiguous()  # non-decreasing
+    n0 = torch.arange(0, Tk, block_n, device=doc_rows.device)
     n_last = torch.clamp(n0 + block_n, max=Tk) - 1
-    q_end = torch.searchsorted(suffix_min, n_last.expand(B, -1).contiguous(), right=True)
-    q_clean = torch.searchsorted(prefix_max, n0.expand(B, -1).contiguous(), right=True)
+    q_end = torch.searchsorted(suffix_min, n_last.expand(batch, -1).contiguous(), right=True)
+    q_clean = torch.searchsorted(prefix_max, n0.expand(batch, -1).contiguous(), right=True)
     return q_end.to(torch.int32).contiguous(), q_clean.to(torch.int32).contiguous()
 
 
-def _st(t):
+def _strides(t):
     return tuple(t.stride())
 
 
-# The kernels are registered as two PyTorch custom ops, forward and backward, with fake-tensor implementations
-# (shapes only) and the autograd formula tying them together: torch.compile then traces a model through
-# attention as through any other op (no graph break) and Inductor fuses the code around it. The ops are opaque:
-# they run the kernels exactly as eager mode does, so compiled and eager results are bitwise equal.
+# The kernels are registered as two PyTorch custom ops, forward and backward, with fake-tensor
+# implementations (shapes only) and the autograd formula tying them together: torch.compile then
+# traces a model through attention as through any other op (no graph break) and Inductor fuses the
+# code around it. The ops are opaque: they run the kernels exactly as eager mode does, so compiled
+# and eager results are bitwise equal.
 Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
 
 
 def _block_d(head_dim):
-    return max(16, triton.next_power_of_2(head_dim))  # head dims that are not a power of two are padded
+    return max(
+        16, triton.next_power_of_2(head_dim)
+    )  # head dims that are not a power of two are padded
 
 
 def _launch_state(q, k, doc_start, row_scale):
-    """What both ops derive from their inputs: block_d, tile configuration, dot precision, doc_start as
-    (B, Tk) int32, row_scale as (B, H, Tq) fp32, and a dummy pointer for absent inputs."""
-    B, H, Tq, D = q.shape
+    """What both ops derive from their inputs: block_d, tile configuration, dot precision, doc_start
+    as (batch, Tk) int32, row_scale as (batch, H, Tq) fp32, and a dummy pointer for absent
+    inputs."""
+    batch, H, Tq, D = q.shape
     Tk = k.shape[2]
     block_d = _block_d(D)
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"  # input_precision only matters for fp32 inputs
+    dot_prec = (
+        "ieee" if q.dtype == torch.float32 else "tf32"
+    )  # input_precision only matters for fp32 inputs
     dummy = torch.zeros(1, device=q.device, dtype=torch.float32)
-    ds = doc_start.to(device=q.device, dtype=torch.int32).contiguous().expand(B, Tk) if doc_start is not None else None
-    rs = row_scale.float().expand(B, H, Tq) if row_scale is not None else None
-    return block_d, _configs(block_d, q.dtype), dot_prec, dummy, ds, rs
+    doc = None
+    if doc_start is not None:
+        doc = doc_start.to(device=q.device, dtype=torch.int32).contiguous().expand(batch, Tk)
+    rs = row_scale.float().expand(batch, H, Tq) if row_scale is not None else None
+    return block_d, _configs(block_d, q.dtype), dot_prec, dummy, doc, rs
 
 
 def _device_of(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d):
+    """The compile-time flags every kernel launch shares."""
+    return dict(HEAD_DIM=q.shape[-1], BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
+                HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs, DOT_PREC=dot_prec,
+                enable_fp_fusion=FP_FUSION)  # fmt: skip
+
+
 @torch.library.custom_op("bam::triton_attention_fwd", mutates_args=())
-def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: OptTensor, jtab: OptTensor,
-                theta: OptTensor, row_scale: OptTensor, scale_prior: bool, q_offset: int, softmax_scale: float,
-                d0: int) -> tuple[Tensor, Tensor]:
-    """The forward kernel: (O, LSE). LSE (B, H, Tq) fp32 is the row log-sum-exp in base 2 (the backward needs it).
-    table, jtab, theta, d0 as _prior_tables makes them; jtab and theta are only kept for the backward."""
-    B, H, Tq, D = q.shape
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: OptTensor,
+                jtab: OptTensor, theta: OptTensor, row_scale: OptTensor, scale_prior: bool,
+                q_offset: int, softmax_scale: float,
+                table_start: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The forward kernel: (O, LSE). LSE (batch, H, Tq) fp32 is the row log-sum-exp in base 2 (the
+    backward needs it). table, jtab, theta, table_start as _prior_tables makes them; jtab and theta
+    are only kept for the backward."""
+    batch, H, Tq, D = q.shape
     Tk = k.shape[2]
     has_prior, has_doc, has_rs = table is not None, doc_start is not None, row_scale is not None
     with _device_of(q):
-        block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
+        block_d, cfg, dot_prec, dummy, doc, rs = _launch_state(q, k, doc_start, row_scale)
+        tab, tab_stride = dummy, 0
+        if has_prior:  # in base 2, as the scores
+            tab, tab_stride = _shifted_copies(table * math.log2(math.e), table_start)
         o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), device=q.device, dtype=torch.float32)
+        lse = torch.empty((batch, H, Tq), device=q.device, dtype=torch.float32)
         bm, bn, warps, stages = cfg["fwd"]
-        _attn_fwd[(triton.cdiv(Tq, bm), B * H)](
-            q, k, v, o, lse, ds if has_doc else dummy, rs if has_rs else dummy, table if has_prior else dummy,
-            *_st(q), *_st(k), *_st(v), *_st(o),
-            ds.stride(0) if has_doc else 0, *(_st(rs) if has_rs else (0, 0, 0)),
-            H, Tq, Tk, q_offset, softmax_scale, d0, table.shape[1] if has_prior else 0,
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
-            HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs, DOT_PREC=dot_prec,
-            num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        flags = _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d)
+        # fmt: off
+        _attn_fwd[(triton.cdiv(Tq, bm), batch * H)](
+            q, k, v, o, lse, doc if has_doc else dummy, rs if has_rs else dummy, tab,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            doc.stride(0) if has_doc else 0, *(_strides(rs) if has_rs else (0, 0, 0)),
+            H, Tq, Tk, q_offset, softmax_scale, tab_stride,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
+        # fmt: on
     return o, lse
 
 
 @_triton_fwd.register_fake
-def _(q, k, v, doc_start, table, jtab, theta, row_scale, scale_prior, q_offset, softmax_scale, d0):
+def _(q, k, v, doc_start, table, jtab, theta, row_scale, scale_prior, q_offset, softmax_scale,
+      table_start):  # fmt: skip
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
-def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, doc_start: OptTensor,
-                table: OptTensor, jtab: OptTensor, row_scale: OptTensor, scale_prior: bool, q_offset: int,
-                softmax_scale: float, d0: int, need_rs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward kernels: (dQ, dK, dV, d theta (H, K) fp64 from the derivative tables jtab (H, K, n),
-    d row_scale (B, H, Tq) fp32). The last two are empty without jtab / need_rs."""
-    B, H, Tq, D = q.shape
+def _backward_tables(table, jtab, table_start, dummy):
+    """The backward's tables in the kernels' layout: (tab, rtab, jtabs, tab_stride). tab: the prior
+    in base 2 for dQ's tiles, rtab: reversed for dK/dV's transposed tiles, jtabs: the derivative
+    tables (dQ); dummy where absent."""
+    tab = rtab = jtabs = dummy
+    tab_stride = 0
+    if table is not None:
+        table2 = table * math.log2(math.e)
+        tab, tab_stride = _shifted_copies(table2, table_start)
+        rtab, _ = _shifted_copies(table2.flip(-1), -(table_start + table.shape[-1] - 1))
+    if jtab is not None:
+        jtabs, _ = _shifted_copies(jtab, table_start)
+    return tab, rtab, jtabs, tab_stride
+
+
+def _launch_dkdv(q, k, v, do, lse, delta, doc, rs, rtab, tab_stride, q_offset, softmax_scale, cfg,
+                 flags, dummy_i, dummy):  # fmt: skip
+    """dK, dV: one program per key block, looping over the query blocks that see it."""
+    batch, H, Tq, _ = q.shape
     Tk = k.shape[2]
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    bm, bn, warps, stages = cfg["dkdv"]
+    n_kb = triton.cdiv(Tk, bn)
+    q_end, q_clean = dummy_i, dummy_i
+    if doc is not None:
+        q_end, q_clean = _kv_ranges(doc[:, q_offset : q_offset + Tq], bm, bn, Tk)
+    # fmt: off
+    _attn_bwd_dkdv[(n_kb, batch * H)](
+        q, k, v, do, dk, dv, lse, delta, doc if doc is not None else dummy_i,
+        rs if rs is not None else dummy, rtab, q_end, q_clean,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
+        H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_kb,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
+    # fmt: on
+    return dk, dv
+
+
+def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad, need_rs, q_offset,
+               softmax_scale, cfg, flags, dummy_i, dummy):  # fmt: skip
+    """dQ, d row_scale and d theta: one program per query block, looping over its key blocks; the
+    programs' partial sums of d theta reduced in a fixed order (no atomics)."""
+    batch, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    dev = q.device
+    dq = torch.empty_like(q)
+    bm, bn, warps, stages = cfg["dq"]
+    n_qb = triton.cdiv(Tq, bm)
+    drs = torch.empty((batch, H, Tq), device=dev, dtype=torch.float32) if need_rs else dummy
+    part = dummy
+    if n_grad:
+        part = torch.empty((batch, H, n_qb, n_grad), device=dev, dtype=torch.float32)
+    # fmt: off
+    _attn_bwd_dq[(n_qb, batch * H)](
+        q, k, v, do, dq, lse, delta, doc if doc is not None else dummy_i,
+        rs if rs is not None else dummy, tab, jtabs, drs, part,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
+        H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_qb,
+        BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs,
+        STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **flags)
+    # fmt: on
+    g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)
+    return dq, g, drs if need_rs else q.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
+def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                doc_start: OptTensor, table: OptTensor, jtab: OptTensor, row_scale: OptTensor,
+                scale_prior: bool, q_offset: int, softmax_scale: float, table_start: int,
+                need_rs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The backward kernels: (dQ, dK, dV, d theta (H, K) fp64 from the derivative tables jtab (H, K,
+    n), d row_scale (batch, H, Tq) fp32). The last two are empty without jtab / need_rs."""
+    batch, H, Tq, D = q.shape
     has_prior, has_doc, has_rs = table is not None, doc_start is not None, row_scale is not None
     n_grad = jtab.shape[1] if jtab is not None else 0
     with _device_of(q):
-        block_d, cfg, dot_prec, dummy, ds, rs = _launch_state(q, k, doc_start, row_scale)
-        dev = q.device
+        block_d, cfg, dot_prec, dummy, doc, rs = _launch_state(q, k, doc_start, row_scale)
+        dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
         do = do.contiguous() if do.stride(-1) != 1 else do
-        dummy_i = torch.zeros(1, device=dev, dtype=torch.int32)
-        ds_arg, ds_st = (ds, ds.stride(0)) if has_doc else (dummy_i, 0)
-        rs_arg, rs_st = (rs, _st(rs)) if has_rs else (dummy, (0, 0, 0))
-        ptab, n_dist = (table, table.shape[1]) if has_prior else (dummy, 0)
-        common = dict(HEAD_DIM=D, BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior, HAS_RS=has_rs,
-                      SCALE_PRIOR=scale_prior and has_rs, DOT_PREC=dot_prec, enable_fp_fusion=False)
+        tab, rtab, jtabs, tab_stride = _backward_tables(table, jtab, table_start, dummy)
+        flags = _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d)
+
         # preprocess: Delta = rowsum(O * dO)
-        delta = torch.empty((B, H, Tq), device=dev, dtype=torch.float32)
+        delta = torch.empty((batch, H, Tq), device=q.device, dtype=torch.float32)
         pm = cfg["pre"]
-        _attn_bwd_preprocess[(triton.cdiv(Tq, pm), B * H)](
-            o, do, delta, *_st(o), *_st(do), H, Tq, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pm, enable_fp_fusion=False)
-        # dK, dV: one program per key block, looping over query blocks
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        bm, bn, warps, stages = cfg["dkdv"]
-        n_kb = triton.cdiv(Tk, bn)
-        q_end, q_clean = _kv_ranges(ds[:, q_offset:q_offset + Tq], bm, bn, Tk) if has_doc else (dummy_i, dummy_i)
-        _attn_bwd_dkdv[(n_kb, B * H)](
-            q, k, v, do, dk, dv, lse, delta, ds_arg, rs_arg, ptab, q_end, q_clean,
-            *_st(q), *_st(k), *_st(v), *_st(do), *_st(dk), *_st(dv), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_kb,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-        # dQ (+ d row_scale, + per-program partial sums of d theta): one program per query block, looping over keys
-        dq = torch.empty_like(q)
-        bm, bn, warps, stages = cfg["dq"]
-        n_qb = triton.cdiv(Tq, bm)
-        drs = torch.empty((B, H, Tq), device=dev, dtype=torch.float32) if need_rs else dummy
-        part = torch.empty((B, H, n_qb, n_grad), device=dev, dtype=torch.float32) if n_grad else dummy
-        _attn_bwd_dq[(n_qb, B * H)](
-            q, k, v, do, dq, lse, delta, ds_arg, rs_arg, ptab, jtab if n_grad else dummy, drs, part,
-            *_st(q), *_st(k), *_st(v), *_st(do), *_st(dq), ds_st, *rs_st,
-            H, Tq, Tk, q_offset, softmax_scale, d0, n_dist, n_qb,
-            BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs, ACC_DPP=n_grad > 0 or need_rs,
-            STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **common)
-        # deterministic reduction of the per-program partials (fixed order, no atomics)
-        g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)
-    return dq, dk, dv, g, drs if need_rs else q.new_empty(0, dtype=torch.float32)
+        # fmt: off
+        _attn_bwd_preprocess[(triton.cdiv(Tq, pm), batch * H)](
+            o, do, delta, *_strides(o), *_strides(do), H, Tq,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pm, enable_fp_fusion=FP_FUSION)
+        # fmt: on
+
+        common = (lse, delta, doc, rs)
+        dk, dv = _launch_dkdv(q, k, v, do, *common, rtab, tab_stride, q_offset, softmax_scale, cfg,
+                              flags, dummy_i, dummy)  # fmt: skip
+        dq, g, drs = _launch_dq(q, k, v, do, *common, tab, jtabs, tab_stride, n_grad, need_rs,
+                                q_offset, softmax_scale, cfg, flags, dummy_i, dummy)  # fmt: skip
+    return dq, dk, dv, g, drs
 
 
+# fmt: off
 @_triton_bwd.register_fake
-def _(do, q, k, v, o, lse, doc_start, table, jtab, row_scale, scale_prior, q_offset, softmax_scale, d0, need_rs):
+def _(do, q, k, v, o, lse, doc_start, table, jtab, row_scale, scale_prior, q_offset, softmax_scale,
+      table_start, need_rs):
     g = q.new_empty(jtab.shape[:2] if jtab is not None else (0,), dtype=torch.float64)
     drs = q.new_empty(q.shape[:3] if need_rs else (0,), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g, drs
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, doc_start, table, jtab, theta, row_scale, scale_prior, q_offset, softmax_scale, d0 = inputs
+    q, k, v, doc_start, table, jtab, theta, row_scale = inputs[:8]
+    scale_prior, q_offset, softmax_scale, start = inputs[8:]
     ctx.save_for_backward(q, k, v, *output, doc_start, table, jtab, row_scale)
-    ctx.args = (scale_prior, q_offset, softmax_scale, d0)
+    ctx.args = (scale_prior, q_offset, softmax_scale, start)
     ctx.theta_dtype = theta.dtype if theta is not None else None
     ctx.mark_non_differentiable(output[1])
 
 
 def _fwd_backward(ctx, do, _dlse):
     q, k, v, o, lse, doc_start, table, jtab, row_scale = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    need_rs = row_scale is not None and need[7]
-    dq, dk, dv, g, drs = _triton_bwd(do, q, k, v, o, lse, doc_start, table, jtab if need[6] else None, row_scale,
+    wanted = ctx.needs_input_grad
+    need_rs = row_scale is not None and wanted[7]
+    jtab = jtab if wanted[6] else None
+    dq, dk, dv, g, drs = _triton_bwd(do, q, k, v, o, lse, doc_start, table, jtab, row_scale,
                                      *ctx.args, need_rs)
-    g_rs = drs.sum_to_size(row_scale.shape).to(row_scale.dtype) if need_rs else None  # broadcast over the batch
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None, None,
-            g.to(ctx.theta_dtype) if need[6] else None, g_rs, None, None, None, None)
+    g_rs = None
+    if need_rs:  # row_scale may broadcast over the batch
+        g_rs = drs.sum_to_size(row_scale.shape).to(row_scale.dtype)
+    g_theta = g.to(ctx.theta_dtype) if wanted[6] else None
+    return (dq if wanted[0] else None, dk if wanted[1] else None, dv if wanted[2] else None,
+            None, None, None, g_theta, g_rs, None, None, None, None)
+# fmt: on
 
 
 _triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 def attention_triton(q, k, v, *, doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale):
-    """The Triton implementation of attention() (attention.py), for every registered prior. Takes the
-    arguments as attention() passes them, checked and resolved (prior a BoundPrior or None, q_offset an int,
-    softmax_scale a float). Needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported
-    (then it runs, slowly, on CPU tensors)."""
+    """The Triton implementation of attention() (attention.py), for every registered prior. Takes
+    the arguments as attention() passes them, checked and resolved (prior a BoundPrior or None,
+    q_offset an int, softmax_scale a float). Needs CUDA tensors, or TRITON_INTERPRET=1 set before
+    triton is first imported (then it runs, slowly, on CPU tensors)."""
     H, Tq, D = q.shape[1:]
     Tk = k.shape[2]
     if Tq == 0:
         return q * 0.0  # nothing to attend from (still connected to autograd)
+
     # unit stride along head_dim keeps the loads vectorised; other strides are passed as they are
     k, v = k.to(q.dtype), v.to(q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    tables = (None, None, None, 0) if prior is None else _prior_tables(
-        prior, H, Tq, Tk, q_offset, _configs(_block_d(D), q.dtype), q.device)
-    return _triton_fwd(q, k, v, doc_start, *tables[:3], row_scale, bool(scale_prior), q_offset, softmax_scale,
-                       tables[3])[0]
+    tables = (None, None, None, 0)
+    if prior is not None:
+        tables = _prior_tables(prior, H, Tq, Tk, q_offset, _configs(_block_d(D), q.dtype), q.device)
+    table, jtab, theta, start = tables
+    out, _ = _triton_fwd(
+        q,
+        k,
+        v,
+        doc_start,
+        table,
+        jtab,
+        theta,
+        row_scale,
+        bool(scale_prior),
+        q_offset,
+        softmax_scale,
+        start,
+    )
+    return out

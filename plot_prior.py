@@ -41,7 +41,8 @@ def prior_tables(model, dist):
         if bound is None:
             continue
 
-        table = bound.table(offsets).double()  # (H, 1 + len(dist))
+        # the registered formula itself, without the floor attention applies to it
+        table = bound.prior.fn(offsets, *bound.params).double()  # (H, 1 + len(dist))
         rule = bound.prior.highlight
         if rule is None:
             highlighted = [False] * table.shape[0]

@@ -19,6 +19,16 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+# The floor of every log-prior, in nats: BoundPrior.table clamps B(d) there (zero derivative below),
+# so that every impl computes the same bounded scores. Where a row can see a key whose score beats
+# the floor by more than ~104 nats, exp() of a floored score is exactly 0 in fp32 both before and
+# after the clamp; a row with one visible key has P = 1 whatever its prior. So the floor changes
+# nothing unless every key a row sees sits within ~104 / r nats of it (r: SSMax's row scale). What
+# it removes: log-priors like GGD's -3e7 at d = mu (theta_beta < 0), whose fp32 scores keep no trace
+# of the content, and whose derivatives (up to 1e20 and beyond) would turn rounding noise into
+# gradients or overflow to inf.
+LOG_PRIOR_FLOOR = -1e4
+
 
 @dataclass(frozen=True)
 class Prior:
@@ -49,8 +59,9 @@ class BoundPrior(NamedTuple):
     params: tuple
 
     def table(self, d):
-        """The log-prior at distances d (1-D): (H, len(d)) float32."""
-        return self.prior.fn(d, *self.params)
+        """The log-prior at distances d (1-D) as attention uses it, floored at LOG_PRIOR_FLOOR:
+        (H, len(d)) float32."""
+        return self.prior.fn(d, *self.params).clamp_min(LOG_PRIOR_FLOOR)
 
 
 PRIORS = {}

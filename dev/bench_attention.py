@@ -1,19 +1,21 @@
 """
 The attention implementations against each other: speed, peak memory and correctness.
 
-    python dev/bench_attention.py                 # CUDA: T = 512 ... 32K, head_dim 48/64/128, bf16, fwd and fwd+bwd
-    python dev/bench_attention.py --quick         # a small subset (< 2 minutes with compilation)
-    python dev/bench_attention.py --check         # the Triton kernel vs the reference: values and every gradient
-                                                  # (without a GPU: small cases under Triton's interpreter)
-    python dev/bench_attention.py --cpu [--train] # CPU: reference and sdpa vs plain SDPA, B1 H8 D64, float32
+    python dev/bench_attention.py                  # CUDA: T 512 ... 32K, D 48/64/128, bf16
+    python dev/bench_attention.py --quick          # a small subset (< 2 minutes with compilation)
+    python dev/bench_attention.py --check          # the kernel vs the reference, every gradient
+                                                   # (without a GPU: small cases, interpreted)
+    python dev/bench_attention.py --cpu [--train]  # CPU: reference, sdpa vs plain SDPA, fp32
 
---prior (a registered prior, default ggd) is what every prior-carrying impl computes, with SSMax scaling it as in
-BAM. CUDA impls: kernel_bam (the kernel with prior and SSMax), kernel_plain (neither), sdpa_flash (torch SDPA, no
-prior: the speed of light), sdpa_prior (the prior materialised as an H x T x T attn_mask). An impl that
-attention.impl_error refuses for the prior is reported as refused, and a failing point (OOM, ...) is
-recorded while the others run. FLOPs: forward 4 B H T^2 D x 0.5 (causal), forward+backward 3.5x that. The CPU
-table interleaves the impls round after round and reports median wall and process CPU times.
+--prior (a registered prior, default ggd) is what every prior-carrying impl computes, with SSMax
+scaling it as in BAM. CUDA impls: kernel_bam (the kernel with prior and SSMax), kernel_plain
+(neither), sdpa_flash (torch SDPA, no prior: the speed of light), sdpa_prior (the prior materialised
+as an H x T x T attn_mask). An impl that attention.impl_error refuses for the prior is reported as
+refused, and a failing point (OOM, ...) is recorded while the others run. FLOPs: forward 4 B H T^2 D
+x 0.5 (causal), forward+backward 3.5x that. The CPU table interleaves the impls round after round
+and reports median wall and process CPU times.
 """
+
 import argparse
 import contextlib
 import functools
@@ -27,29 +29,50 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-# attention (which imports attention_kernel and triton) is imported inside the functions: --check on a CPU must
-# switch Triton's interpreter on before that import
+# attention (which imports attention_kernel and triton) is imported inside the functions: --check on
+# a CPU must switch Triton's interpreter on before that import
 
-BWD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward (2 matmuls for dq/dk/dv + recompute), as in the tutorial
+BWD_FLOP_FACTOR = (
+    2.5  # backward = 2.5 x forward (2 matmuls for dq/dk/dv + recompute), as in the tutorial
+)
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="correctness of the Triton kernel vs the reference")
+    p.add_argument(
+        "--check", action="store_true", help="correctness of the Triton kernel vs the reference"
+    )
     p.add_argument("--prior", default="ggd", help="a registered prior (priors.py)")
     p.add_argument("--quick", action="store_true", help="T in {1024, 4096}, head_dim 64 only")
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument(
+        "--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768]
+    )
     p.add_argument("--head_dims", type=int, nargs="+", default=[48, 64, 128])
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch: B = max(1, tokens // T)")
-    p.add_argument("--impls", nargs="+", default=["kernel_bam", "kernel_plain", "sdpa_flash", "sdpa_prior"])
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="tokens per batch: B = max(1, tokens // T)"
+    )
+    p.add_argument(
+        "--impls", nargs="+", default=["kernel_bam", "kernel_plain", "sdpa_flash", "sdpa_prior"]
+    )
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time per point (ms)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--cpu", action="store_true", help="the CPU table (the default without CUDA)")
-    p.add_argument("--doc_len", type=int, default=1000, help="CPU table: mean document length (0: one document)")
-    p.add_argument("--rounds", type=int, default=3, help="CPU table: timed calls per implementation")
-    p.add_argument("--train", action="store_true", help="CPU table: forward + backward instead of the forward")
-    p.add_argument("--threads", type=int, default=0, help="CPU table: torch threads (0 = torch's default)")
+    p.add_argument(
+        "--doc_len",
+        type=int,
+        default=1000,
+        help="CPU table: mean document length (0: one document)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="CPU table: timed calls per implementation"
+    )
+    p.add_argument(
+        "--train", action="store_true", help="CPU table: forward + backward instead of the forward"
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU table: torch threads (0 = torch's default)"
+    )
     return p
 
 
@@ -57,50 +80,73 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
-# ---------------------------------------------------------------------------------------------------- inputs
+# ------------------------------------------------------------------------------------------- inputs
 def prior_params(name, H, gen=None):
-    """Per-head parameters of a registered prior for benchmarks and checks. GGD: a mixed bank of heads, anti-local
-    (beta < 0), NoPE-like (0), heavy tail, ALiBi-like, local, mu != 0 for some. Any other prior: its 'zero' init
-    spread over the heads (so that they differ), or its fixed values."""
+    """Per-head parameters of a registered prior for benchmarks and checks. GGD: a mixed bank of
+    heads, anti-local (beta < 0), NoPE-like (0), heavy tail, ALiBi-like, local, mu != 0 for some.
+    Any other prior: its 'zero' init spread over the heads (so that they differ), or its fixed
+    values."""
     from priors import BoundPrior, get_prior
+
     prior = get_prior(name)
     if name == "ggd":
         betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0])
-        params = (torch.linspace(-1.0, 0.5, H), betas[torch.arange(H) % len(betas)].clone(),
-                  torch.where(torch.arange(H) % 3 == 0, 0.3, 0.0))
+        params = (
+            torch.linspace(-1.0, 0.5, H),
+            betas[torch.arange(H) % len(betas)].clone(),
+            torch.where(torch.arange(H) % 3 == 0, 0.3, 0.0),
+        )
     else:
-        params = tuple(t + (torch.linspace(-0.5, 0.5, H) if n in prior.trainable else 0.0)
-                       for n, t in zip(prior.params, prior.init("zero", H)))
+        params = tuple(
+            t + (torch.linspace(-0.5, 0.5, H) if n in prior.trainable else 0.0)
+            for n, t in zip(prior.params, prior.init("zero", H))
+        )
     return BoundPrior(prior, params)
 
 
 def make_problem(B, H, T, D, dtype, device, prior="ggd", seed=0, grad=True):
     g = torch.Generator(device=device).manual_seed(seed)
-    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g).requires_grad_(grad)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g).requires_grad_(grad)
+        for _ in range(3)
+    )
     do = torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g)
     bound = prior_params(prior, H)
-    params = tuple(t.to(device).requires_grad_(grad and n in bound.prior.trainable)
-                   for n, t in zip(bound.prior.params, bound.params))
+    params = tuple(
+        t.to(device).requires_grad_(grad and n in bound.prior.trainable)
+        for n, t in zip(bound.prior.params, bound.params)
+    )
     ssmax_s = torch.full((H,), 1.0, device=device, requires_grad=grad)
     log_n = torch.arange(1, T + 1, device=device, dtype=torch.float32).log()
-    return dict(q=q, k=k, v=v, do=do, prior=bound._replace(params=params), ssmax_s=ssmax_s, log_n=log_n)
+    return dict(
+        q=q, k=k, v=v, do=do, prior=bound._replace(params=params), ssmax_s=ssmax_s, log_n=log_n
+    )
 
 
 def leaves(pb):
     return [pb["q"], pb["k"], pb["v"], *pb["prior"].params, pb["ssmax_s"]]
 
 
-# ---------------------------------------------------------------------------------------------------- impls
+# -------------------------------------------------------------------------------------------- impls
 def impl_fn(name, pb):
-    """A zero-argument callable computing the attention output (autograd-connected to the leaves)."""
-    from attention import attention
+    """A zero-argument callable computing the attention output (autograd-connected to the
+    leaves)."""
     import torch.nn.functional as F
+
+    from attention import attention
+
     q, k, v = pb["q"], pb["k"], pb["v"]
     B, H, T, D = q.shape
     if name == "kernel_bam":
-        return lambda: attention(q, k, v, prior=pb["prior"], row_scale=pb["ssmax_s"][None, :, None] * pb["log_n"],
-                                 scale_prior=True, impl="triton")
+        return lambda: attention(
+            q,
+            k,
+            v,
+            prior=pb["prior"],
+            row_scale=pb["ssmax_s"][None, :, None] * pb["log_n"],
+            scale_prior=True,
+            impl="triton",
+        )
     if name == "kernel_plain":
         return lambda: attention(q, k, v, impl="triton")
     if name == "sdpa_flash":
@@ -109,21 +155,26 @@ def impl_fn(name, pb):
         def f():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
         return f
     if name == "sdpa_prior":
+
         def f():
             pos = torch.arange(T, device=q.device)
             table = pb["prior"].table(torch.arange(-(T - 1), T, device=q.device))  # (H, 2T - 1)
-            bias = table[:, pos[None, :] - pos[:, None] + T - 1]  # (H, T, T): the materialised prior
+            bias = table[
+                :, pos[None, :] - pos[:, None] + T - 1
+            ]  # (H, T, T): the materialised prior
             bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf")).to(q.dtype)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
+
         return f
     raise ValueError(f"unknown impl {name!r}")
 
 
 def _peak_mb(fn):
-    """Peak memory of one call above what was allocated before it (measured outside do_bench, whose L2 flush
-    buffer would count otherwise)."""
+    """Peak memory of one call above what was allocated before it (measured outside do_bench, whose
+    L2 flush buffer would count otherwise)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -134,6 +185,7 @@ def _peak_mb(fn):
 
 def measure(name, pb, rep):
     import triton.testing
+
     fn = impl_fn(name, pb)
     B, H, T, D = pb["q"].shape
     fwd_flops = 4 * B * H * T * T * D * 0.5
@@ -152,6 +204,7 @@ def measure(name, pb, rep):
     def clear():
         for t in grads:
             t.grad = None
+
     try:  # a failing backward (OOM, unsupported) still leaves the forward numbers in the table
         step()  # compile the backward
         clear()
@@ -177,8 +230,11 @@ def run_table(args):
     head_dims = [64] if args.quick else args.head_dims
     rep = min(args.rep, 50) if args.quick else args.rep
     rows = []
-    print(f"{'D':>4} {'T':>6} {'B':>3} {'impl':<13} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} "
-          f"{'peak MB':>9}")
+    print(
+        f"{'D':>4} {'T':>6} {'B':>3} {'impl':<13} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} "
+        f"{'TFLOP/s':>8} "
+        f"{'peak MB':>9}"
+    )
     for D in head_dims:
         for T in lengths:
             B = max(1, args.tokens // T)
@@ -188,7 +244,10 @@ def run_table(args):
                 try:
                     pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda", prior=args.prior)
                     from attention import impl_error
-                    refused = name == "kernel_bam" and impl_error("triton", pb["prior"], "cuda", grad=True)
+
+                    refused = name == "kernel_bam" and impl_error(
+                        "triton", pb["prior"], "cuda", grad=True
+                    )
                     if refused:
                         row["status"] = f"refused: {refused}"
                     else:
@@ -202,82 +261,125 @@ def run_table(args):
                     torch.cuda.empty_cache()
                 rows.append(row)
                 if row["status"] == "ok" and "bwd_status" not in row:
-                    print(f"{D:>4} {T:>6} {B:>3} {name:<13} {row['fwd_ms']:>9.3f} {row['fwd_tflops']:>8.1f} "
-                          f"{row['fwdbwd_ms']:>11.3f} {row['fwdbwd_tflops']:>8.1f} {row['fwdbwd_peak_mb']:>9.0f}",
-                          flush=True)
+                    print(
+                        f"{D:>4} {T:>6} {B:>3} {name:<13} {row['fwd_ms']:>9.3f} "
+                        f"{row['fwd_tflops']:>8.1f} "
+                        f"{row['fwdbwd_ms']:>11.3f} {row['fwdbwd_tflops']:>8.1f} "
+                        f"{row['fwdbwd_peak_mb']:>9.0f}",
+                        flush=True,
+                    )
                 elif row["status"] == "ok":
-                    print(f"{D:>4} {T:>6} {B:>3} {name:<13} {row['fwd_ms']:>9.3f} {row['fwd_tflops']:>8.1f} "
-                          f"  backward: {row['bwd_status']}", flush=True)
+                    print(
+                        f"{D:>4} {T:>6} {B:>3} {name:<13} {row['fwd_ms']:>9.3f} "
+                        f"{row['fwd_tflops']:>8.1f} "
+                        f"  backward: {row['bwd_status']}",
+                        flush=True,
+                    )
                 else:
                     print(f"{D:>4} {T:>6} {B:>3} {name:<13} {row['status']}", flush=True)
     ratios = []
-    print(f"\nkernel_bam ({args.prior} prior + SSMax) fwd+bwd throughput relative to (>1: the kernel is faster):")
+    print(
+        f"\nkernel_bam ({args.prior} prior + SSMax) fwd+bwd throughput relative to (>1: the kernel "
+        "is faster):"
+    )
     for D in head_dims:
         for T in lengths:
-            get = {r["impl"]: r for r in rows if r["head_dim"] == D and r["T"] == T and "fwdbwd_tflops" in r}
+            get = {
+                r["impl"]: r
+                for r in rows
+                if r["head_dim"] == D and r["T"] == T and "fwdbwd_tflops" in r
+            }
             if "kernel_bam" not in get:
                 continue
             line = {"head_dim": D, "T": T}
             for other in ("sdpa_flash", "sdpa_prior"):
                 if other in get:
-                    line[f"vs_{other}"] = get["kernel_bam"]["fwdbwd_tflops"] / get[other]["fwdbwd_tflops"]
+                    line[f"vs_{other}"] = (
+                        get["kernel_bam"]["fwdbwd_tflops"] / get[other]["fwdbwd_tflops"]
+                    )
             ratios.append(line)
-            print(f"  D={D:<4} T={T:<6} " + "  ".join(f"{k}={v:.2f}x" for k, v in line.items() if k.startswith("vs_")))
+            print(
+                f"  D={D:<4} T={T:<6} "
+                + "  ".join(f"{k}={v:.2f}x" for k, v in line.items() if k.startswith("vs_"))
+            )
     return rows, ratios
 
 
-# ---------------------------------------------------------------------------------------------------- CPU table
+# ---------------------------------------------------------------------------------------- CPU table
 CPU_IMPLS = ("reference", "sdpa", "sdpa_noprior")
 
 
 def cpu_problem(T, H=8, D=64, doc_len=1000, seed=0, train=False):
-    """q, k, v (1, H, T, D) and attention()'s keyword arguments for GGD + SSMax (+ documents); with train, the
-    tensors a training step differentiates (q, k, v, theta_alpha, theta_beta, the SSMax scale) require grad."""
+    """q, k, v (1, H, T, D) and attention()'s keyword arguments for GGD + SSMax (+ documents); with
+    train, the tensors a training step differentiates (q, k, v, theta_alpha, theta_beta, the SSMax
+    scale) require grad."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, H, T, D, generator=g).requires_grad_(train) for _ in range(3))
     betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0])
-    alpha, beta = torch.linspace(-1.0, 0.5, H).requires_grad_(train), betas[torch.arange(H) % len(betas)]
+    alpha, beta = (
+        torch.linspace(-1.0, 0.5, H).requires_grad_(train),
+        betas[torch.arange(H) % len(betas)],
+    )
     prior = (alpha, beta.requires_grad_(train), torch.zeros(H))
     doc_start = torch.zeros(1, T, dtype=torch.long)
     if doc_len:
         for c in (torch.rand(T, generator=g) < 1.0 / doc_len).nonzero().flatten().tolist():
             doc_start[:, c:] = c
-    log_n = (torch.arange(T)[None] - doc_start + 1).float().log()  # SSMax: n = keys visible in the document
+    log_n = (
+        (torch.arange(T)[None] - doc_start + 1).float().log()
+    )  # SSMax: n = keys visible in the document
     row_scale = torch.ones(H, requires_grad=train)[None, :, None] * log_n[:, None, :]
-    kw = dict(doc_start=doc_start if doc_len else None, prior=prior, row_scale=row_scale, scale_prior=True)
+    kw = dict(
+        doc_start=doc_start if doc_len else None, prior=prior, row_scale=row_scale, scale_prior=True
+    )
     return q, k, v, kw
 
 
 def cpu_impl_fn(name, q, k, v, kw, train=False):
     import torch.nn.functional as F
+
     from attention import attention
+
     impl = {"reference": "torch", "sdpa": "sdpa"}.get(name)
-    fn = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)) if name == "sdpa_noprior" else \
-        (lambda: attention(q, k, v, **kw, impl=impl))
+    fn = (
+        (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        if name == "sdpa_noprior"
+        else (lambda: attention(q, k, v, **kw, impl=impl))
+    )
     if not train:
         return fn
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
-    return lambda: fn().backward(dout, retain_graph=name != "sdpa_noprior")  # row_scale's graph is reused
+    return lambda: fn().backward(
+        dout, retain_graph=name != "sdpa_noprior"
+    )  # row_scale's graph is reused
 
 
 def run_cpu_table(args):
     from attention import impl_error
     from priors import bind
+
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [4096, 16384] if args.lengths == parse_args([]).lengths else args.lengths
-    print(f"CPU, torch threads {torch.get_num_threads()}, float32, {'forward + backward' if args.train else 'no grad'}; "
-          f"B1 H8 D64, GGD prior + SSMax (scale_prior), "
-          f"{'documents of mean length ' + str(args.doc_len) if args.doc_len else 'one document'}")
-    print(f"{'T':>6} {'impl':<13} {'ms':>10} {'GFLOP/s':>8} {'vs sdpa_noprior':>16} {'CPU ms':>10} "
-          f"{'vs sdpa_noprior':>16}")
+    print(
+        f"CPU, torch threads {torch.get_num_threads()}, float32, "
+        f"{'forward + backward' if args.train else 'no grad'}; "
+        f"B1 H8 D64, GGD prior + SSMax (scale_prior), "
+        f"{'documents of mean length ' + str(args.doc_len) if args.doc_len else 'one document'}"
+    )
+    print(
+        f"{'T':>6} {'impl':<13} {'ms':>10} {'GFLOP/s':>8} {'vs sdpa_noprior':>16} {'CPU ms':>10} "
+        f"{'vs sdpa_noprior':>16}"
+    )
     rows = []
     with contextlib.nullcontext() if args.train else torch.no_grad():
         for T in lengths:
             q, k, v, kw = cpu_problem(T, doc_len=args.doc_len, train=args.train)
             fns, times = {}, {}
             for name in CPU_IMPLS:
-                refused = name == "sdpa" and impl_error("sdpa", bind(kw["prior"]), "cpu", grad=args.train)
+                refused = name == "sdpa" and impl_error(
+                    "sdpa", bind(kw["prior"]), "cpu", grad=args.train
+                )
                 if refused:
                     rows.append(dict(T=T, impl=name, status=f"refused: {refused}"))
                     print(f"{T:>6} {name:<13} {rows[-1]['status']}", flush=True)
@@ -287,22 +389,38 @@ def run_cpu_table(args):
                     fns[name]()  # compile / warm up
                     times[name] = []
                 except Exception as e:  # noqa: BLE001 -- one failing impl must not end the table
-                    rows.append(dict(T=T, impl=name, status=f"error: {type(e).__name__}: {_first_line(e)}"))
+                    rows.append(
+                        dict(T=T, impl=name, status=f"error: {type(e).__name__}: {_first_line(e)}")
+                    )
                     print(f"{T:>6} {name:<13} {rows[-1]['status']}", flush=True)
             for _ in range(args.rounds):
                 for name in times:
                     t0, c0 = time.perf_counter(), time.process_time()
                     fns[name]()
-                    times[name].append((1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)))
+                    times[name].append(
+                        (1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0))
+                    )
             base = [_median([t[i] for t in times["sdpa_noprior"]]) for i in (0, 1)]
             flops = 4 * 8 * T * T * 64 * 0.5 * (3.5 if args.train else 1.0)
             for name, ts in times.items():
                 ms, cpu_ms = (_median([t[i] for t in ts]) for i in (0, 1))
-                row = dict(T=T, impl=name, train=args.train, ms=ms, cpu_ms=cpu_ms, gflops=flops / ms * 1e-6,
-                           vs_sdpa_noprior=ms / base[0], cpu_vs_sdpa_noprior=cpu_ms / base[1], status="ok")
+                row = dict(
+                    T=T,
+                    impl=name,
+                    train=args.train,
+                    ms=ms,
+                    cpu_ms=cpu_ms,
+                    gflops=flops / ms * 1e-6,
+                    vs_sdpa_noprior=ms / base[0],
+                    cpu_vs_sdpa_noprior=cpu_ms / base[1],
+                    status="ok",
+                )
                 rows.append(row)
-                print(f"{T:>6} {name:<13} {ms:>10.1f} {row['gflops']:>8.1f} {ms / base[0]:>15.2f}x "
-                      f"{cpu_ms:>10.1f} {cpu_ms / base[1]:>15.2f}x", flush=True)
+                print(
+                    f"{T:>6} {name:<13} {ms:>10.1f} {row['gflops']:>8.1f} {ms / base[0]:>15.2f}x "
+                    f"{cpu_ms:>10.1f} {cpu_ms / base[1]:>15.2f}x",
+                    flush=True,
+                )
     return rows
 
 
@@ -311,57 +429,177 @@ def _median(xs):
     return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
 
 
-# ---------------------------------------------------------------------------------------------------- check
+# -------------------------------------------------------------------------------------------- check
 CHECKS = [
     # name, B, H, Tq, Tk, D, dtype, options
-    ("fp32 D64 T1000 bam+ssmax(scale_prior)+docs", 2, 4, 1000, 1000, 64, torch.float32,
-     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
-    ("fp32 D48 T777 alibi(frozen)+docs", 2, 3, 777, 777, 48, torch.float32, dict(prior="alibi", docs=True)),
+    (
+        "fp32 D64 T1000 bam+ssmax(scale_prior)+docs",
+        2,
+        4,
+        1000,
+        1000,
+        64,
+        torch.float32,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
+    ),
+    (
+        "fp32 D48 T777 alibi(frozen)+docs",
+        2,
+        3,
+        777,
+        777,
+        48,
+        torch.float32,
+        dict(prior="alibi", docs=True),
+    ),
     ("fp32 D128 T513 no prior", 1, 2, 513, 513, 128, torch.float32, dict()),
-    ("fp32 D32 Tq100 Tk900 q_offset=700 bam+ssmax(no scale_prior)+docs", 2, 2, 100, 900, 32, torch.float32,
-     dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=700)),
-    ("bf16 D64 T2048 bam+ssmax(scale_prior)+docs", 2, 4, 2048, 2048, 64, torch.bfloat16,
-     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
-    ("bf16 D48 T1024 bam beta<0, no ssmax, length-1 documents", 2, 2, 1024, 1024, 48, torch.bfloat16,
-     dict(prior="bam_negative", docs="short")),
-    ("fp16 D128 T1024 bam+ssmax(scale_prior)", 1, 2, 1024, 1024, 128, torch.float16,
-     dict(prior="bam", ssmax=True, scale_prior=True)),
-    ("bf16 D128 T1500 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout", 2, 4, 1500, 1500, 128,
-     torch.bfloat16, dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True)),
+    (
+        "fp32 D32 Tq100 Tk900 q_offset=700 bam+ssmax(no scale_prior)+docs",
+        2,
+        2,
+        100,
+        900,
+        32,
+        torch.float32,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=700),
+    ),
+    (
+        "bf16 D64 T2048 bam+ssmax(scale_prior)+docs",
+        2,
+        4,
+        2048,
+        2048,
+        64,
+        torch.bfloat16,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
+    ),
+    (
+        "bf16 D48 T1024 bam beta<0, no ssmax, length-1 documents",
+        2,
+        2,
+        1024,
+        1024,
+        48,
+        torch.bfloat16,
+        dict(prior="bam_negative", docs="short"),
+    ),
+    (
+        "fp16 D128 T1024 bam+ssmax(scale_prior)",
+        1,
+        2,
+        1024,
+        1024,
+        128,
+        torch.float16,
+        dict(prior="bam", ssmax=True, scale_prior=True),
+    ),
+    (
+        "bf16 D128 T1500 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout",
+        2,
+        4,
+        1500,
+        1500,
+        128,
+        torch.bfloat16,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True),
+    ),
 ]
 
-# The same cases at sizes that Triton's interpreter runs on a CPU in seconds (it works in 32 x 32 tiles): lengths
-# that are not multiples of a tile, several tiles, a q_offset, every dtype and option above.
+# The same cases at sizes that Triton's interpreter runs on a CPU in seconds (it works in 32 x 32
+# tiles): lengths that are not multiples of a tile, several tiles, a q_offset, every dtype and
+# option above.
 CPU_CHECKS = [
-    ("fp32 D64 T100 bam+ssmax(scale_prior)+docs", 1, 2, 100, 100, 64, torch.float32,
-     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
-    ("fp32 D48 T77 alibi(frozen)+docs", 1, 3, 77, 77, 48, torch.float32, dict(prior="alibi", docs=True)),
+    (
+        "fp32 D64 T100 bam+ssmax(scale_prior)+docs",
+        1,
+        2,
+        100,
+        100,
+        64,
+        torch.float32,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
+    ),
+    (
+        "fp32 D48 T77 alibi(frozen)+docs",
+        1,
+        3,
+        77,
+        77,
+        48,
+        torch.float32,
+        dict(prior="alibi", docs=True),
+    ),
     ("fp32 D128 T65 no prior", 1, 2, 65, 65, 128, torch.float32, dict()),
-    ("fp32 D32 Tq20 Tk90 q_offset=70 bam+ssmax(no scale_prior)+docs", 1, 2, 20, 90, 32, torch.float32,
-     dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=70)),
-    ("bf16 D64 T128 bam+ssmax(scale_prior)+docs", 1, 2, 128, 128, 64, torch.bfloat16,
-     dict(prior="bam", docs=True, ssmax=True, scale_prior=True)),
-    ("bf16 D48 T96 bam beta<0, no ssmax, length-1 documents", 1, 2, 96, 96, 48, torch.bfloat16,
-     dict(prior="bam_negative", docs="short")),
-    ("fp16 D128 T64 bam+ssmax(scale_prior)", 1, 2, 64, 64, 128, torch.float16,
-     dict(prior="bam", ssmax=True, scale_prior=True)),
-    ("bf16 D128 T100 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout", 1, 2, 100, 100, 128,
-     torch.bfloat16, dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True)),
+    (
+        "fp32 D32 Tq20 Tk90 q_offset=70 bam+ssmax(no scale_prior)+docs",
+        1,
+        2,
+        20,
+        90,
+        32,
+        torch.float32,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=70),
+    ),
+    (
+        "bf16 D64 T128 bam+ssmax(scale_prior)+docs",
+        1,
+        2,
+        128,
+        128,
+        64,
+        torch.bfloat16,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
+    ),
+    (
+        "bf16 D48 T96 bam beta<0, no ssmax, length-1 documents",
+        1,
+        2,
+        96,
+        96,
+        48,
+        torch.bfloat16,
+        dict(prior="bam_negative", docs="short"),
+    ),
+    (
+        "fp16 D128 T64 bam+ssmax(scale_prior)",
+        1,
+        2,
+        64,
+        64,
+        128,
+        torch.float16,
+        dict(prior="bam", ssmax=True, scale_prior=True),
+    ),
+    (
+        "bf16 D128 T100 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout",
+        1,
+        2,
+        100,
+        100,
+        128,
+        torch.bfloat16,
+        dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True),
+    ),
 ]
 
 
 def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0, prior="ggd"):
-    """Inputs of one check. opt["prior"]: "bam" is the --prior under test (GGD: random heads of every shape),
-    "bam_negative" GGD with theta_beta < 0 everywhere, "alibi" the fixed ALiBi prior."""
+    """Inputs of one check. opt["prior"]: "bam" is the --prior under test (GGD: random heads of
+    every shape), "bam_negative" GGD with theta_beta < 0 everywhere, "alibi" the fixed ALiBi
+    prior."""
     from priors import BoundPrior, alibi_slopes, get_prior
+
     g = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(B, H, Tq, D, generator=g)
     k, v = (torch.randn(B, H, Tk, D, generator=g) for _ in range(2))
     do = torch.randn(B, H, Tq, D, generator=g)
     kw, frozen = {}, ()
     if opt.get("prior") == "bam" and prior == "ggd":
-        kw["prior"] = (torch.rand(H, generator=g) - 0.5, torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0] * H)[:H],
-                       torch.where(torch.arange(H) % 2 == 0, 0.3, 0.0))
+        kw["prior"] = (
+            torch.rand(H, generator=g) - 0.5,
+            torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0] * H)[:H],
+            torch.where(torch.arange(H) % 2 == 0, 0.3, 0.0),
+        )
     elif opt.get("prior") == "bam":
         kw["prior"] = prior_params(prior, H)
     elif opt.get("prior") == "bam_negative":
@@ -381,7 +619,9 @@ def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0, prior="ggd"):
         kw["scale_prior"] = opt.get("scale_prior", False)
     if "q_offset" in opt:
         kw["q_offset"] = opt["q_offset"]
-    if opt.get("noncontiguous"):  # the model's layout: (B, T, H, D) in memory, viewed as (B, H, T, D)
+    if opt.get(
+        "noncontiguous"
+    ):  # the model's layout: (B, T, H, D) in memory, viewed as (B, H, T, D)
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     return (q, k, v, do), kw, frozen
 
@@ -394,8 +634,12 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
     kw = dict(kw)
     if "prior" in kw:
         from priors import bind
+
         bound = bind(kw["prior"])
-        pr = tuple(t.detach().clone().to(device).requires_grad_("prior" not in frozen) for t in bound.params)
+        pr = tuple(
+            t.detach().clone().to(device).requires_grad_("prior" not in frozen)
+            for t in bound.params
+        )
         kw["prior"] = bound._replace(params=pr)
         if "prior" not in frozen:
             named.update(zip(bound.prior.params, pr))
@@ -410,9 +654,10 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
 
 
 def _check_case(name, B, H, Tq, Tk, D, dtype, opt, device, prior):
-    """One check: the kernel against the fp32 reference on the same (rounded) inputs; in half precision also
-    twice, bitwise (its backward is deterministic)."""
+    """One check: the kernel against the fp32 reference on the same (rounded) inputs; in half
+    precision also twice, bitwise (its backward is deterministic)."""
     from attention import attention, attention_torch
+
     attention_triton = functools.partial(attention, impl="triton")
     tensors, kw, frozen = _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, prior=prior)
     o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
@@ -421,11 +666,15 @@ def _check_case(name, B, H, Tq, Tk, D, dtype, opt, device, prior):
     tol_o, tol_g = (1e-4, 1e-3) if dtype == torch.float32 else (3e-2, 6e-2)
     errs = {"out": _rel(o_k, o_r), **{n: _rel(g_k[n], g_r[n]) for n in g_r}}
     entry = {"check": name, "max_abs_out": (o_k - o_r).abs().max().item(), "rel_errors": errs}
-    finite = bool(torch.isfinite(o_k).all()) and all(bool(torch.isfinite(t).all()) for t in g_k.values())
+    finite = bool(torch.isfinite(o_k).all()) and all(
+        bool(torch.isfinite(t).all()) for t in g_k.values()
+    )
     ok = finite and errs["out"] <= tol_o and all(e <= tol_g for n, e in errs.items() if n != "out")
     if dtype != torch.float32:
-        entry["deterministic"] = all(torch.equal(g_k[n], g) for n, g in
-                                     _run_once(attention_triton, tensors, kw, frozen, dtype, device)[1].items())
+        entry["deterministic"] = all(
+            torch.equal(g_k[n], g)
+            for n, g in _run_once(attention_triton, tensors, kw, frozen, dtype, device)[1].items()
+        )
         ok = ok and entry["deterministic"]
     return dict(entry, status="PASS" if ok else "FAIL")
 
@@ -433,13 +682,18 @@ def _check_case(name, B, H, Tq, Tk, D, dtype, opt, device, prior):
 def _check_empty_row(device, T):
     """A query with no visible key (doc_start after it): output 0, finite gradients."""
     from attention import attention
+
     attention_triton = functools.partial(attention, impl="triton")
-    tensors, kw, frozen = _check_inputs(1, 2, T, T, 64, torch.bfloat16, dict(prior="bam_negative"), device)
+    tensors, kw, frozen = _check_inputs(
+        1, 2, T, T, 64, torch.bfloat16, dict(prior="bam_negative"), device
+    )
     kw["doc_start"] = torch.zeros(1, T, dtype=torch.long)
-    kw["doc_start"][0, T // 3:] = T // 3
+    kw["doc_start"][0, T // 3 :] = T // 3
     kw["doc_start"][0, T // 2] = T // 2 + 1
     o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, torch.bfloat16, device)
-    ok = bool(o_k[:, :, T // 2].eq(0).all()) and all(bool(torch.isfinite(t).all()) for t in (o_k, *g_k.values()))
+    ok = bool(o_k[:, :, T // 2].eq(0).all()) and all(
+        bool(torch.isfinite(t).all()) for t in (o_k, *g_k.values())
+    )
     return {"check": "row without visible keys -> 0, no NaN", "status": "PASS" if ok else "FAIL"}
 
 
@@ -447,13 +701,18 @@ def run_check(device="cuda", checks=CHECKS, prior="ggd", empty_row_len=300):
     """The Triton kernel against the fp32 reference on every check: outputs and every gradient."""
     from attention import impl_error
     from priors import get_prior
+
     refused = impl_error("triton", get_prior(prior), device, grad=True)
     if refused:
         print(f"[REFUSED] {refused}")
         return [{"check": "all", "status": f"refused: {refused}"}], 1
-    if prior != "ggd":  # the all-negative GGD case is the GGD kernel's numerics, not another prior's
+    if (
+        prior != "ggd"
+    ):  # the all-negative GGD case is the GGD kernel's numerics, not another prior's
         checks = [c for c in checks if c[-1].get("prior") != "bam_negative"]
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a full fp32 reference
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+        False  # a full fp32 reference
+    )
     cases = [(c[0], lambda c=c: _check_case(*c, device, prior)) for c in checks]
     cases.append(("row without visible keys", lambda: _check_empty_row(device, empty_row_len)))
     results = []
@@ -467,8 +726,11 @@ def run_check(device="cuda", checks=CHECKS, prior="ggd", empty_row_len=300):
         entry["seconds"] = round(time.time() - t0, 1)
         print(f"[{entry['status'][:5]:<5}] {entry['check']}  ({entry['seconds']}s)")
         if "rel_errors" in entry:
-            print("        max|err|/max|ref|: " + "  ".join(f"{n}={e:.1e}" for n, e in entry["rel_errors"].items())
-                  + (f"  deterministic={entry['deterministic']}" if "deterministic" in entry else ""))
+            print(
+                "        max|err|/max|ref|: "
+                + "  ".join(f"{n}={e:.1e}" for n, e in entry["rel_errors"].items())
+                + (f"  deterministic={entry['deterministic']}" if "deterministic" in entry else "")
+            )
         results.append(entry)
     failed = sum(r["status"] != "PASS" for r in results)
     print(f"\n{len(results) - failed}/{len(results)} checks passed")
@@ -480,13 +742,20 @@ def _rel(a, b):
 
 
 def check_on_cpu(prior):
-    """--check without a GPU: CPU_CHECKS under Triton's interpreter, which must be chosen before triton is imported."""
+    """--check without a GPU: CPU_CHECKS under Triton's interpreter, which must be chosen before
+    triton is imported."""
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("bench_attention.py: error: triton was imported before its interpreter could be switched on; "
-              "run with TRITON_INTERPRET=1", file=sys.stderr)
+        print(
+            "bench_attention.py: error: triton was imported before its interpreter could be "
+            "switched on; "
+            "run with TRITON_INTERPRET=1",
+            file=sys.stderr,
+        )
         return 1
     os.environ["TRITON_INTERPRET"] = "1"
-    print("no CUDA device: checking the kernel under Triton's interpreter on the CPU, at small sizes")
+    print(
+        "no CUDA device: checking the kernel under Triton's interpreter on the CPU, at small sizes"
+    )
     return 1 if run_check("cpu", CPU_CHECKS, prior=prior, empty_row_len=100)[1] else 0
 
 
@@ -495,8 +764,15 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     if args.check and not cuda:
         return check_on_cpu(args.prior)
-    out = {"env": dict(gpu=cuda and torch.cuda.get_device_name(), cpu=platform.processor() or platform.machine(),
-                       torch=torch.__version__, python=platform.python_version()), "args": vars(args)}
+    out = {
+        "env": dict(
+            gpu=cuda and torch.cuda.get_device_name(),
+            cpu=platform.processor() or platform.machine(),
+            torch=torch.__version__,
+            python=platform.python_version(),
+        ),
+        "args": vars(args),
+    }
     status = 0
     if args.cpu or not cuda:
         out["cpu_table"] = run_cpu_table(args)

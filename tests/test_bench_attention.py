@@ -1,5 +1,7 @@
-"""dev/: bench_attention.py --check runs the kernel's correctness check under Triton's interpreter (so it checks
-something without a GPU), its CPU table runs, and bench.py times the model variants end to end."""
+"""dev/: bench_attention.py --check runs the kernel's correctness check under Triton's interpreter
+(so it checks something without a GPU), its CPU table runs, and bench.py times the model variants
+end to end."""
+
 import json
 import os
 import sys
@@ -10,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
 import bench  # noqa: E402
 import bench_attention  # noqa: E402
+
 from model import POS_ENCODINGS  # noqa: E402
 
 
@@ -20,17 +23,36 @@ def test_check_runs_under_the_interpreter_and_fails_on_a_wrong_kernel(monkeypatc
     results, failed = bench_attention.run_check("cpu", cases, empty_row_len=40)
     assert failed == 0 and [r["status"] for r in results] == ["PASS"] * 3
     import attention
+
     real = attention.attention_triton
-    monkeypatch.setattr(attention, "attention_triton", lambda q, k, v, **kw: real(q, k, v, **kw) * 1.01)
+    monkeypatch.setattr(
+        attention, "attention_triton", lambda q, k, v, **kw: real(q, k, v, **kw) * 1.01
+    )
     _, failed = bench_attention.run_check("cpu", cases[:1], empty_row_len=40)
     assert failed == 1
 
 
 def test_cpu_table_reports_what_impl_error_refuses(tmp_path):
-    """Training: sdpa is refused for the trained GGD prior (impl_error's message), the others are timed."""
+    """Training: sdpa is refused for the trained GGD prior (impl_error's message), the others are
+    timed."""
     out = tmp_path / "cpu.json"
-    assert bench_attention.main(["--cpu", "--train", "--lengths", "64", "--rounds", "1", "--doc_len", "20",
-                                 "--out", str(out)]) == 0
+    assert (
+        bench_attention.main(
+            [
+                "--cpu",
+                "--train",
+                "--lengths",
+                "64",
+                "--rounds",
+                "1",
+                "--doc_len",
+                "20",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = {r["impl"]: r for r in json.loads(out.read_text())["cpu_table"]}
     assert rows["reference"]["status"] == "ok" and rows["sdpa_noprior"]["status"] == "ok"
     assert rows["sdpa"]["status"].startswith("refused: impl='sdpa' cannot train a prior")
@@ -39,13 +61,42 @@ def test_cpu_table_reports_what_impl_error_refuses(tmp_path):
 def test_bench_smoke(tmp_path):
     """bench.py runs end to end on a very small model and writes the ratio it prints."""
     out = tmp_path / "bench.json"
-    results = bench.main(["--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2",
-                          "--steps=2", "--warmup=1", "--threads=1", "--all", "--device=cpu", f"--out={out}"])
+    results = bench.main(
+        [
+            "--n_layer=1",
+            "--n_embd=16",
+            "--n_head=2",
+            "--block_size=16",
+            "--batch_size=2",
+            "--steps=2",
+            "--warmup=1",
+            "--threads=1",
+            "--all",
+            "--device=cpu",
+            f"--out={out}",
+        ]
+    )
     saved = json.load(open(out))
     variants = {f"{p}{'+ssmax' if s else ''}" for p in POS_ENCODINGS for s in (False, True)}
     assert set(saved["variants"]) == variants == set(results)
-    assert saved["ratio_bam_ssmax_vs_nope"] == results["bam+ssmax"]["median_ms"] / results["nope"]["median_ms"] > 0
+    assert (
+        saved["ratio_bam_ssmax_vs_nope"]
+        == results["bam+ssmax"]["median_ms"] / results["nope"]["median_ms"]
+        > 0
+    )
     assert all(len(v["ms"]) == 2 for v in saved["variants"].values())
-    with pytest.raises(SystemExit, match="bench.py: error: bam\\+ssmax: impl='sdpa' cannot train a prior"):
-        bench.main(["--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2", "--steps=1",
-                    "--device=cpu", "--attn_impl=sdpa"])
+    with pytest.raises(
+        SystemExit, match="bench.py: error: bam\\+ssmax: impl='sdpa' cannot train a prior"
+    ):
+        bench.main(
+            [
+                "--n_layer=1",
+                "--n_embd=16",
+                "--n_head=2",
+                "--block_size=16",
+                "--batch_size=2",
+                "--steps=1",
+                "--device=cpu",
+                "--attn_impl=sdpa",
+            ]
+        )

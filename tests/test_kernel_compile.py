@@ -1,7 +1,9 @@
-"""torch.compile sees the whole model: attention is a registered custom op (Triton), never a graph break, and the
-prior's tables are built in the traced graph. On the CPU the Triton kernel runs under the interpreter
-(tests/conftest.py sets TRITON_INTERPRET=1) and the compiled model uses the aot_eager backend (AOTAutograd traces
-forward and backward, then runs the captured graphs eagerly), so compiled and eager results must be bitwise equal."""
+"""torch.compile sees the whole model: attention is a registered custom op (Triton), never a graph
+break, and the prior's tables are built in the traced graph. On the CPU the Triton kernel runs under
+the interpreter (tests/conftest.py sets TRITON_INTERPRET=1) and the compiled model uses the
+aot_eager backend (AOTAutograd traces forward and backward, then runs the captured graphs eagerly),
+so compiled and eager results must be bitwise equal."""
+
 import pytest
 import torch
 import torch._dynamo
@@ -17,9 +19,19 @@ DEVICE = "cuda" if torch.cuda.is_available() and not ak.interpreting() else "cpu
 
 
 def tiny_gpt(attn_impl):
-    """BAM + SSMax with a non-trivial prior (anti-local and local heads, mu != 0), every prior parameter trained."""
-    cfg = model_mod.GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32, pos_encoding="bam",
-                              ssmax=True, train_mu=True, attn_impl=attn_impl)
+    """BAM + SSMax with a non-trivial prior (anti-local and local heads, mu != 0), every prior
+    parameter trained."""
+    cfg = model_mod.GPTConfig(
+        vocab_size=64,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=32,
+        pos_encoding="bam",
+        ssmax=True,
+        train_mu=True,
+        attn_impl=attn_impl,
+    )
     torch.manual_seed(0)
     net = model_mod.GPT(cfg).to(DEVICE)
     with torch.no_grad():
@@ -38,7 +50,9 @@ def loss_and_grads(fn, net, args, kwargs):
     net.zero_grad(set_to_none=True)
     _, loss = fn(*args, **kwargs)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.fixture
@@ -53,27 +67,45 @@ def test_kernel_compiled_model_has_no_graph_break_and_equals_eager(small_tiles):
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     loss_eager, g_eager = loss_and_grads(net, net, args, kwargs)
-    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)  # fullgraph: a break would raise
+    compiled = torch.compile(
+        net, backend="aot_eager", fullgraph=True
+    )  # fullgraph: a break would raise
     loss_comp, g_comp = loss_and_grads(compiled, net, args, kwargs)
     torch._dynamo.reset()
     assert torch.equal(loss_comp, loss_eager)
-    assert set(g_comp) == set(g_eager) and any(".theta_" in n for n in g_eager) and any("ssmax" in n for n in g_eager)
+    assert (
+        set(g_comp) == set(g_eager)
+        and any(".theta_" in n for n in g_eager)
+        and any("ssmax" in n for n in g_eager)
+    )
     for n in g_eager:
         assert torch.equal(g_comp[n], g_eager[n]), n
 
 
 def test_kernel_custom_ops_pass_opcheck(small_tiles):
-    """torch.library.opcheck: schema, fake-tensor implementation (shapes, strides, dtypes), autograd registration
-    and AOT dispatch of the forward and backward ops, on inputs with every option (documents, a prior's table and
-    derivative tables, SSMax)."""
+    """torch.library.opcheck: schema, fake-tensor implementation (shapes, strides, dtypes), autograd
+    registration and AOT dispatch of the forward and backward ops, on inputs with every option
+    (documents, a prior's table and derivative tables, SSMax)."""
     gen = torch.Generator().manual_seed(0)
     B, H, T, D = 1, 2, 20, 16
-    q, k, v = (torch.randn(B, T, H, D, generator=gen).transpose(1, 2).to(DEVICE).requires_grad_() for _ in range(3))
+    q, k, v = (
+        torch.randn(B, T, H, D, generator=gen).transpose(1, 2).to(DEVICE).requires_grad_()
+        for _ in range(3)
+    )
     ds = torch.zeros(B, T, dtype=torch.long, device=DEVICE)
     ds[:, 7:] = 7
-    params = tuple(torch.tensor(x, device=DEVICE, requires_grad=True) for x in ([1.0, -0.5], [0.0, 1.2]))
-    table, jtab, theta, d0 = ak._prior_tables(BoundPrior(get_prior("cauchy"), params), H, T, T, 0,
-                                              ak._configs(ak._block_d(D), q.dtype), DEVICE)
+    params = tuple(
+        torch.tensor(x, device=DEVICE, requires_grad=True) for x in ([1.0, -0.5], [0.0, 1.2])
+    )
+    table, jtab, theta, d0 = ak._prior_tables(
+        BoundPrior(get_prior("cauchy"), params),
+        H,
+        T,
+        T,
+        0,
+        ak._configs(ak._block_d(D), q.dtype),
+        DEVICE,
+    )
     assert jtab.shape == (H, 2, table.shape[1]) and theta.requires_grad
     rs = (torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE).requires_grad_()
     fwd_args = (q, k, v, ds, table, jtab, theta, rs, True, 0, 0.25, d0)
@@ -81,5 +113,7 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
     detached = [t.detach() if torch.is_tensor(t) else t for t in fwd_args]
     o, lse = torch.ops.bam.triton_attention_fwd(*detached)
     q, k, v, ds, table, jtab, theta, rs, *flags = detached
-    torch.library.opcheck(torch.ops.bam.triton_attention_bwd.default,
-                          (torch.randn_like(o), q, k, v, o, lse, ds, table, jtab, rs, *flags, True))
+    torch.library.opcheck(
+        torch.ops.bam.triton_attention_bwd.default,
+        (torch.randn_like(o), q, k, v, o, lse, ds, table, jtab, rs, *flags, True),
+    )

@@ -1,5 +1,7 @@
-"""dev/perf_model.py: SASS loop finding and counting on a hand-written listing, the comparison with a measurement,
-and the script end to end (compiles the no-prior kernels for sm_90 with Triton's bundled ptxas: no GPU needed)."""
+"""dev/perf_model.py: SASS loop finding and counting on a hand-written listing, the comparison with
+a measurement, and the script end to end (compiles the no-prior kernels for sm_90 with Triton's
+bundled ptxas: no GPU needed)."""
+
 import json
 import os
 import subprocess
@@ -10,8 +12,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
 import perf_model as pm  # noqa: E402
 
-
-# two loops: an outer one without tensor-core work and an inner one with it (one 64x64 tile, 4 warps per group)
+# two loops: an outer one without tensor-core work and an inner one with it (one 64x64 tile, 4 warps
+# per group)
 LISTING = [
     (0x00, "MOV", " R1, R2"),
     (0x10, "HGMMA.64x64x16.F32.BF16", " R24, gdesc[UR4], RZ"),  # QK^T
@@ -23,14 +25,15 @@ LISTING = [
     (0x70, "BRA", " 0x10"),
     (0x80, "IADD3", " R1, R1, 1, RZ"),
     (0x90, "BRA", " 0x0"),
-    (0xa0, "EXIT", ""),
+    (0xA0, "EXIT", ""),
 ]
 
 
 def test_hot_loop_and_counts():
     body = pm.hot_loop(LISTING)
     assert [a for a, _, _ in body] == [0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70]
-    # 4 warps, HGMMA 64x64x16 = one 64 x 64 tile x 16 of head_dim per instruction and warpgroup: block_d = 16
+    # 4 warps, HGMMA 64x64x16 = one 64 x 64 tile x 16 of head_dim per instruction and warpgroup:
+    # block_d = 16
     c = pm.count_per_score(body, warps=4, kernel="fwd", block_d=16, tile=64 * 64)
     assert c["tiles_per_iter"] == pytest.approx(1.0)
     assert c["tensor_flops"] == pytest.approx(4 * 16)
@@ -44,11 +47,20 @@ def test_hot_loop_and_counts():
 
 
 def test_compare_with_measurement(tmp_path):
-    summary = [dict(kernel_src="current", arch="sm_90", head_dim=64, variant=v, fwd_clk=f, bwd_clk=b)
-               for v, f, b in (("none", 0.1, 0.3), ("ggd_ssmax", 0.2, 0.4))]
-    bench = {"table": [dict(impl=i, head_dim=64, T=1024, fwd_tflops=f, fwdbwd_tflops=fb)
-                       for i, f, fb in (("kernel_bam", 100.0, 50.0), ("kernel_plain", 200.0, 100.0),
-                                        ("sdpa_flash", 400.0, 200.0))]}
+    summary = [
+        dict(kernel_src="current", arch="sm_90", head_dim=64, variant=v, fwd_clk=f, bwd_clk=b)
+        for v, f, b in (("none", 0.1, 0.3), ("ggd_ssmax", 0.2, 0.4))
+    ]
+    bench = {
+        "table": [
+            dict(impl=i, head_dim=64, T=1024, fwd_tflops=f, fwdbwd_tflops=fb)
+            for i, f, fb in (
+                ("kernel_bam", 100.0, 50.0),
+                ("kernel_plain", 200.0, 100.0),
+                ("sdpa_flash", 400.0, 200.0),
+            )
+        ]
+    }
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     lines = pm.compare(summary, str(path))
@@ -59,29 +71,56 @@ def test_compare_with_measurement(tmp_path):
 
 
 def test_kernel_sees_a_prior_only_as_tables():
-    """Variants differ in the kernels' constants only by prior or not, SSMax, and K (the parameters trained): cauchy
-    launches exactly what ggd does, and theta_mu trained adds one derivative table."""
+    """Variants differ in the kernels' constants only by prior or not, SSMax, and K (the parameters
+    trained): cauchy launches exactly what ggd does, and theta_mu trained adds one derivative
+    table."""
     import attention_kernel as ak
-    launch = {v: pm.kernel_launches(ak, v, 64) for v in ("alibi", "ggd", "ggd_mu", "cauchy", "none")}
+
+    launch = {
+        v: pm.kernel_launches(ak, v, 64) for v in ("alibi", "ggd", "ggd_mu", "cauchy", "none")
+    }
     assert launch["cauchy"] == launch["ggd"]
     k = {v: dict(launch[v][2][2]) for v in launch}  # the dQ kernel's constants
-    assert (k["none"]["N_GRAD"], k["alibi"]["N_GRAD"], k["ggd"]["N_GRAD"], k["ggd_mu"]["N_GRAD"]) == (0, 0, 2, 3)
+    assert (
+        k["none"]["N_GRAD"],
+        k["alibi"]["N_GRAD"],
+        k["ggd"]["N_GRAD"],
+        k["ggd_mu"]["N_GRAD"],
+    ) == (0, 0, 2, 3)
     assert not k["none"]["HAS_PRIOR"] and k["alibi"]["HAS_PRIOR"]
     assert launch["ggd_mu"][:2] == launch["ggd"][:2]  # the forward and dK/dV kernels read B only
 
 
 def test_script_end_to_end(tmp_path):
-    """Compiles the forward, dK/dV and dQ kernels without a prior for sm_90 (real ptxas, outside the interpreter)
-    and checks the counts that the kernel's algorithm fixes."""
+    """Compiles the forward, dK/dV and dQ kernels without a prior for sm_90 (real ptxas, outside the
+    interpreter) and checks the counts that the kernel's algorithm fixes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, pm.__file__, "--archs", "90", "--head_dims", "64", "--variants", "none",
-                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            pm.__file__,
+            "--archs",
+            "90",
+            "--head_dims",
+            "64",
+            "--variants",
+            "none",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "perf_model.json").read_text())
     k = {row["kernel"]: row for row in data["kernels"]}
     assert {n: k[n]["tensor_flops"] for n in k} == {"fwd": 4 * 64, "dkdv": 8 * 64, "dq": 6 * 64}
     assert all(row["tiles_per_iter"] == 1.0 for row in k.values())
-    assert all(1.0 <= row["mufu"] < 1.2 for row in k.values())  # the softmax's exp2 (+ the forward's rescale)
+    assert all(
+        1.0 <= row["mufu"] < 1.2 for row in k.values()
+    )  # the softmax's exp2 (+ the forward's rescale)
     assert all(row["stack_bytes"] == 0 and row["regs"] <= 255 for row in k.values())
     assert (tmp_path / "perf_model.md").read_text().startswith("| GPU | D | variant")
     assert "| H100 SXM | 64 | none |" in r.stdout

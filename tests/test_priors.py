@@ -13,10 +13,20 @@ import torch
 import attention as attention_mod
 import attention_kernel as ak
 import eval_passkey
-from attention import attention, attention_probs, impl_error, pick_impl
+import priors
+from attention import attention, attention_probs, dense_attention, impl_error, pick_impl
 from checkpoint import CheckpointError, load_model, save_checkpoint
 from model import GPT, GPTConfig
-from priors import PRIORS, BoundPrior, Prior, alibi_slopes, bind, get_prior, register
+from priors import (
+    LOG_PRIOR_FLOOR,
+    PRIORS,
+    BoundPrior,
+    Prior,
+    alibi_slopes,
+    bind,
+    get_prior,
+    register,
+)
 
 
 # ----------------------------------------------------------------------- a prior no other test uses
@@ -335,3 +345,71 @@ def test_one_decision_point_says_which_impl_computes_what(monkeypatch):
         attention(
             torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), impl="triton"
         )
+
+
+# ---------------------------------------------------------------------- the floor of the log-prior
+def test_floor_clamps_the_table_with_zero_derivative_below():
+    """BoundPrior.table is the registry's formula clamped at LOG_PRIOR_FLOOR: a GGD prior of
+    theta_beta < 0 is about -3e7 at d = mu = 0; there the table holds the floor and its derivative
+    is 0, elsewhere the formula."""
+    params = tuple(
+        torch.tensor(x, requires_grad=True) for x in ([0.0, 0.5], [-1.5, 1.0], [0.0, 0.0])
+    )
+    prior = BoundPrior(get_prior("ggd"), params)
+    d = torch.arange(-20000, 1)
+    table = prior.table(d)
+    raw = get_prior("ggd").fn(d, *params)
+    below = raw < LOG_PRIOR_FLOOR
+    assert below[0, -1] and below[1, :10].all() and not below[1, -1]  # d = 0; far keys
+    assert torch.equal(table[below], torch.full_like(table[below], LOG_PRIOR_FLOOR))
+    assert torch.equal(table[~below], raw[~below])
+    grads = torch.autograd.grad(table.sum(), params[:2], retain_graph=True)
+    assert all(torch.isfinite(g).all() for g in grads)
+    # only floored entries: no gradient
+    (floored,) = torch.autograd.grad(table[1, :10].sum(), params[1])
+    (formula,) = torch.autograd.grad(raw[1, :10].sum(), params[1])
+    assert torch.equal(floored, torch.zeros_like(floored)) and formula.abs().sum() > 0
+
+
+# name: per-head (theta_alpha, theta_beta, theta_mu); every head has log-priors below the floor
+FLOORED = {
+    "beta_negative": ([0.0, 1.0], [-1.5, -3.0], [0.0, 0.0]),  # lp(0) = -3e7 and -2.7e15
+    # 3e3 |d| and 400 (d - mu)^2: floored from |d| = 4 and 6
+    "extreme_alpha": ([8.0, 6.0], [1.0, 2.0], [0.0, -0.3]),
+}
+
+
+@pytest.mark.parametrize("scale_prior", [True, False])
+@pytest.mark.parametrize("name", list(FLOORED))
+def test_floor_changes_no_value_or_gradient(name, scale_prior, monkeypatch):
+    """The floor where it bites (theta_beta < 0, extreme theta_alpha, documents of length 1, SSMax's
+    small row scales): the dense formula in float64 gives the same values and gradients (q, k, v,
+    every prior parameter, row_scale) with the floor and without it (LOG_PRIOR_FLOOR = -inf): the
+    floored keys had probability 0."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, T, D = 2, 2, 40, 16
+    q, k, v = (torch.randn(B, H, T, D, generator=gen, dtype=torch.float64) * 2 for _ in range(3))
+    ds = torch.zeros(B, T, dtype=torch.long)
+    for b, start in ((0, 13), (0, 14), (0, 30), (1, 1), (1, 2), (1, 39)):  # 1-key documents
+        ds[b, start:] = start
+    rs = torch.rand(B, H, T, generator=gen, dtype=torch.float64) * 0.3 + 0.3  # s log n at n = 2
+    leaves = [t.requires_grad_() for t in (q, k, v, rs)]
+    params = [torch.tensor(p, requires_grad=True) for p in FLOORED[name]]
+    prior = BoundPrior(get_prior("ggd"), tuple(params))
+    raw = get_prior("ggd").fn(torch.arange(-T, 1), *params)
+    assert (raw < LOG_PRIOR_FLOOR).any(dim=1).all()  # the floor bites in every head
+    dout = torch.randn(B, H, T, D, generator=gen, dtype=torch.float64)
+
+    def run():
+        out = dense_attention(
+            *leaves[:3], prior=prior, doc_start=ds, row_scale=leaves[3], scale_prior=scale_prior
+        )
+        return [out, *torch.autograd.grad((out * dout).sum(), leaves + params)]
+
+    floored = run()
+    monkeypatch.setattr(priors, "LOG_PRIOR_FLOOR", float("-inf"))
+    unfloored = run()
+    for i, (a, b) in enumerate(zip(floored, unfloored)):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), i
+        atol = 1e-7 * b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=atol, msg=f"output/gradient {i}")
