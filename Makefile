@@ -19,14 +19,16 @@ $(STAMP): requirements.txt
 
 deps: $(STAMP)
 
-# the formatter and the linter first (pyproject.toml's settings), so that CI keeps the layout
+# the formatter and the linter first (pyproject.toml's settings), so that CI keeps the layout; then
+# the tests in TEST_JOBS processes (pytest-xdist), one a core
+TEST_JOBS ?= 2
 test: deps
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q -m "not slow" tests/
+	$(PYTHON) -m pytest -q -n $(TEST_JOBS) -m "not slow" tests/
 
 test-all: deps
-	$(PYTHON) -m pytest -q tests/
+	$(PYTHON) -m pytest -q -n $(TEST_JOBS) tests/
 
 # every GPU check in one go (dev/README.md): kernel correctness and speed, l12 step time, a 131K-token forward,
 # bf16 + torch.compile training
