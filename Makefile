@@ -67,6 +67,16 @@ demo_variant = $(firstword $(subst -s, ,$(1)))
 demo_flags = --pos_encoding=$(firstword $(subst _, ,$(call demo_variant,$(1)))) \
 	--ssmax=$(if $(filter %_ssmax,$(call demo_variant,$(1))),True,False) --seed=$(call demo_seed,$(1))
 
+# $(call train_run,CONFIG,OUT,RUN,DATA_DIR,EXTRA_ARGS): one training of a demo on one thread, run
+# RUN (<variant>-s<seed>) into OUT/RUN, logged to OUT/RUN.log; both demos train through it
+define train_run
+@rm -rf $(2)/$(3) && mkdir -p $(2) && echo "training $(3) (log: $(2)/$(3).log)"
+OMP_NUM_THREADS=1 $(PYTHON) train.py $(1) --out_dir=$(2)/$(3) --data_dir=$(4) $(call demo_flags,$(3)) \
+	$(5) > $(2)/$(3).log 2>&1 || (tail -n 20 $(2)/$(3).log; exit 1)
+@tail -n 1 $(2)/$(3).log
+@touch $(2)/$(3)/done
+endef
+
 # glibc hands freed blocks over 128 KiB back to the kernel and faults them in again at the next step; keeping them
 # makes the trainings ~12% faster, bit for bit the same weights
 demo: export MALLOC_MMAP_THRESHOLD_ = 268435456
@@ -95,12 +105,7 @@ $(DEMO_OUT)/config.sha256: config/demo_cpu.py
 
 .SECONDEXPANSION:
 $(DEMO_OUT)/%/done: $(DEMO_OUT)/config.sha256 $(DEMO_DATA)/s$$(call demo_seed,$$*)/content.sha256
-	@rm -rf $(DEMO_OUT)/$* && mkdir -p $(DEMO_OUT) && echo "training $* (log: $(DEMO_OUT)/$*.log)"
-	OMP_NUM_THREADS=1 $(PYTHON) train.py config/demo_cpu.py --out_dir=$(DEMO_OUT)/$* \
-		--data_dir=$(DEMO_DATA)/s$(call demo_seed,$*) $(call demo_flags,$*) $(DEMO_TRAIN_ARGS) \
-		> $(DEMO_OUT)/$*.log 2>&1 || (tail -n 20 $(DEMO_OUT)/$*.log; exit 1)
-	@tail -n 1 $(DEMO_OUT)/$*.log
-	@touch $@
+	$(call train_run,config/demo_cpu.py,$(DEMO_OUT),$*,$(DEMO_DATA)/s$(call demo_seed,$*),$(DEMO_TRAIN_ARGS))
 
 # ---- the text demo -----------------------------------------------------------------------------------
 # Real English (the King James Bible, extracted by prepare_text.py from an installed package, byte
@@ -140,9 +145,4 @@ $(TEXT_OUT)/config.sha256: config/text_cpu.py
 .PRECIOUS: $(TEXT_DATA)/corpus.json $(TEXT_DATA)/content.sha256
 
 $(TEXT_OUT)/%/done: $(TEXT_OUT)/config.sha256 $(TEXT_DATA)/content.sha256
-	@rm -rf $(TEXT_OUT)/$* && mkdir -p $(TEXT_OUT) && echo "training $* (log: $(TEXT_OUT)/$*.log)"
-	OMP_NUM_THREADS=1 $(PYTHON) train.py config/text_cpu.py --out_dir=$(TEXT_OUT)/$* \
-		--data_dir=$(TEXT_DATA) $(call demo_flags,$*) $(TEXT_TRAIN_ARGS) \
-		> $(TEXT_OUT)/$*.log 2>&1 || (tail -n 20 $(TEXT_OUT)/$*.log; exit 1)
-	@tail -n 1 $(TEXT_OUT)/$*.log
-	@touch $@
+	$(call train_run,config/text_cpu.py,$(TEXT_OUT),$*,$(TEXT_DATA),$(TEXT_TRAIN_ARGS))
