@@ -1,5 +1,6 @@
 # make demo   - the CPU demo end to end (train tiny models, evaluate passkey retrieval, write figures)
 # make demo-text - the text demo: six encodings trained on English, perplexity to 64x the training length
+# make zoo    - the published priors side by side on both demos (results/zoo/README.md)
 # make test   - the default test suite (what CI runs)
 # Both use the active virtual environment, or create .venv and install requirements.txt into it.
 ifdef VIRTUAL_ENV
@@ -10,7 +11,7 @@ PYTHON := .venv/bin/python
 STAMP := .venv/.bam-gpt-requirements
 endif
 
-.PHONY: deps test test-all demo demo-text gpu-check
+.PHONY: deps test test-all demo demo-text zoo gpu-check
 
 $(STAMP): requirements.txt
 	@test -x $(PYTHON) || python3 -m venv .venv
@@ -61,10 +62,14 @@ DEMO_JOBS ?= 2
 baseline_seeds := $(shell seq 1 $(BASELINE_SEEDS))
 demo_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(DEMO_VARIANTS),\
 	$(if $(or $(filter bam%,$(v)),$(filter $(s),$(baseline_seeds))),$(v)-s$(s))))
-# run name <variant>-s<seed>, variant <pos_encoding>[_ssmax]
+# run name <variant>-s<seed>, variant <base>[_ssmax]: base an encoding (bam: its GGD prior), or the name of a
+# registered prior, learned as pos_encoding=bam from that prior's default init
+ENCODINGS := nope sinusoidal rope alibi bam
 demo_seed = $(lastword $(subst -s, ,$(1)))
 demo_variant = $(firstword $(subst -s, ,$(1)))
-demo_flags = --pos_encoding=$(firstword $(subst _, ,$(call demo_variant,$(1)))) \
+demo_base = $(patsubst %_ssmax,%,$(call demo_variant,$(1)))
+demo_flags = $(if $(filter $(call demo_base,$(1)),$(ENCODINGS)),--pos_encoding=$(call demo_base,$(1)),\
+	--pos_encoding=bam --prior=$(call demo_base,$(1)) --bam_init=default) \
 	--ssmax=$(if $(filter %_ssmax,$(call demo_variant,$(1))),True,False) --seed=$(call demo_seed,$(1))
 
 # $(call train_run,CONFIG,OUT,RUN,DATA_DIR,EXTRA_ARGS): one training of a demo on one thread, run
@@ -146,3 +151,29 @@ $(TEXT_OUT)/config.sha256: config/text_cpu.py
 
 $(TEXT_OUT)/%/done: $(TEXT_OUT)/config.sha256 $(TEXT_DATA)/content.sha256
 	$(call train_run,config/text_cpu.py,$(TEXT_OUT),$*,$(TEXT_DATA),$(TEXT_TRAIN_ARGS))
+
+# ---- the zoo of priors -------------------------------------------------------------------------------
+# Every registered prior beside the encodings, on both demos with their own recipes: the passkey demo's runs train
+# into $(DEMO_OUT) and the text demo's into $(TEXT_OUT), so that a run either demo already trained is reused, then
+# passkey retrieval and perplexity to 64x for every run, and the learned priors of seed 1. Results in out/zoo/
+# (results/zoo/ is never overwritten). The evaluations keep their per-sample logs there, so that a later call
+# (more seeds) evaluates only the new runs.
+#   make zoo            one seed
+#   make zoo SEEDS=3    the study in results/zoo/
+ZOO_VARIANTS ?= nope alibi bam cauchy bam_ssmax kerple_log kerple_log_ssmax kerple_power kerple_power_ssmax \
+	t5_bucket t5_bucket_ssmax sandwich sandwich_ssmax mlp mlp_ssmax
+ZOO_RESULTS ?= out/zoo/results
+zoo_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(ZOO_VARIANTS),$(v)-s$(s)))
+zoo_plots := $(filter-out nope-%,$(filter %-s1,$(zoo_runs)))
+
+zoo: export MALLOC_MMAP_THRESHOLD_ = 268435456
+zoo: export MALLOC_TRIM_THRESHOLD_ = 268435456
+zoo: deps
+	$(MAKE) --no-print-directory -j$(DEMO_JOBS) $(foreach r,$(zoo_runs),$(DEMO_OUT)/$(r)/done $(TEXT_OUT)/$(r)/done)
+	rm -f $(ZOO_RESULTS)/passkey_summary.* $(ZOO_RESULTS)/ppl_summary.* $(ZOO_RESULTS)/*_table.*
+	$(PYTHON) eval_passkey.py --template demo $(zoo_runs:%=--ckpt $(DEMO_OUT)/%) --lengths $(DEMO_LENGTHS) \
+		--out $(ZOO_RESULTS) --no_progress $(DEMO_EVAL_ARGS)
+	$(PYTHON) eval_ppl.py $(zoo_runs:%=--ckpt $(TEXT_OUT)/%) --out $(ZOO_RESULTS) $(TEXT_EVAL_ARGS)
+	cp $(TEXT_DATA)/corpus.json $(ZOO_RESULTS)/corpus.json
+	$(foreach r,$(zoo_plots),$(PYTHON) plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(ZOO_RESULTS)/prior_passkey_$(r).png && \
+		$(PYTHON) plot_prior.py --ckpt $(TEXT_OUT)/$(r) --out $(ZOO_RESULTS)/prior_text_$(r).png && ) true

@@ -14,8 +14,9 @@ ones, then the masked ones before and after them (document starts, the diagonal)
 
 The kernels never see a prior's formula, only tables by distance, built once per call from the
 registry's BoundPrior.table (floored at priors.LOG_PRIOR_FLOOR): lp(d) per head, and for the K
-parameters that need a gradient their derivative tables J_k(d) = d lp(d) / d theta_k (forward-mode
-autograd), K a compile-time constant. A tile's log-prior depends on d = j - i only (a Toeplitz
+scalar directions of its trained parameters (one per entry: GGD's two per head, T5's 32 buckets)
+their derivative tables J_k(d) = d lp(d) / d theta_k (forward-mode autograd), K a compile-time
+constant. A tile's log-prior depends on d = j - i only (a Toeplitz
 tile); each table is stored as 4 copies shifted by one entry, so that every row of a tile is a
 16-byte aligned run of one copy: vectorised loads.
 
@@ -532,11 +533,11 @@ def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
     start). The kernels index a table by x = j - (i - q_offset) = d + q_offset, the key's position
     minus the query's row: table (H, n) fp32 holds lp(d) at x = start + t, for every x a tile
     touches (padded rows and keys included; start and start + n - 1 multiples of 16). jtab (H, K,
-    n): the derivative tables d lp / d theta_k of the K parameters that need a gradient; theta (H,
-    K) those parameters stacked: the ops never read its values, they return its gradient sum_ij w dS
-    J_k and autograd takes it on to the parameters (None, None when K = 0). The derivatives are
-    forward-mode autograd (a tangent of ones per parameter: lp_h depends on head h's parameters
-    only), here because the ops run below the autograd key, where forward-mode AD is not allowed. d
+    n): the derivative tables d lp / d theta_k in the K directions of _parameter_directions; theta
+    (H, K) the parameters' entries along them: the ops never read its values, they return its
+    gradient sum_ij w dS J_k and autograd takes it on to the parameters (None, None when K = 0). The
+    derivatives are forward-mode autograd, here because the ops run below the autograd key, where
+    forward-mode AD is not allowed. d
     > 0 is never visible: 0 there, so that a prior undefined there (inf, NaN) cannot reach a
     gradient sum as 0 * inf."""
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
@@ -550,21 +551,40 @@ def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
         return BoundPrior(prior.prior, values).table(d).float().expand(H, -1)
 
     table = table_of(*params).masked_fill(future, 0.0).contiguous()
-    trained = (
-        [i for i, t in enumerate(prior.params) if t.requires_grad]
-        if torch.is_grad_enabled()
-        else []
-    )
-    if not trained:
+    tangents, columns = _parameter_directions(prior, H)
+    if not columns:
         return table, None, None, start
 
-    tangents = [
-        tuple(torch.ones_like(t) if j == i else torch.zeros_like(t) for j, t in enumerate(params))
-        for i in trained
-    ]
     jtab = torch.stack([torch.func.jvp(table_of, params, tangent)[1] for tangent in tangents], 1)
-    theta = torch.stack([prior.params[i].float() for i in trained], 1)
+    theta = torch.stack(columns, 1)
     return table, jtab.masked_fill(future, 0.0).contiguous(), theta, start
+
+
+def _parameter_directions(prior, H):
+    """The K scalar directions in which the kernels sum the prior's gradient, one per entry of a
+    trained parameter: (tangents, columns). A per-head parameter (H, ...) has one direction per
+    entry of a head's slice (its tangent: that entry set to 1 in every head, which moves head h's
+    curve by head h's parameter only); a shared one (Prior.shared) one per entry, moving every
+    head. columns[k] (H,) is the parameter's entry seen per head (a shared one expanded), so that
+    autograd takes the ops' (H, K) gradient back to the parameters, summing a shared entry's over
+    the heads. No directions without gradients."""
+    params = tuple(t.detach() for t in prior.params)
+    tangents, columns = [], []
+    if not torch.is_grad_enabled():
+        return tangents, columns
+    for i, (name, t) in enumerate(zip(prior.prior.params, prior.params)):
+        if not t.requires_grad:
+            continue
+        shared = name in prior.prior.shared
+        flat = t.reshape(-1) if shared else t.reshape(H, -1)
+        for e in range(flat.shape[-1]):
+            one_hot = torch.zeros_like(flat)
+            one_hot[..., e] = 1.0
+            tangent = [torch.zeros_like(p) for p in params]
+            tangent[i] = one_hot.view_as(t)
+            tangents.append(tuple(tangent))
+            columns.append(flat[e].float().expand(H) if shared else flat[:, e].float())
+    return tangents, columns
 
 
 def _shifted_copies(table, start):

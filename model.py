@@ -48,8 +48,11 @@ class GPTConfig:
     # bam + ssmax: scale the content score AND the log-prior, (q.k/sqrt(d) + prior) * s log n (the
     # authors' default); attention() takes it as scale_prior
     ssmax_prior: bool = True
-    prior: str = "ggd"  # the name of bam's learned prior in priors.py (ggd | cauchy | yours)
-    # the prior's init spec (priors.py); ggd: zero (starts as NoPE) | alibi | linear | "A,B"
+    # the name of bam's learned prior in priors.py: ggd | cauchy | kerple_log | kerple_power |
+    # t5_bucket | sandwich | mlp | yours
+    prior: str = "ggd"
+    # the prior's init spec (priors.py); ggd: zero (starts as NoPE) | alibi | linear | "A,B";
+    # default: the prior's own default (the paper's init where it has one)
     bam_init: str = "zero"
     train_mu: bool = False  # ggd: train theta_mu too (the paper keeps it frozen at 0, mu = 0)
     attn_impl: str = "auto"  # auto | torch | sdpa | triton (attention.py); no weights
@@ -72,8 +75,9 @@ class GPTConfig:
 
         learned = get_prior(self.prior)  # an unregistered name fails here, naming the known ones
         if self.pos_encoding == "bam":
-            try:  # fail early on a malformed init string
-                learned.init(self.bam_init, self.n_head)
+            try:  # fail early on a malformed init string (without touching the seeded RNG)
+                with torch.random.fork_rng(devices=[]):
+                    learned.initial(self.bam_init, self.n_head)
             except ValueError as e:
                 raise ValueError(f"bam_init {e} (the init of the prior {learned.name!r})") from None
         if self.train_mu and "theta_mu" not in learned.params:
@@ -178,7 +182,7 @@ class Attention(nn.Module):
         self.prior_def = cfg.prior_def
         if self.prior_def is not None:
             trainable = set(self.prior_def.trainable) | ({"theta_mu"} if cfg.train_mu else set())
-            values = self.prior_def.init(cfg.bam_init, cfg.n_head)
+            values = self.prior_def.initial(cfg.bam_init, cfg.n_head)
             for name, value in zip(self.prior_def.params, values):
                 if cfg.pos_encoding == "bam":
                     setattr(self, name, nn.Parameter(value, requires_grad=name in trainable))

@@ -5,12 +5,18 @@ try your own.
 A prior is a log-prior B_h(d) over the signed distance d = j - i from query i to key j (d <= 0 under
 the causal mask), one curve per head h, added to the attention logits: softmax(q.k/sqrt(D) + B) is
 the posterior over which key to read. A Prior is registered under its name with
-    fn(d, *params) -> (H, len(d)) float32   the log-prior; d 1-D distances, params (H,) tensors
-    params, init(spec, H), trainable        per-head parameter names, their bam_init values
-and optionally, for figures and logs: formula, shape_param (labels a head; default the first
-trainable) and highlight(*params) -> (H,) bool with its highlight_label. Shipped: ggd (the paper's),
-alibi and cauchy. Names: a prior's name is a string (GPTConfig.prior), a Prior is the registered
-family, a BoundPrior is a Prior with one layer's parameters.
+    fn(d, *params) -> (H, len(d)) float32   the log-prior; d 1-D distances
+    params, init(spec, H), trainable        parameter names, their bam_init values
+A parameter is a tensor whose first dimension is the head: (H,) for one value per head (GGD's
+theta_beta), (H, n) for a vector per head (T5's buckets); head h's curve depends on row h only. A
+parameter named in `shared` has any shape and serves every head (the MLP's hidden layer). What a
+prior cannot depend on: anything but d and its parameters (not the query's position, as FIRE's
+normalisation by it, nor the content), because every impl builds it as one table by distance.
+Optionally, for figures and logs: formula, shape_param (labels a head; default the first trainable)
+and highlight(*params) -> (H,) bool with its highlight_label. Shipped: ggd (the paper's), alibi,
+cauchy, and the published biases kerple_log, kerple_power, t5_bucket, sandwich and mlp. Names: a
+prior's name is a string (GPTConfig.prior), a Prior is the registered family, a BoundPrior is a
+Prior with one layer's parameters.
 """
 
 import math
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 # The floor of every log-prior, in nats: BoundPrior.table clamps B(d) there (zero derivative below),
 # so that every impl computes the same bounded scores. Where a row can see a key whose score beats
@@ -41,6 +48,13 @@ class Prior:
     shape_param: str = ""
     highlight: Optional[Callable] = None
     highlight_label: str = ""
+    shared: tuple = ()
+    default_init: str = "zero"
+
+    def initial(self, spec, n_head):
+        """The parameters' initial values for an init spec (bam_init): "default" is the prior's own
+        default_init, anything else goes to init."""
+        return self.init(self.default_init if spec == "default" else spec, n_head)
 
     # the figure fields' defaults, so that the five required fields make a full prior
     def __post_init__(self):
@@ -71,10 +85,12 @@ def register(prior):
     """Add a prior to the registry (under prior.name) and return it."""
     if PRIORS.get(prior.name, prior) is not prior:
         raise ValueError(f"a different prior is already registered as {prior.name!r}")
-    if not set(prior.trainable) | {prior.shape_param} <= set(prior.params):
+    named = set(prior.trainable) | {prior.shape_param} | set(prior.shared)
+    if not named <= set(prior.params):
         raise ValueError(
-            f"prior {prior.name!r}: trainable {prior.trainable} and shape_param "
-            f"{prior.shape_param!r} must be among its params {prior.params}"
+            f"prior {prior.name!r}: trainable {prior.trainable}, shape_param "
+            f"{prior.shape_param!r} and shared {prior.shared} must be among its params "
+            f"{prior.params}"
         )
     PRIORS[prior.name] = prior
     return prior
@@ -223,5 +239,209 @@ CAUCHY = register(
         formula="B(d) = -θa log(1 + (d / exp(θs))²)",
         highlight=lambda theta_a, theta_s: theta_a < 0,
         highlight_label="θa < 0",
+    )
+)
+
+
+# ---- The published biases: KERPLE, T5, Sandwich, an MLP of the distance ------------------------
+# Where a paper keeps a parameter in range by clamping the weights after each optimizer step (as
+# KERPLE's code does), the prior here reparametrises it (softplus, sigmoid) instead: a prior stays a
+# pure function of its parameters, the same on every impl, with no hook in the optimizer.
+KERPLE_EPS = 1e-2  # KERPLE's lower bound on its parameters (its code clamps at it)
+
+
+def _softplus_inverse(r):  # log(exp(r) - 1), stable for small r
+    return r + torch.log(-torch.expm1(-r))
+
+
+def _kerple_init(spec, n_head, r1_high, r2_high):
+    """'paper': KERPLE's init, r1 ~ U(0, r1_high) and r2 ~ U(0, r2_high) per head (at least its
+    eps), from torch's RNG (train.py seeds it); or 'R1,R2' for every head."""
+    if spec == "paper":
+        r1 = (torch.rand(n_head) * r1_high).clamp_min(KERPLE_EPS)
+        r2 = (torch.rand(n_head) * r2_high).clamp_min(KERPLE_EPS)
+        return r1, r2
+    r1, r2 = _two_floats(spec, n_head, "R1,R2", "'paper'")
+    if (r1 <= 0).any() or (r2 <= 0).any():
+        raise ValueError(f"needs R1 > 0 and R2 > 0, got {spec!r}")
+    return r1, r2
+
+
+def kerple_log_prior(d, theta_r1, theta_r2):
+    """KERPLE, logarithmic variant (Chi et al. 2022, "KERPLE: Kernelized Relative Positional
+    Embedding for Length Extrapolation"): B_h(d) = -r1_h log(1 + r2_h |d|), r1, r2 > 0 as
+    softplus(theta)."""
+    r1, r2 = (F.softplus(t) for t in _per_head(theta_r1, theta_r2))
+    return -r1 * torch.log1p(r2 * d.float().abs()[None, :])
+
+
+def kerple_log_init(spec, n_head):
+    """'paper' (KERPLE's: r1 ~ U(0, 2), r2 ~ U(0, 1)) or 'R1,R2'; stored as softplus^-1."""
+    r1, r2 = _kerple_init(spec, n_head, 2.0, 1.0)
+    return _softplus_inverse(r1), _softplus_inverse(r2)
+
+
+KERPLE_LOG = register(
+    Prior(
+        name="kerple_log",
+        fn=kerple_log_prior,
+        params=("theta_r1", "theta_r2"),
+        init=kerple_log_init,
+        trainable=("theta_r1", "theta_r2"),
+        formula="B(d) = -r1 log(1 + r2|d|), r = softplus(θr)",
+        default_init="paper",
+    )
+)
+
+
+def kerple_power_prior(d, theta_r1, theta_r2):
+    """KERPLE, power variant (Chi et al. 2022): B_h(d) = -r1_h |d|^r2_h, r1 > 0 as softplus(theta),
+    0 < r2 < 2 as 2 sigmoid(theta) (KERPLE clamps r2 to [eps, 2]); r2 = 1 is ALiBi."""
+    r1 = F.softplus(theta_r1.float())[:, None]
+    r2 = 2.0 * torch.sigmoid(theta_r2.float())[:, None]
+    dist = d.float().abs()[None, :]
+    # |d|^r2 is 0 at d = 0, where its derivative in r2 (|d|^r2 log|d|) is 0 too, not NaN
+    power = torch.where(dist > 0, dist.clamp_min(1.0) ** r2, 0.0)
+    return -r1 * power
+
+
+def kerple_power_init(spec, n_head):
+    """'paper' (KERPLE's: r1 ~ U(0, 1), r2 ~ U(0, 2)) or 'R1,R2' (0 < R2 < 2); stored as
+    softplus^-1 and logit(r2 / 2)."""
+    r1, r2 = _kerple_init(spec, n_head, 1.0, 2.0)
+    if (r2 >= 2).any():
+        raise ValueError(f"needs R2 < 2, got {spec!r}")
+    half = (r2 / 2).clamp(max=1 - KERPLE_EPS / 2)
+    return _softplus_inverse(r1), torch.logit(half)
+
+
+KERPLE_POWER = register(
+    Prior(
+        name="kerple_power",
+        fn=kerple_power_prior,
+        params=("theta_r1", "theta_r2"),
+        init=kerple_power_init,
+        trainable=("theta_r1", "theta_r2"),
+        formula="B(d) = -r1|d|^r2, r1 = softplus(θr1), r2 = 2 sigmoid(θr2)",
+        shape_param="theta_r2",
+        default_init="paper",
+    )
+)
+
+
+# T5's bucket count and the distance beyond which its last bucket holds every key
+T5_BUCKETS = 32
+T5_MAX_DISTANCE = 128
+
+
+def t5_buckets(d, n_buckets=T5_BUCKETS, max_distance=T5_MAX_DISTANCE):
+    """T5's unidirectional bucket of each distance (Raffel et al. 2020, "Exploring the Limits of
+    Transfer Learning with a Unified Text-to-Text Transformer"): n = -d keys back, one bucket each
+    for n < n_buckets / 2, then log-spaced buckets up to max_distance, beyond which the last bucket
+    holds all. d > 0 (never visible) falls in bucket 0."""
+    n = (-d).clamp_min(0).to(torch.int64)
+    exact = n_buckets // 2
+    log_ratio = torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact)
+    far = exact + (log_ratio * (n_buckets - exact)).to(torch.int64)
+    return torch.where(n < exact, n, far.clamp_max(n_buckets - 1))
+
+
+def t5_bucket_prior(d, bias):
+    """T5's relative attention bias: B_h(d) = bias_h[bucket(d)], one learned row of buckets per
+    head (T5 shares one set across layers; here each layer has its own, like every prior)."""
+    return bias.float()[:, t5_buckets(d, bias.shape[1])]
+
+
+def t5_bucket_init(spec, n_head):
+    """'zero' (every bucket 0: a flat start, NoPE, like GGD's; T5 draws them from N(0, 1/sqrt(D)),
+    a width the prior does not know). Buckets that training never reaches (beyond the training
+    length) keep this value."""
+    if spec != "zero":
+        raise ValueError(f"must be 'zero', got {spec!r}")
+    return (torch.zeros(n_head, T5_BUCKETS),)
+
+
+T5_BUCKET = register(
+    Prior(
+        name="t5_bucket",
+        fn=t5_bucket_prior,
+        params=("bias",),
+        init=t5_bucket_init,
+        trainable=("bias",),
+        formula=f"B(d) = bias[bucket(d)], {T5_BUCKETS} buckets to |d| = {T5_MAX_DISTANCE}",
+    )
+)
+
+
+SANDWICH_DIM = 128  # the sinusoids' dimension (Sandwich's d-bar; NeMo's port uses the model width)
+
+
+def sandwich_prior(d, scale):
+    """Sandwich (Chi et al. 2023, "Dissecting Transformer Length Extrapolation via the Lens of
+    Receptive Field Analysis"): the inner product of the sinusoidal embeddings of two positions is
+    a function of their distance, sum_k cos(d w_k), w_k = 10000^(-2k/d-bar), k = 1..d-bar/2. Minus
+    its value at d = 0, over a per-head scale, it is a parameter-free log-prior that decays like a
+    logarithm and then levels off."""
+    k = torch.arange(1, SANDWICH_DIM // 2 + 1, dtype=torch.float64, device=d.device)
+    freq = 10000.0 ** (-2.0 * k / SANDWICH_DIM)
+    inner = torch.cos(d.double()[:, None] * freq[None, :]).sum(1) - SANDWICH_DIM / 2
+    return (inner.float()[None, :] / scale.float()[:, None]).to(torch.float32)
+
+
+def sandwich_scales(n_head):
+    """Sandwich's per-head scale, ALiBi's geometric idea made linear: 8h/H for heads h = 1..H."""
+    return torch.arange(1, n_head + 1, dtype=torch.float32) * 8.0 / n_head
+
+
+SANDWICH = register(
+    Prior(
+        name="sandwich",
+        fn=sandwich_prior,
+        params=("scale",),
+        init=lambda spec, n_head: (sandwich_scales(n_head),),
+        trainable=(),
+        formula=f"B(d) = (Σk cos(d wk) - {SANDWICH_DIM // 2}) / scale, fixed",
+    )
+)
+
+
+MLP_WIDTH = 8  # the hidden layer's width
+
+
+def mlp_prior(d, w1, b1, w2):
+    """A small MLP of the log-distance, as lucidrains' DynamicPositionBias (x-transformers):
+    B_h(d) = w2_h . silu(w1 u + b1), u = log(1 + |d|). The hidden layer (w1, b1) is shared by the
+    heads and each head reads its own curve from it (w2, one row per head), as FIRE's MLP does:
+    one set of features of the distance, fitted by every head's gradient. No output bias: a
+    constant per head cancels in the softmax."""
+    u = torch.log1p(d.float().abs())[:, None]
+    hidden = F.silu(u * w1.float()[None, :] + b1.float()[None, :])  # (len(d), width)
+    return w2.float() @ hidden.T
+
+
+def mlp_init(spec, n_head):
+    """'paper' (nn.Linear's default init: w1, b1 ~ U(-1, 1), w2 ~ U(-1/sqrt(width), +)) or 'zero'
+    (w2 = 0: a flat start)."""
+    if spec not in ("paper", "zero"):
+        raise ValueError(f"must be 'paper' or 'zero', got {spec!r}")
+    w1 = torch.rand(MLP_WIDTH) * 2 - 1
+    b1 = torch.rand(MLP_WIDTH) * 2 - 1
+    bound = 1 / math.sqrt(MLP_WIDTH)
+    w2 = (torch.rand(n_head, MLP_WIDTH) * 2 - 1) * bound
+    if spec == "zero":
+        w2 = torch.zeros(n_head, MLP_WIDTH)
+    return w1, b1, w2
+
+
+MLP = register(
+    Prior(
+        name="mlp",
+        fn=mlp_prior,
+        params=("w1", "b1", "w2"),
+        init=mlp_init,
+        trainable=("w1", "b1", "w2"),
+        shared=("w1", "b1"),
+        formula=f"B(d) = w2 · silu(w1 log(1 + |d|) + b1), width {MLP_WIDTH}",
+        default_init="paper",
     )
 )
