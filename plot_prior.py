@@ -54,7 +54,7 @@ def prior_tables(model, dist):
         heads = [
             dict(
                 head=h,
-                **{k: row[k][h] for k in per_head},
+                **{k: row[k][h] for k in per_head if k not in bound.prior.shared},
                 highlighted=bool(highlighted[h]),
                 bias_at_0=table[h, 0].item(),
                 bias=table[h, 1:].tolist(),
@@ -65,10 +65,20 @@ def prior_tables(model, dist):
     return layers
 
 
+def shape_of(h, prior):
+    """What orders a head's curve in the legend: its shape parameter where that is one number per
+    head, else (a vector, T5's buckets) the log-prior at the farthest distance."""
+    value = h.get(prior.shape_param)
+    return value if isinstance(value, float) else h["bias"][-1]
+
+
 def head_label(h, prior):
-    """h3: θbeta=+0.52, θalpha=-1.3, s=1.02 (the shape parameter first)."""
+    """h3: θbeta=+0.52, θalpha=-1.3, s=1.02 (the shape parameter first; vector parameters, such as
+    T5's buckets, are left to the curve)."""
     names = sorted(prior.params, key=lambda n: n != prior.shape_param)
-    parts = [f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in names]
+    parts = [
+        f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in names if isinstance(h.get(n), float)
+    ]
     if h.get("ssmax_s") is not None:
         parts.append(f"s={h['ssmax_s']:.2f}")
     return f"h{h['head']}: " + ", ".join(parts)
@@ -85,7 +95,7 @@ def plot(layers, dist, block_size, prior, title, path):
         hot = [h for h in heads if h["highlighted"]]
         rest = [h for h in heads if not h["highlighted"]]
         for group, cmap, lw, ls in ((rest, cool, 1.2, "--"), (hot, warm, 2.6, "-")):
-            for k, h in enumerate(sorted(group, key=lambda h: h[prior.shape_param])):
+            for k, h in enumerate(sorted(group, key=lambda h: shape_of(h, prior))):
                 color = cmap(0.85 * k / max(1, len(group) - 1))
                 ax.plot(dist, h["bias"], ls, lw=lw, color=color, label=head_label(h, prior))
 
@@ -181,9 +191,11 @@ def main(argv=None):
     with open(json_path, "w") as f:
         json.dump(numbers, f, indent=1)
 
+    scalar = all(isinstance(h.get(prior.shape_param), float) for h in layers[0]["heads"])
+    label = prior.shape_param if scalar else f"B(-{dist[-1]})"
     for layer in layers:
-        values = " ".join(f"{h[prior.shape_param]:+.2f}" for h in layer["heads"])
-        print(f"layer {layer['layer']}: {prior.shape_param} {values}")
+        values = " ".join(f"{shape_of(h, prior):+.2f}" for h in layer["heads"])
+        print(f"layer {layer['layer']}: {label} {values}")
     print((hot + "; " if hot else "") + f"wrote {out} and {json_path}")
 
 

@@ -346,10 +346,10 @@ def t5_buckets(d, n_buckets=T5_BUCKETS, max_distance=T5_MAX_DISTANCE):
     return torch.where(n < exact, n, far.clamp_max(n_buckets - 1))
 
 
-def t5_bucket_prior(d, bias):
-    """T5's relative attention bias: B_h(d) = bias_h[bucket(d)], one learned row of buckets per
+def t5_bucket_prior(d, buckets):
+    """T5's relative attention bias: B_h(d) = buckets_h[bucket(d)], one learned row of buckets per
     head (T5 shares one set across layers; here each layer has its own, like every prior)."""
-    return bias.float()[:, t5_buckets(d, bias.shape[1])]
+    return buckets.float()[:, t5_buckets(d, buckets.shape[1])]
 
 
 def t5_bucket_init(spec, n_head):
@@ -365,10 +365,10 @@ T5_BUCKET = register(
     Prior(
         name="t5_bucket",
         fn=t5_bucket_prior,
-        params=("bias",),
+        params=("buckets",),
         init=t5_bucket_init,
-        trainable=("bias",),
-        formula=f"B(d) = bias[bucket(d)], {T5_BUCKETS} buckets to |d| = {T5_MAX_DISTANCE}",
+        trainable=("buckets",),
+        formula=f"B(d) = buckets[bucket(d)], {T5_BUCKETS} buckets to |d| = {T5_MAX_DISTANCE}",
     )
 )
 

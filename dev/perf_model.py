@@ -9,11 +9,12 @@ A performance model of the Triton attention kernel, from its compiled code: no G
                                                   # ratios
 
 Every kernel (forward, dK/dV, dQ) of every variant (VARIANTS: no prior, ALiBi, GGD, GGD + SSMax, GGD
-with theta_mu trained, Cauchy; bf16; head_dim 48/64/128) is compiled with Triton for sm_90 and sm_80
-(the launch's tiles from attention_kernel._configs, no GPU: Triton's bundled ptxas), disassembled
-with the bundled cuobjdump, and the instructions of its hot inner loop are counted per score (one
-query-key pair). The hot loop is the innermost loop with tensor-core instructions and the fewest
-instructions: the unmasked stage, which runs all tiles but the diagonal and document-boundary ones.
+with theta_mu trained, Cauchy, KERPLE-log, T5's 32 buckets; bf16; head_dim 48/64/128) is compiled
+with Triton for sm_90 and sm_80 (the launch's tiles from attention_kernel._configs, no GPU:
+Triton's bundled ptxas), disassembled with the bundled cuobjdump, and the instructions of its hot
+inner loop are counted per score (one query-key pair). The hot loop is the innermost loop with
+tensor-core instructions and the fewest instructions: the unmasked stage, which runs all tiles but
+the diagonal and document-boundary ones.
 
 The model (per SM and clock, public figures; A100 in brackets): dense bf16 tensor cores 4096 FLOP
 (2048), special-function unit (MUFU: ex2, lg2, rcp) 16 ops, FP32 pipe
@@ -46,8 +47,9 @@ GPUS = {  # per SM per clock
 }
 HEAD_DIMS = (48, 64, 128)
 # variant -> (prior, its parameters trained, SSMax). The kernel reads a prior as tables, so it sees
-# only whether there is one and how many parameters need a gradient (K derivative tables): cauchy
-# compiles as ggd does.
+# only whether there is one and in how many directions its gradient is summed (K derivative tables,
+# one per trained entry of a head: t5_bucket's 32 buckets are 32): cauchy and kerple_log compile as
+# ggd does.
 VARIANTS = {
     "none": (None, (), False),
     "alibi": ("alibi", (), False),
@@ -55,6 +57,8 @@ VARIANTS = {
     "ggd_ssmax": ("ggd", ("theta_alpha", "theta_beta"), True),
     "ggd_mu": ("ggd", ("theta_alpha", "theta_beta", "theta_mu"), False),
     "cauchy": ("cauchy", ("theta_a", "theta_s"), False),
+    "kerple_log": ("kerple_log", ("theta_r1", "theta_r2"), False),
+    "t5_bucket": ("t5_bucket", ("buckets",), False),
 }
 FP32_OPS = ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FRND", "FSWZADD")
 TENSOR_OPS = ("HMMA", "HGMMA")
@@ -128,6 +132,18 @@ def compile_kernel(fn, constexprs, arch, num_warps, num_stages, fp_fusion=False)
     )
 
 
+def n_directions(prior, trained):
+    """K, the derivative tables of a prior whose `trained` parameters need a gradient: the entries
+    of one head's slice of each (all entries of a shared one), as the kernel's op counts them."""
+    if prior is None:
+        return 0
+    from priors import get_prior
+
+    registered = get_prior(prior)
+    values = registered.initial("default", 1)  # one head: a per-head parameter's entries per head
+    return sum(v.numel() for name, v in zip(registered.params, values) if name in trained)
+
+
 def kernel_launches(ak, variant, head_dim):
     """[(kernel name, fn, constexprs, (BLOCK_M, BLOCK_N, warps, stages))] as the autograd function
     launches them."""
@@ -148,7 +164,7 @@ def kernel_launches(ak, variant, head_dim):
         EPS=1e-5,
         DOT_PREC="tf32",
     )
-    K = len(trained)
+    K = n_directions(prior, trained)
     # N_GRAD: the K derivative tables; NEED_PRIOR_GRAD, ACC_B (and EPS): the flags of kernels from
     # before them
     dq_flags = dict(
