@@ -9,7 +9,9 @@ blocks, in base 2 (log2 e folded into the scores). The backward is a preprocess
 Delta = rowsum(O * dO), a kernel per key block that accumulates dK and dV over query blocks, and a
 kernel per query block for dQ (no atomics), which also sums the gradients of SSMax's row scale and
 of the prior's parameters: per-program partial sums, reduced afterwards in a fixed order, so that
-two backward passes are bitwise equal. Every kernel visits its blocks in three stages: the unmasked
+two backward passes are bitwise equal. A prior with a few trained entries per head (GGD: 2) has its
+gradient summed score by score; one with many (T5: 32 buckets) tile by tile, along the tile's
+diagonals, on which d is constant (DIAGONAL_FROM). Every kernel visits its blocks in three stages: the unmasked
 ones, then the masked ones before and after them (document starts, the diagonal).
 
 The kernels never see a prior's formula, only tables by distance, built once per call from the
@@ -378,16 +380,35 @@ if triton is not None:
         tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd,
                  dv.to(DV.dtype.element_ty), mask=kv_mask)
 
+    @triton.jit
+    def _diagonal_sums(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A (BLOCK_M, BLOCK_N) tile (BLOCK_M a multiple of BLOCK_N) as BLOCK_M / BLOCK_N square
+        blocks of rows, each summed along its diagonals: entry (q, u) sums x[q BLOCK_N + r, c] over
+        c - r = u - (BLOCK_N - 1), for u < 2 BLOCK_N - 1 (0 at u = 2 BLOCK_N - 1). Row r of a
+        block is gathered shifted by r, so that each diagonal becomes a column."""
+        N_SUB: tl.constexpr = BLOCK_M // BLOCK_N
+        blocks = tl.reshape(x, (N_SUB, BLOCK_N, BLOCK_N))
+        u = tl.arange(0, 2 * BLOCK_N)[None, None, :]
+        col = u - (BLOCK_N - 1) + tl.arange(0, BLOCK_N)[None, :, None]
+        col = tl.broadcast_to(col, (N_SUB, BLOCK_N, 2 * BLOCK_N))
+        inside = (col >= 0) & (col < BLOCK_N)
+        skewed = tl.gather(blocks, tl.where(inside, col, 0), 2)
+        return tl.sum(tl.where(inside, skewed, 0.0), 1)
+
     # The dQ kernel's sums over a row's visible keys j, kept per score (2-D, reduced once after the
     # loop, so that the loop does no cross-lane reductions): dlp_acc = dS lp (d row_scale with
-    # scale_prior), and dj_acc, a tuple of K, whose entry k holds dS J_k (prior parameter k).
+    # scale_prior), and dj_acc, a tuple of K, whose entry k holds dS J_k (prior parameter k). With
+    # BY_DIAGONAL (many parameters: T5's buckets) the prior's gradient is summed per tile instead:
+    # the tile's w dS summed along its diagonals (d is constant on each), times each derivative
+    # table's entries there, into g_acc (K_POW2,): 2 BLOCK loads per table and tile, not one per
+    # score, and no accumulator per table.
     @triton.jit
-    def _dq_stage(dq, dlp_acc, dj_acc, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt, svd,
-                  offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo, blk_hi,
-                  MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+    def _dq_stage(dq, dlp_acc, dj_acc, g_acc, w, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt,
+                  svd, offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo,
+                  blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
                   SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):  # pipelines the tables' loads too
             n0 = blk * BLOCK_N
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -400,9 +421,10 @@ if triton is not None:
             if HAS_PRIOR:
                 lp = _table_tile(tab, tab_stride, row0, n0, BLOCK_M, BLOCK_N)
             jt = ()  # the derivative tables' tiles
-            for i in tl.static_range(N_GRAD):
-                jt = jt + (_table_tile(jtab + i * (_COPIES * tab_stride), tab_stride, row0, n0,
-                                       BLOCK_M, BLOCK_N),)
+            if not BY_DIAGONAL:
+                for i in tl.static_range(N_GRAD):
+                    jt = jt + (_table_tile(jtab + i * (_COPIES * tab_stride), tab_stride, row0, n0,
+                                           BLOCK_M, BLOCK_N),)
 
             qk = _dot(q, kT, None, DOT_PREC)
             s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
@@ -414,11 +436,21 @@ if triton is not None:
 
             if NEED_RS_GRAD and HAS_PRIOR and SCALE_PRIOR:
                 dlp_acc += dscore * lp
-            summed = ()
-            for i in tl.static_range(N_GRAD):
-                summed = summed + (dj_acc[i] + dscore * jt[i],)
-            dj_acc = summed
-        return dq, dlp_acc, dj_acc
+            if BY_DIAGONAL:
+                diag = _diagonal_sums(dscore * w[:, None], BLOCK_M, BLOCK_N)  # (N_SUB, 2 BLOCK_N)
+                u = tl.arange(0, 2 * BLOCK_N)[None, :]
+                first_row = row0 + tl.arange(0, BLOCK_M // BLOCK_N)[:, None] * BLOCK_N
+                x = n0 - first_row - (BLOCK_N - 1) + u  # the tables' index of each diagonal
+                kk = tl.arange(0, K_POW2)[:, None, None]
+                rows = tl.load(jtab + kk * (_COPIES * tab_stride) + x[None, :, :],
+                               mask=(kk < N_GRAD) & (u[None, :, :] < 2 * BLOCK_N - 1), other=0.0)
+                g_acc += tl.sum(tl.sum(rows * diag[None, :, :], 2), 1)
+            else:
+                summed = ()
+                for i in tl.static_range(N_GRAD):
+                    summed = summed + (dj_acc[i] + dscore * jt[i],)
+                dj_acc = summed
+        return dq, dlp_acc, dj_acc, g_acc
 
     @triton.jit
     def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DOC, RS, PTAB, JTAB, DRS, PART,
@@ -429,7 +461,8 @@ if triton is not None:
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
                      HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr,
-                     NEED_RS_GRAD: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
+                     NEED_RS_GRAD: tl.constexpr, BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr,
+                     DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         row0 = pid_m * BLOCK_M
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -459,18 +492,23 @@ if triton is not None:
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         dlp_acc = zero
         dj_acc = ()
-        for i in tl.static_range(N_GRAD):
-            dj_acc = dj_acc + (zero,)
-        for stage in tl.static_range(3):
-            blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
-            dq, dlp_acc, dj_acc = _dq_stage(
-                dq, dlp_acc, dj_acc, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt, svd,
-                offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo, blk_hi,
-                stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, N_GRAD, NEED_RS_GRAD,
-                BLOCK_M, BLOCK_N, DOT_PREC, STAGES)
-
+        if not BY_DIAGONAL:
+            for i in tl.static_range(N_GRAD):
+                dj_acc = dj_acc + (zero,)
+        g_acc = tl.zeros([K_POW2], dtype=tl.float32)
         # a row with one visible key has P = 1 whatever its scores: its gradients are exactly 0
         multi = tl.where(row_ok & (qpos > doc), 1.0, 0.0)
+        w = multi
+        if SCALE_PRIOR:
+            w = w * r  # d lp = dS r
+        for stage in tl.static_range(3):
+            blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
+            dq, dlp_acc, dj_acc, g_acc = _dq_stage(
+                dq, dlp_acc, dj_acc, g_acc, w, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt,
+                svd, offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo,
+                blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, N_GRAD, NEED_RS_GRAD,
+                BY_DIAGONAL, K_POW2, BLOCK_M, BLOCK_N, DOT_PREC, STAGES)
+
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
                  (dq * (sm_scale * r * multi)[:, None]).to(DQ.dtype.element_ty), mask=qd_mask)
         if NEED_RS_GRAD:  # sum_j dS l = softmax_scale q.(sum_j dS k_j); + sum_j dS lp (scale_prior)
@@ -478,12 +516,13 @@ if triton is not None:
             if HAS_PRIOR and SCALE_PRIOR:
                 drs += _LN2 * tl.sum(dlp_acc, 1)  # the tile lp is in base 2
             tl.store(DRS + bh * Tq + offs_m, drs * multi, mask=row_ok)
-        w = multi
-        if SCALE_PRIOR:
-            w = w * r  # d lp = dS r
-        for i in tl.static_range(N_GRAD):
-            partial = tl.sum(w * tl.sum(dj_acc[i], 1), 0)
-            tl.store(PART + (bh * n_qblocks + pid_m) * N_GRAD + i, partial)
+        part = PART + (bh * n_qblocks + pid_m) * N_GRAD
+        if BY_DIAGONAL:
+            kk = tl.arange(0, K_POW2)
+            tl.store(part + kk, g_acc, mask=kk < N_GRAD)
+        else:
+            for i in tl.static_range(N_GRAD):
+                tl.store(part + i, tl.sum(w * tl.sum(dj_acc[i], 1), 0))
     # fmt: on
 
 
@@ -521,7 +560,20 @@ def _dq_stages(cfg, n_grad):
     tiles too (the kernel argument num_stages only those that feed a dot); beyond 96 KB of table
     tiles per extra stage they would not fit beside K and V on an A100, and stay unpipelined."""
     bm, bn, _, stages = cfg["dq"]
-    return stages if (1 + n_grad) * bm * bn * 4 * (stages - 1) <= 96 * 1024 else 1
+    tiles = 1 if _grad_path(n_grad)["BY_DIAGONAL"] else 1 + n_grad
+    return stages if tiles * bm * bn * 4 * (stages - 1) <= 96 * 1024 else 1
+
+
+# From this many derivative tables on, dQ sums the prior's gradient per tile diagonal (see
+# _dq_stage). dev/perf_model.py, sm_90, D = 64, backward vs no prior, per score / per diagonal:
+# K = 2 (ggd_ssmax) 0.50 / 0.43, K = 3 (ggd_mu) 0.48 / 0.45, K = 24 (mlp) 0.04 / 0.27, K = 32
+# (t5_bucket) 0.03 / 0.27.
+DIAGONAL_FROM = 4
+
+
+def _grad_path(n_grad):
+    """The dQ kernel's flags for K derivative tables: BY_DIAGONAL, and K_POW2 (its accumulator)."""
+    return dict(BY_DIAGONAL=n_grad >= DIAGONAL_FROM, K_POW2=max(2, triton.next_power_of_2(n_grad)))
 
 
 def _round_up(n, multiple):
@@ -756,6 +808,10 @@ def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad,
     part = dummy
     if n_grad:
         part = torch.empty((batch, H, n_qb, n_grad), device=dev, dtype=torch.float32)
+    if _grad_path(n_grad)["BY_DIAGONAL"] and bm % bn:
+        raise ValueError(
+            f"the gradient by diagonal needs BLOCK_M a multiple of BLOCK_N: {bm}, {bn}"
+        )
     # fmt: off
     _attn_bwd_dq[(n_qb, batch * H)](
         q, k, v, do, dq, lse, delta, doc if doc is not None else dummy_i,
@@ -763,7 +819,7 @@ def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
         H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_qb,
-        BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs,
+        BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs, **_grad_path(n_grad),
         STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **flags)
     # fmt: on
     g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)

@@ -9,12 +9,12 @@ A performance model of the Triton attention kernel, from its compiled code: no G
                                                   # ratios
 
 Every kernel (forward, dK/dV, dQ) of every variant (VARIANTS: no prior, ALiBi, GGD, GGD + SSMax, GGD
-with theta_mu trained, Cauchy, KERPLE-log, T5's 32 buckets; bf16; head_dim 48/64/128) is compiled
-with Triton for sm_90 and sm_80 (the launch's tiles from attention_kernel._configs, no GPU:
-Triton's bundled ptxas), disassembled with the bundled cuobjdump, and the instructions of its hot
-inner loop are counted per score (one query-key pair). The hot loop is the innermost loop with
-tensor-core instructions and the fewest instructions: the unmasked stage, which runs all tiles but
-the diagonal and document-boundary ones.
+with theta_mu trained, Cauchy, KERPLE-log, T5's 32 buckets, the MLP's 24 weights; bf16; head_dim
+48/64/128) is compiled with Triton for sm_90 and sm_80 (the launch's tiles from
+attention_kernel._configs, no GPU: Triton's bundled ptxas), disassembled with the bundled cuobjdump,
+and the instructions of its hot inner loop are counted per score (one query-key pair). The hot loop
+is the innermost loop with tensor-core instructions and the fewest instructions: the unmasked stage,
+which runs all tiles but the diagonal and document-boundary ones.
 
 The model (per SM and clock, public figures; A100 in brackets): dense bf16 tensor cores 4096 FLOP
 (2048), special-function unit (MUFU: ex2, lg2, rcp) 16 ops, FP32 pipe
@@ -59,6 +59,7 @@ VARIANTS = {
     "cauchy": ("cauchy", ("theta_a", "theta_s"), False),
     "kerple_log": ("kerple_log", ("theta_r1", "theta_r2"), False),
     "t5_bucket": ("t5_bucket", ("buckets",), False),
+    "mlp": ("mlp", ("w1", "b1", "w2"), False),
 }
 FP32_OPS = ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FRND", "FSWZADD")
 TENSOR_OPS = ("HMMA", "HGMMA")
@@ -174,6 +175,8 @@ def kernel_launches(ak, variant, head_dim):
         NEED_PRIOR_GRAD=K > 0,
         ACC_B=prior is not None and (K > 0 or ssmax),
     )
+    if hasattr(ak, "_grad_path"):  # how dQ sums the prior's gradient (per score or per diagonal)
+        dq_flags.update(ak._grad_path(K))
     out = []
     kernels = (
         ("fwd", ak._attn_fwd, {}),

@@ -217,3 +217,72 @@ def test_power_kernel_gradient_is_finite_at_distance_zero():
     table = get_prior("kerple_power").fn(torch.arange(-3, 1), theta, theta)
     (grad,) = torch.autograd.grad(table.sum(), theta)
     assert torch.isfinite(grad).all()
+
+
+# ---- the kernel's gradient by diagonal (many derivative tables) ---------------------------------
+def kernel_grads(prior, values, blocks, monkeypatch, doc_len=None, diagonal_from=None):
+    """Output and every gradient of the kernel (under the interpreter) with tiles `blocks`."""
+    ak = pytest.importorskip("attention_kernel")
+    if impl_error("triton", None, "cpu", True) is not None:
+        pytest.skip("the kernel needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setattr(ak, "INTERPRET_BLOCKS", blocks)
+    if diagonal_from is not None:
+        monkeypatch.setattr(ak, "DIAGONAL_FROM", diagonal_from)
+    gen = torch.Generator().manual_seed(2)
+    B, H, T, D = 2, 2, 40, 16
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))
+    pos = torch.arange(T)
+    ds = torch.zeros(B, T, dtype=torch.long)
+    ds[1, 17:] = 17
+    if doc_len is not None:  # every document doc_len long
+        ds = (pos - pos % doc_len).expand(B, T).contiguous()
+    rs = (0.7 * torch.log((pos - ds + 1).float()))[:, None].expand(B, H, T).contiguous()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, rs)]
+    params = [t.clone().requires_grad_(n in prior.trainable) for n, t in zip(prior.params, values)]
+    out = attention(
+        *leaves[:3],
+        doc_start=ds,
+        prior=BoundPrior(prior, tuple(params)),
+        row_scale=leaves[3],
+        scale_prior=True,
+        impl="triton",
+    )
+    wanted = leaves + [t for t in params if t.requires_grad]
+    return out, torch.autograd.grad((out * dout).sum(), wanted)
+
+
+def test_kernel_gradient_by_diagonal_matches_per_score(monkeypatch):
+    """T5's 32 buckets take the per-diagonal path; forced off, the per-score path gives the same
+    values and gradients (stacked tiles, BLOCK_M = 2 BLOCK_N); two backward passes are bitwise
+    equal."""
+    gen = torch.Generator().manual_seed(8)
+    prior = get_prior("t5_bucket")
+    values = [torch.randn(2, 32, generator=gen)]
+    import attention_kernel as ak
+
+    assert ak._grad_path(32)["BY_DIAGONAL"] and not ak._grad_path(2)["BY_DIAGONAL"]
+    out, grads = kernel_grads(prior, values, (32, 16), monkeypatch)
+    again = kernel_grads(prior, values, (32, 16), monkeypatch)[1]
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    per_score = kernel_grads(prior, values, (32, 16), monkeypatch, diagonal_from=10**6)[1]
+    for a, b in zip(grads, per_score):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 16)])
+def test_kernel_gradient_by_diagonal_of_ggd(blocks, monkeypatch):
+    """GGD's two tables forced through the per-diagonal path: what the per-score path gives."""
+    ggd = get_prior("ggd")
+    values = [torch.tensor([0.3, -1.0]), torch.tensor([0.7, -0.4]), torch.zeros(2)]
+    by_diagonal = kernel_grads(ggd, values, blocks, monkeypatch, diagonal_from=1)[1]
+    by_score = kernel_grads(ggd, values, blocks, monkeypatch)[1]
+    for a, b in zip(by_diagonal, by_score):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_gradient_by_diagonal_is_zero_where_each_query_sees_one_key(monkeypatch):
+    """Documents of length 1: P = 1 whatever the prior, so the buckets' gradient is exactly 0."""
+    gen = torch.Generator().manual_seed(9)
+    prior = get_prior("t5_bucket")
+    _, grads = kernel_grads(prior, [torch.randn(2, 32, generator=gen)], (32, 16), monkeypatch, 1)
+    assert not grads[-1].any()
