@@ -11,8 +11,8 @@ kernel per query block for dQ (no atomics), which also sums the gradients of SSM
 of the prior's parameters: per-program partial sums, reduced afterwards in a fixed order, so that
 two backward passes are bitwise equal. A prior with a few trained entries per head (GGD: 2) has its
 gradient summed score by score; one with many (T5: 32 buckets) tile by tile, along the tile's
-diagonals, on which d is constant (DIAGONAL_FROM). Every kernel visits its blocks in three stages: the unmasked
-ones, then the masked ones before and after them (document starts, the diagonal).
+diagonals, on which d is constant (DIAGONAL_FROM). Every kernel visits its blocks in three stages:
+the unmasked ones, then the masked ones before and after them (document starts, the diagonal).
 
 The kernels never see a prior's formula, only tables by distance, built once per call from the
 registry's BoundPrior.table (floored at priors.LOG_PRIOR_FLOOR): lp(d) per head, and for the K
