@@ -18,9 +18,12 @@ import sys
 import pytest
 import torch
 
+import attention_kernel
 import checkpoint
 import model
+import priors
 import train
+from attention import attention
 from configurator import ConfigError, configure
 from data import write_shard
 
@@ -284,7 +287,7 @@ def stand_ins(tmp_path):
         ("rope", "rope", False, "ggd"),
         ("alibi", "alibi", False, "ggd"),
         ("nope", "nope", False, "ggd"),
-        ("cauchy", "bam", True, "cauchy"),
+        ("knots", "bam", True, "knots"),  # README's own prior (register_readme_prior)
     ):
         gpt = tiny_byte_gpt(pe, ssmax, prior)
         for run in [f"{name}-s1"] + (
@@ -327,9 +330,54 @@ def blank_forward(self, idx, targets=None, *, logits_at=None, **kwargs):
     return torch.zeros(idx.shape[0], logits_at, self.config.padded_vocab_size), None
 
 
+def register_readme_prior(monkeypatch):
+    """README's "Try your own prior" code, run as written in priors.py's namespace: the Prior it
+    registers (for this test only)."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("## Try your own prior") :]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(block, vars(priors).copy())
+    knots = priors.PRIORS.pop("knots")
+    monkeypatch.setitem(priors.PRIORS, "knots", knots)  # removed again after the test
+    return knots
+
+
+def test_readme_prior_trains_and_runs_on_every_impl(monkeypatch):
+    """The README's vector-parameter prior: a model learns its (H, 13) knots, and every impl
+    (torch, sdpa without gradients, the kernel where it runs here) computes the same attention."""
+    knots = register_readme_prior(monkeypatch)
+    gpt = tiny_byte_gpt("bam", True, "knots")
+    idx = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    _, loss = gpt(idx, idx)
+    loss.backward()
+    values = gpt.blocks[0].attn.values
+    assert values.shape == (2, 13) and values.grad.abs().sum() > 0
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=gen) for _ in range(3))
+    knot_values = torch.randn(2, 13, generator=gen).requires_grad_(True)
+    bound = priors.BoundPrior(knots, (knot_values,))
+    impls = ["torch", "sdpa"]
+    if attention_kernel.interpreting() or torch.cuda.is_available():
+        impls.append("triton")
+    outputs, grads = {}, {}
+    for impl in impls:
+        grad_enabled = impl != "sdpa"
+        with torch.set_grad_enabled(grad_enabled):
+            out = attention(q, k, v, prior=bound, impl=impl)
+        outputs[impl] = out.detach()
+        if grad_enabled:
+            (grads[impl],) = torch.autograd.grad(out.square().sum(), knot_values)
+    for impl in impls[1:]:
+        torch.testing.assert_close(outputs[impl], outputs["torch"], rtol=1e-4, atol=1e-5)
+    if "triton" in grads:
+        torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-4, atol=1e-5)
+
+
 def test_cheap_commands_run(tmp_path, monkeypatch):
     """The demo's evaluation steps, as written, in a directory holding stand-ins for the demo's
     checkpoints (the scripts' main() in this process, with a model forward that costs nothing)."""
+    register_readme_prior(monkeypatch)
     stand_ins(tmp_path)
     text_stand_ins(tmp_path)
     monkeypatch.chdir(tmp_path)
