@@ -402,14 +402,14 @@ def multiple_of(length, train_length):
     return int(ratio) if ratio == int(ratio) else round(ratio, 2)
 
 
-def seed_table(cells, path_prefix, caption, worst, digits=2):
+def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
     """The per-seed table of runs named <variant>-s<seed> (make demo SEEDS=N): one row per run, then
     per variant with several seeds the median and the worst over them.
 
     cells: {run label: {multiple of the training length: value}}; worst: ("min", min) where higher
     is better (accuracy), ("max", max) where lower is (perplexity). Writes
-    <path_prefix>.{md,csv,json} and returns the markdown; None (nothing written) when no label
-    carries a seed."""
+    <path_prefix>.{md,csv,json} (and, given figure = plot_seed_table's labels, <path_prefix>.png)
+    and returns the markdown; None (nothing written) when no label carries a seed."""
     by_run = {seed_split(label): values for label, values in cells.items()}
     if all(seed is None for _, seed in by_run):
         return None
@@ -443,10 +443,42 @@ def seed_table(cells, path_prefix, caption, worst, digits=2):
             add(variant, name, None, len(seeds), values, first_cells, bold="**")
 
     write_table(rows, path_prefix)
+    if figure is not None:
+        plot_seed_table(by_run, path_prefix + ".png", **figure)
     text = markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\n{caption}\n"
     with open(path_prefix + ".md", "w") as f:
         f.write(text)
     return text
+
+
+def plot_seed_table(by_run, path, ylabel, title, logy=False):
+    """seed_table's figure: per variant the median over its seeds (a line; the one seed's values
+    where it has one) and the band between its two extreme seeds, against the multiple of the
+    training length. by_run: {(variant, seed): {multiple: value}}."""
+    plt = _plt()
+    variants = list(dict.fromkeys(v for v, _ in by_run))
+    cmap = plt.get_cmap("tab10" if len(variants) <= 10 else "tab20")
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    for i, variant in enumerate(variants):
+        runs = [values for (v, _), values in by_run.items() if v == variant]
+        mults = sorted({m for values in runs for m in values})
+        per_mult = [[values[m] for values in runs if m in values] for m in mults]
+        style = dict(color=cmap(i % cmap.N), linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)][0])
+        label = f"{variant} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+        ax.plot(mults, [statistics.median(v) for v in per_mult], label=label, marker="o",
+                markersize=3, **style)  # fmt: skip
+        if len(runs) > 1:
+            low, high = [min(v) for v in per_mult], [max(v) for v in per_mult]
+            ax.fill_between(mults, low, high, color=style["color"], alpha=0.12, linewidth=0)
+
+    ax.set(yscale="log" if logy else "linear", ylabel=ylabel, title=title)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("multiple of the training length (log scale)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]

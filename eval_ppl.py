@@ -8,7 +8,7 @@ Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one f
 whole sequence; the curve pools each --window positions over all sequences, ppl = exp(mean CE).
 Writes to --out: ppl_samples.jsonl (per checkpoint x sequence; a rerun resumes it),
 ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png; for runs named
-<variant>-s<seed> (make demo-text SEEDS=N) also ppl_table.{md,csv,json}: the perplexity at 1, 2,
+<variant>-s<seed> (make demo-text SEEDS=N) also ppl_table.{md,csv,json,png}: the perplexity at 1, 2,
 4, ... times the training length per run, then the median and the worst seed per variant.
 """
 
@@ -290,7 +290,7 @@ def summarize(records, base):
 def ppl_seed_table(rows, args, data_desc, n_seqs):
     """For runs named <variant>-s<seed>: the perplexity at 1, 2, 4, ... times the training length L
     per run, then the median and the worst seed per variant (eval_common.seed_table):
-    <out>/ppl_table.{md,csv,json}. None without seeded names.
+    <out>/ppl_table.{md,csv,json,png}. None without seeded names.
 
     The cell at k x L pools every window that ends in (k L / 2, k L] (in (0, L] for k = 1): an
     octave of positions, as wide as the step to the next column on the log axis, and long ranges get
@@ -314,7 +314,13 @@ def ppl_seed_table(rows, args, data_desc, n_seqs):
         f"in (k/2, k] times that length (in (0, 1] for k = 1); {n_seqs} sequences of "
         f"{args.seq_len} tokens ({data_desc.split(':')[0]})."
     )
-    return seed_table(cells, os.path.join(args.out, "ppl_table"), caption, worst=("max", max))
+    figure = dict(
+        ylabel="perplexity (log scale)",
+        title="Perplexity at each octave of positions: median seed, band from best to worst seed",
+        logy=True,
+    )
+    path = os.path.join(args.out, "ppl_table")
+    return seed_table(cells, path, caption, worst=("max", max), figure=figure)
 
 
 # ---- Command line --------------------------------------------------------------------------------
