@@ -46,7 +46,8 @@ class GPTConfig:
     ssmax: bool = True  # Scalable-Softmax: each query row's logits times s_h * log(n_i)
     ssmax_init: float = 1.0  # s starts at 1.0 in the authors' code (seq_scale)
     # bam + ssmax: scale the content score AND the log-prior, (q.k/sqrt(d) + prior) * s log n (the
-    # authors' default); attention() takes it as scale_prior
+    # authors' default); attention() takes it as scale_prior. A prior with no trained parameter
+    # (sandwich) cannot learn its scale back: it is added after the scaling, as ALiBi's is.
     ssmax_prior: bool = True
     # the name of bam's learned prior in priors.py: ggd | cauchy | kerple_log | kerple_power |
     # t5_bucket | sandwich | mlp | yours
@@ -218,7 +219,11 @@ class Attention(nn.Module):
         row_scale = None
         if log_n is not None:  # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
             row_scale = self.ssmax_s[None, :, None] * log_n[:, None, :]
-        scale_prior = self.config.pos_encoding == "bam" and self.config.ssmax_prior
+        scale_prior = (
+            self.config.pos_encoding == "bam"
+            and self.config.ssmax_prior
+            and bool(self.prior_def.trainable)
+        )
         return dict(
             doc_start=doc_start,
             prior=self.bound_prior(),
