@@ -80,7 +80,10 @@ class GPTConfig:
                 with torch.random.fork_rng(devices=[]):
                     learned.initial(self.bam_init, self.n_head)
             except ValueError as e:
-                raise ValueError(f"bam_init {e} (the init of the prior {learned.name!r})") from None
+                raise ValueError(
+                    f"bam_init {e} (the init of the prior {learned.name!r}; 'default' is its own, "
+                    f"{learned.default_init!r})"
+                ) from None
         if self.train_mu and "theta_mu" not in learned.params:
             raise ValueError(f"train_mu=True, but the prior {learned.name!r} has no theta_mu")
 

@@ -286,3 +286,23 @@ def test_kernel_gradient_by_diagonal_is_zero_where_each_query_sees_one_key(monke
     prior = get_prior("t5_bucket")
     _, grads = kernel_grads(prior, [torch.randn(2, 32, generator=gen)], (32, 16), monkeypatch, 1)
     assert not grads[-1].any()
+
+
+def test_ssmax_scales_a_learned_prior_and_leaves_a_fixed_one():
+    """BAM's placement, (q.k + B) s log n, for a prior that can learn its scale back; ALiBi's,
+    q.k s log n + B, for one without trained parameters (sandwich)."""
+    from model import GPT, GPTConfig
+
+    def scale_prior(name):
+        cfg = GPTConfig(
+            vocab_size=64, n_layer=1, n_head=2, n_embd=16, prior=name, bam_init="default"
+        )
+        attn = GPT(cfg).blocks[0].attn
+        return attn.attention_kwargs(None, torch.zeros(1, 8))["scale_prior"]
+
+    assert [scale_prior(n) for n in ("ggd", "kerple_log", "t5_bucket", "sandwich")] == [
+        True,
+        True,
+        True,
+        False,
+    ]
