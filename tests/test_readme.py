@@ -39,6 +39,7 @@ WITH_COMMANDS = (
     "dev/README.md",
     "results/demo/README.md",
     "results/text/README.md",
+    "results/zoo/README.md",
 )  # each holds commands
 
 
@@ -288,6 +289,7 @@ def stand_ins(tmp_path):
         ("alibi", "alibi", False, "ggd"),
         ("nope", "nope", False, "ggd"),
         ("knots", "bam", True, "knots"),  # README's own prior (register_readme_prior)
+        ("t5_bucket_ssmax", "bam", True, "t5_bucket"),  # results/zoo/README
     ):
         gpt = tiny_byte_gpt(pe, ssmax, prior)
         for run in [f"{name}-s1"] + (
