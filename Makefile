@@ -158,8 +158,8 @@ $(TEXT_OUT)/%/done: $(TEXT_OUT)/config.sha256 $(TEXT_DATA)/content.sha256
 # passkey retrieval and perplexity to 64x for every run, and the learned priors of seed 1. Results in out/zoo/
 # (results/zoo/ is never overwritten). The evaluations keep their per-sample logs there, so that a later call
 # (more seeds) evaluates only the new runs.
-#   make zoo            one seed
-#   make zoo SEEDS=3    the study in results/zoo/
+#   make zoo            one seed (about 45 min on 2 cores)
+#   make zoo SEEDS=3    the study in results/zoo/ (about 2 1/4 h)
 ZOO_VARIANTS ?= nope alibi bam cauchy bam_ssmax kerple_log kerple_log_ssmax kerple_power kerple_power_ssmax \
 	t5_bucket t5_bucket_ssmax sandwich sandwich_ssmax mlp mlp_ssmax
 ZOO_RESULTS ?= out/zoo/results

@@ -51,16 +51,15 @@ TANH = register(
 )
 
 
-def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior, q_offset):
+def dense_reference(q, k, v, doc_start, log_prior, row_scale, scale_prior, q_offset):
     """The whole (Tq x Tk) attention written out from the formula, independently of
-    attention_kernel."""
+    attention_kernel: log_prior(|j - i|) gives the (H, Tq, Tk) float64 log-prior from the (Tq, Tk)
+    distances."""
     Tq, Tk, D = q.shape[2], k.shape[2], q.shape[3]
     i = q_offset + torch.arange(Tq)
     j = torch.arange(Tk)
     dist = (j[None, :] - i[:, None]).abs().double()  # (Tq, Tk)
-    prior = theta_p.double()[:, None, None] * torch.tanh(
-        dist[None] / theta_q.double().exp()[:, None, None]
-    )
+    prior = log_prior(dist)
     logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
     r = row_scale.double()[..., None]
     s = (logits + prior) * r if scale_prior else logits * r + prior
@@ -69,6 +68,16 @@ def dense_reference(q, k, v, doc_start, theta_p, theta_q, row_scale, scale_prior
     )
     s = s.masked_fill(~visible[:, None], float("-inf"))
     return torch.softmax(s, dim=-1) @ v.double()
+
+
+def tanh_reference(theta_p, theta_q):
+    """tanh_prior's log-prior as dense_reference takes it."""
+
+    def log_prior(dist):
+        scale = theta_q.double().exp()[:, None, None]
+        return theta_p.double()[:, None, None] * torch.tanh(dist[None] / scale)
+
+    return log_prior
 
 
 def impl_cases():
@@ -99,7 +108,8 @@ def test_every_kernel_matches_dense_formula(impl, trains, scale_prior):
         .contiguous()
     )
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, theta_p, theta_q, rs)]
-    ref = dense_reference(*leaves[:3], ds, *leaves[3:5], leaves[5], scale_prior, q_offset)
+    log_prior = tanh_reference(*leaves[3:5])
+    ref = dense_reference(*leaves[:3], ds, log_prior, leaves[5], scale_prior, q_offset)
     dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     ref_grads = torch.autograd.grad((ref * dout).sum(), leaves)
 

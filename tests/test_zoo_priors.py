@@ -7,10 +7,12 @@ The Triton cases run through Triton's interpreter (tests/conftest.py sets TRITON
 names contain "kernel" so that `pytest -k kernel` selects them.
 """
 
+import functools
 import math
 
 import pytest
 import torch
+from test_priors import dense_reference  # the dense attention of any log-prior
 
 from attention import attention, impl_error
 from priors import BoundPrior, get_prior
@@ -59,23 +61,6 @@ def dense_log_prior(name, dist, params):
     raise KeyError(name)
 
 
-def dense_reference(q, k, v, doc_start, name, params, row_scale, scale_prior, q_offset):
-    """The whole (Tq x Tk) attention written out from the formula, independently of attention.py."""
-    Tq, Tk, D = q.shape[2], k.shape[2], q.shape[3]
-    i = q_offset + torch.arange(Tq)
-    j = torch.arange(Tk)
-    dist = (j[None, :] - i[:, None]).abs().double()
-    prior = dense_log_prior(name, dist, params)
-    logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)
-    r = row_scale.double()[..., None]
-    s = (logits + prior) * r if scale_prior else logits * r + prior
-    visible = (j[None, None, :] <= i[None, :, None]) & (
-        j[None, None, :] >= doc_start[:, i][:, :, None]
-    )
-    s = s.masked_fill(~visible[:, None], float("-inf"))
-    return torch.softmax(s, dim=-1) @ v.double()
-
-
 def parameters(name, H, gen):
     """Values away from any special point: random per head, T5's buckets and the MLP's readout
     non-zero."""
@@ -113,7 +98,8 @@ def test_every_impl_computes_the_formula(name, impl, trains):
     trained = [n in prior.trainable for n in prior.params]
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, rs)]
     param_leaves = [t.clone().requires_grad_(g) for t, g in zip(values, trained)]
-    ref = dense_reference(*leaves[:3], ds, name, param_leaves, leaves[3], True, q_offset)
+    log_prior = functools.partial(dense_log_prior, name, params=param_leaves)
+    ref = dense_reference(*leaves[:3], ds, log_prior, leaves[3], True, q_offset)
     dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     wanted = leaves + [t for t in param_leaves if t.requires_grad]
     ref_grads = torch.autograd.grad((ref * dout).sum(), wanted)
