@@ -385,7 +385,7 @@ def sandwich_prior(d, scale):
     k = torch.arange(1, SANDWICH_DIM // 2 + 1, dtype=torch.float64, device=d.device)
     freq = 10000.0 ** (-2.0 * k / SANDWICH_DIM)
     inner = torch.cos(d.double()[:, None] * freq[None, :]).sum(1) - SANDWICH_DIM / 2
-    return (inner.float()[None, :] / scale.float()[:, None]).to(torch.float32)
+    return inner.float()[None, :] / scale.float()[:, None]
 
 
 def sandwich_scales(n_head):
