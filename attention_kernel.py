@@ -18,9 +18,9 @@ The kernels never see a prior's formula, only tables by distance, built once per
 registry's BoundPrior.table (floored at priors.LOG_PRIOR_FLOOR): lp(d) per head, and for the K
 scalar directions of its trained parameters (one per entry: GGD's two per head, T5's 32 buckets)
 their derivative tables J_k(d) = d lp(d) / d theta_k (forward-mode autograd), K a compile-time
-constant. A tile's log-prior depends on d = j - i only (a Toeplitz
-tile); each table is stored as 4 copies shifted by one entry, so that every row of a tile is a
-16-byte aligned run of one copy: vectorised loads.
+constant. A tile's log-prior depends on d = j - i only (a Toeplitz tile); each table is stored as 4
+copies shifted by one entry, so that every row of a tile is a 16-byte aligned run of one copy:
+vectorised loads.
 
 Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
 without SSMax):
@@ -589,9 +589,8 @@ def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
     (H, K) the parameters' entries along them: the ops never read its values, they return its
     gradient sum_ij w dS J_k and autograd takes it on to the parameters (None, None when K = 0). The
     derivatives are forward-mode autograd, here because the ops run below the autograd key, where
-    forward-mode AD is not allowed. d
-    > 0 is never visible: 0 there, so that a prior undefined there (inf, NaN) cannot reach a
-    gradient sum as 0 * inf."""
+    forward-mode AD is not allowed. d > 0 is never visible: 0 there, so that a prior undefined there
+    (inf, NaN) cannot reach a gradient sum as 0 * inf."""
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
     start = -_round_up(Tq + pad, 16)
     stop = _round_up(Tk + pad, 16)
@@ -620,7 +619,6 @@ def _parameter_directions(prior, H):
     head. columns[k] (H,) is the parameter's entry seen per head (a shared one expanded), so that
     autograd takes the ops' (H, K) gradient back to the parameters, summing a shared entry's over
     the heads. No directions without gradients."""
-    params = tuple(t.detach() for t in prior.params)
     tangents, columns = [], []
     if not torch.is_grad_enabled():
         return tangents, columns
@@ -632,7 +630,7 @@ def _parameter_directions(prior, H):
         for e in range(flat.shape[-1]):
             one_hot = torch.zeros_like(flat)
             one_hot[..., e] = 1.0
-            tangent = [torch.zeros_like(p) for p in params]
+            tangent = [torch.zeros_like(p) for p in prior.params]
             tangent[i] = one_hot.view_as(t)
             tangents.append(tuple(tangent))
             columns.append(flat[e].float().expand(H) if shared else flat[:, e].float())

@@ -134,15 +134,21 @@ def compile_kernel(fn, constexprs, arch, num_warps, num_stages, fp_fusion=False)
 
 
 def n_directions(prior, trained):
-    """K, the derivative tables of a prior whose `trained` parameters need a gradient: the entries
-    of one head's slice of each (all entries of a shared one), as the kernel's op counts them."""
+    """K, the derivative tables of a prior whose `trained` parameters need a gradient, counted by
+    the kernel's own rule (attention_kernel._parameter_directions) for one head."""
     if prior is None:
         return 0
-    from priors import get_prior
+    import torch
+
+    import attention_kernel
+    from priors import BoundPrior, get_prior
 
     registered = get_prior(prior)
-    values = registered.initial("default", 1)  # one head: a per-head parameter's entries per head
-    return sum(v.numel() for name, v in zip(registered.params, values) if name in trained)
+    values = registered.initial("default", 1)
+    params = tuple(v.requires_grad_(name in trained) for name, v in zip(registered.params, values))
+    with torch.enable_grad():
+        _, columns = attention_kernel._parameter_directions(BoundPrior(registered, params), 1)
+    return len(columns)
 
 
 def kernel_launches(ak, variant, head_dim):
