@@ -20,7 +20,8 @@ scalar directions of its trained parameters (one per entry: GGD's two per head, 
 their derivative tables J_k(d) = d lp(d) / d theta_k (forward-mode autograd), K a compile-time
 constant. A tile's log-prior depends on d = j - i only (a Toeplitz tile); each table is stored as 4
 copies shifted by one entry, so that every row of a tile is a 16-byte aligned run of one copy:
-vectorised loads.
+vectorised loads, which on a GPU go straight into the registers of the scores' layout
+(_load_table_regs), not through shared memory.
 
 Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
 without SSMax):
@@ -31,12 +32,17 @@ without SSMax):
     dtheta_k = sum_ij w_i dS_ij J_k(d_ij),  w = r if scale_prior else 1
     dr_i = sum_j dS_ij x_ij,  x = l + lp if scale_prior else l,
            where sum_j dS_ij l_ij = softmax_scale q_i.(dS K)_i comes from dQ's own product.
-Numerics: the scores are one explicit fma (s = fma(q.k, coef_i, lp r_i)), the same in every kernel,
+Numerics: the scores are one explicit fma (s = fma(q.k, coef_i, lp)), the same in every kernel,
 so the backward recomputes the forward's scores bit for bit even with fp fusion on; a row with one
 visible key thus gets P = 1 exactly, and its gradients, exactly 0 in real arithmetic, are set to 0
-(dQ, d theta, d row_scale) rather than left as rounding noise. The floor bounds every score and
-every derivative table, so that Delta's rounding (O is stored in the inputs' dtype) reaches d theta
-at most times |floor|, not times a prior of -3e7.
+(dQ, d theta, d row_scale) rather than left as rounding noise. With SSMax scaling the prior
+(FUSE_RS) the row scale goes into the exponent's fma instead of a multiply per score:
+t = fma(q.k, softmax_scale log2 e, lp), P = exp2(fma(t, r, -hi) - lo). The forward takes the row
+max of sign(r) t (a row with r < 0 reads -lp from a negated copy of the table, so the sign costs
+nothing per score) and keeps hi = |r| max and lo = log2 sum apart; |r| (sign(r) t) is the same
+product as r t, so the backward's P is the forward's, normalised to one rounding. The floor bounds
+every score and every derivative table, so that Delta's rounding (O is stored in the inputs' dtype)
+reaches d theta at most times |floor|, not times a prior of -3e7.
 """
 
 import contextlib
@@ -92,28 +98,45 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
     @triton.jit
-    def _table_tile(tab, tab_stride, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """A (ROWS, COLS) tile of a table by distance: entry (r, c) is t[(col0 + c) - (row0 + r)],
-        read from the table's shifted copies (copy k at tab + k * tab_stride holds t[y - k] at y):
-        row r reads copy r % 4, at a multiple of 4 from col0 - row0, so its COLS entries are one
-        aligned vector load."""
-        r = tl.arange(0, ROWS)[:, None]
-        c = tl.arange(0, COLS)[None, :]
-        copy = (r % _COPIES) * tab_stride
-        return tl.load(tab + copy + (col0 - row0) - (r // _COPIES) * _COPIES + c)
+    def _load_table_regs(ptrs):
+        """tl.load(ptrs) of a table tile (_table_tile's pointers), in the layout of the tile that
+        consumes it. tl.load gives its result a coalesced layout of its own and converts it to the
+        consumer's through shared memory (or a pipelined asynchronous copy): 8 bytes of L1 traffic
+        per entry. An elementwise inline asm takes its consumer's layout instead: the tensor cores'
+        accumulator layout (mma.sync and wgmma, sm_80 and sm_90), where a thread's elements come in
+        fours, (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1) with col even. Row + 8
+        reads the same copy 8 entries earlier (_table_tile), so each four is two 8-byte loads from
+        one address, straight into registers."""
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.v2.f32 {$0, $1}, [$4]; ld.global.nc.v2.f32 {$2, $3}, [$4+-32];",
+            "=r,=r,=r,=r,l,l,l,l", [ptrs], dtype=tl.float32, is_pure=True, pack=4)
 
     @triton.jit
-    def _tile_scores(qk, lp, qpos, kpos, doc, coef, r, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
-                     HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr):
+    def _table_tile(tab, tab_stride, row0, col0, row_off, ROWS: tl.constexpr,
+                    COLS: tl.constexpr, REG_TABLES: tl.constexpr):
+        """A (ROWS, COLS) tile of a table by distance: entry (r, c) is t[(col0 + c) - (row0 + r)],
+        read from the table's shifted copies (copy k at tab + k * tab_stride holds t[y - k] at y):
+        row r reads copy r % 4 at a multiple of 4 from col0 - row0, so its COLS entries are one
+        aligned run (a vector load). row_off (ROWS, 1) or 0, a multiple of tab_stride, moves a row
+        to another set of copies. REG_TABLES (16-bit inputs on a GPU, whose dots use the tensor
+        cores' layouts): read with _load_table_regs."""
+        r = tl.arange(0, ROWS)[:, None]
+        c = tl.arange(0, COLS)[None, :]
+        copy = (r % _COPIES) * tab_stride + row_off
+        ptrs = tab + copy + (col0 - row0) - (r // _COPIES) * _COPIES + c
+        if REG_TABLES:
+            return _load_table_regs(ptrs)
+        return tl.load(ptrs)
+
+    @triton.jit
+    def _tile_scores(qk, lp, qpos, kpos, doc, coef, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
+                     HAS_PRIOR: tl.constexpr):
         """A tile's scores in base 2 from its raw q.k products and its log-prior tile lp (base 2),
-        as every kernel computes them: one fma, coef = softmax_scale log2(e) r per row, then -inf
-        where hidden (doc: the rows' doc_start). qpos, kpos, doc, coef and r broadcast against qk
-        (dK/dV passes them transposed)."""
+        as every kernel computes them: one fma, coef = softmax_scale log2(e) r per row (r = 1 where
+        the row scale multiplies the prior too: FUSE_RS), then -inf where hidden (doc: the rows'
+        doc_start). qpos, kpos, doc and coef broadcast against qk (dK/dV passes them transposed)."""
         if HAS_PRIOR:
-            if SCALE_PRIOR:
-                s = tl.fma(qk, coef, lp * r)
-            else:
-                s = tl.fma(qk, coef, lp)
+            s = tl.fma(qk, coef, lp)
         else:
             s = qk * coef
 
@@ -123,6 +146,35 @@ if triton is not None:
                 visible = visible & (kpos >= doc)
             s = tl.where(visible, s, float("-inf"))
         return s
+
+    @triton.jit
+    def _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS: tl.constexpr):
+        """The forward's LSE of a block of rows, as (hi, lo): hi = LSE and lo = 0, or with FUSE_RS
+        the reference hi = |r| max_j sign(r) t and lo = log2 sum_j exp2(r t - hi) kept apart, since
+        rounding hi + lo to fp32 would lose up to half an ulp of hi from every P of the row (+inf
+        and 0 for padded rows, whose P is then 0)."""
+        if FUSE_RS:
+            hi = tl.load(LSE + bh * 2 * Tq + offs_m, mask=row_ok, other=float("inf"))
+            lo = tl.load(LSE + bh * 2 * Tq + Tq + offs_m, mask=row_ok, other=0.0)
+        else:
+            hi = tl.load(LSE + bh * Tq + offs_m, mask=row_ok, other=float("inf"))
+            lo = tl.zeros_like(hi)  # unused
+        return hi, lo
+
+    @triton.jit
+    def _tile_probs(qk, lp, qpos, kpos, doc, coef, r, hi, lo, qk_scale, MASKED: tl.constexpr,
+                    HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr):
+        """The backward's P of a tile, exactly as the forward took it: exp2(s - LSE), or with
+        FUSE_RS exp2(fma(t, r, -hi) - lo), t = fma(qk, qk_scale, lp); the forward's fma of sign(r) t
+        and |r| is bit for bit the same product."""
+        if FUSE_RS:
+            t = _tile_scores(qk, lp, qpos, kpos, doc, qk_scale, MASKED, HAS_DOC, HAS_PRIOR)
+            x = tl.fma(t, r, -hi)
+            if MASKED:  # -inf * 0 where r = 0
+                x = tl.where(t == float("-inf"), float("-inf"), x)
+            return tl.exp2(x - lo)
+        s = _tile_scores(qk, lp, qpos, kpos, doc, coef, MASKED, HAS_DOC, HAS_PRIOR)
+        return tl.exp2(s - hi)
 
     @triton.jit
     def _program_ids(H):
@@ -187,11 +239,14 @@ if triton is not None:
 
     # -------------------------------------------------------------------------------------- forward
     @triton.jit
-    def _fwd_stage(acc, row_sum, row_max, q, K_ptr, V_ptr, skt, skd, svt, svd,
-                   offs_d, d_ok, row0, qpos, doc, coef, r, tab, tab_stride, Tk, blk_lo, blk_hi,
-                   MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                   SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+    def _fwd_stage(acc, row_sum, row_max, row_ref, q, K_ptr, V_ptr, skt, skd, svt, svd,
+                   offs_d, d_ok, row0, qpos, doc, coef, r, tab, tab_stride, row_off, Tk, blk_lo,
+                   blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                   FUSE_RS: tl.constexpr, REG_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+        """The online softmax over key blocks [blk_lo, blk_hi). row_max: the rows' running max of
+        the scores (of t with FUSE_RS); row_ref: what p was taken relative to so far (-inf while
+        nothing is visible). With FUSE_RS, coef, r and row_off are _attn_fwd's sign-folded ones."""
         for blk in range(blk_lo, blk_hi):
             n0 = blk * BLOCK_N
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -200,25 +255,32 @@ if triton is not None:
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             lp = 0.0
             if HAS_PRIOR:
-                lp = _table_tile(tab, tab_stride, row0, n0, BLOCK_M, BLOCK_N)
+                lp = _table_tile(tab, tab_stride, row0, n0, row_off, BLOCK_M, BLOCK_N, REG_TABLES)
 
             qk = _dot(q, kT, None, DOT_PREC)
             s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
-                             r[:, None], MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
+                             MASKED, HAS_DOC, HAS_PRIOR)
 
-            # online softmax; a row with nothing visible yet has max -inf: subtract 0 instead (no
-            # -inf - -inf)
+            # a row with nothing visible yet has max -inf: subtract 0 instead (no -inf - -inf)
             new_max = tl.maximum(row_max, tl.max(s, 1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            p = tl.exp2(s - safe_max[:, None])
-            alpha = tl.exp2(row_max - safe_max)
+            if FUSE_RS:  # s holds t = l + lp, the score is |r| t
+                ref = tl.where(new_max == float("-inf"), 0.0, new_max * r)
+                x = tl.fma(s, r[:, None], -ref[:, None])
+                if MASKED:  # -inf * 0 where r = 0
+                    x = tl.where(s == float("-inf"), float("-inf"), x)
+            else:
+                ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+                x = s - ref[:, None]
+            p = tl.exp2(x)
+            alpha = tl.exp2(row_ref - ref)
             row_sum = row_sum * alpha + tl.sum(p, 1)
 
             v = tl.load(V_ptr + offs_n[:, None] * svt + offs_d[None, :] * svd,
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
             acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
             row_max = new_max
-        return acc, row_sum, row_max
+            row_ref = tl.where(new_max == float("-inf"), float("-inf"), ref)
+        return acc, row_sum, row_max, row_ref
 
     @triton.jit
     def _attn_fwd(Q, K, V, OUT, LSE, DOC, RS, PTAB,
@@ -227,7 +289,8 @@ if triton is not None:
                   H, Tq, Tk, q_offset, sm_scale, tab_stride,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                  HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, DOT_PREC: tl.constexpr):
+                  HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
+                  REG_TABLES: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         row0 = pid_m * BLOCK_M
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -243,27 +306,44 @@ if triton is not None:
         RS_ptr = RS + b * srb + h * srh
         doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
                                   HAS_DOC, HAS_RS, BLOCK_M)
-        tab = PTAB + h * (_COPIES * tab_stride)  # this head's prior table (unused without a prior)
+        head_tabs = _COPIES * tab_stride  # this head's prior table (unused without a prior)
+        row_off = 0
+        if FUSE_RS:
+            # score r t = |r| (sign(r) t): the row max is taken of sign(r) t, whose lp a row with
+            # r < 0 reads from the negated table's copies, stored after the table's
+            head_tabs = 2 * head_tabs
+            negative = r < 0.0
+            row_off = tl.where(negative, _COPIES * tab_stride, 0)[:, None]
+            qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+            coef = tl.where(negative, -qk_scale, qk_scale)
+            r = tl.abs(r)
+        tab = PTAB + h * head_tabs
         start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
                                                                HAS_DOC, BLOCK_M, BLOCK_N)
 
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_ref = row_max
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
-            acc, row_sum, row_max = _fwd_stage(
-                acc, row_sum, row_max, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, row0,
-                qpos, doc, coef, r, tab, tab_stride, Tk, blk_lo, blk_hi,
-                stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, BLOCK_M, BLOCK_N, DOT_PREC)
+            acc, row_sum, row_max, row_ref = _fwd_stage(
+                acc, row_sum, row_max, row_ref, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok,
+                row0, qpos, doc, coef, r, tab, tab_stride, row_off, Tk, blk_lo, blk_hi,
+                stage > 0, HAS_DOC, HAS_PRIOR, FUSE_RS, REG_TABLES, BLOCK_M, BLOCK_N, DOT_PREC)
 
         # rows with no visible key give 0 and LSE = +inf (so that the backward's P is exactly 0)
         has_mass = row_sum > 0.0
         safe_sum = tl.where(has_mass, row_sum, 1.0)
         o = acc / safe_sum[:, None]
-        finite_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-        lse = tl.where(has_mass, finite_max + tl.log2(safe_sum), float("inf"))
-        tl.store(LSE + bh * Tq + offs_m, lse, mask=row_ok)
+        finite_ref = tl.where(row_ref == float("-inf"), 0.0, row_ref)
+        if FUSE_RS:  # the reference and log2 of the sum apart (see _row_lse)
+            tl.store(LSE + bh * 2 * Tq + offs_m, tl.where(has_mass, finite_ref, float("inf")),
+                     mask=row_ok)
+            tl.store(LSE + bh * 2 * Tq + Tq + offs_m, tl.log2(safe_sum), mask=row_ok)
+        else:
+            lse = tl.where(has_mass, finite_ref + tl.log2(safe_sum), float("inf"))
+            tl.store(LSE + bh * Tq + offs_m, lse, mask=row_ok)
         tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
                  o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -283,12 +363,12 @@ if triton is not None:
         tl.store(DELTA + bh * Tq + offs_m, delta, mask=offs_m < Tq)
 
     @triton.jit
-    def _dkdv_stage(dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DOC_ptr, RS_ptr,
+    def _dkdv_stage(dk, dv, k, v, Q_ptr, DO_ptr, LSE, bh, DELTA_ptr, DOC_ptr, RS_ptr,
                     sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
                     Tq, q_offset, blk_lo, blk_hi,
                     MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                    HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                    HAS_RS: tl.constexpr, FUSE_RS: tl.constexpr, REG_TABLES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
             m0 = blk * BLOCK_M
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -297,27 +377,28 @@ if triton is not None:
             qT = tl.load(Q_ptr + offs_m[None, :] * sqt + offs_d[:, None] * sqd,
                          mask=d_ok[:, None] & row_ok[None, :], other=0.0)
             # padded query rows: LSE = +inf makes P = 0, and dO = 0, so they add nothing
-            lse = tl.load(LSE_ptr + offs_m, mask=row_ok, other=float("inf"))
+            hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS)
             delta = tl.load(DELTA_ptr + offs_m, mask=row_ok, other=0.0)
             # doc_start is only needed (and loaded) for the masked tiles
             doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
                                       MASKED and HAS_DOC, HAS_RS, BLOCK_M)
             lpT = 0.0
             if HAS_PRIOR:  # the transposed tile: entry (key, query) from the reversed table
-                lpT = _table_tile(rtab, tab_stride, n0, m0, BLOCK_N, BLOCK_M)
+                lpT = _table_tile(rtab, tab_stride, n0, m0, 0, BLOCK_N, BLOCK_M, REG_TABLES)
 
             qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
-            sT = _tile_scores(qkT, lpT, qpos[None, :], offs_n[:, None], doc[None, :], coef[None, :],
-                              r[None, :], MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
-            pT = tl.exp2(sT - lse[None, :])
+            pT = _tile_probs(qkT, lpT, qpos[None, :], offs_n[:, None], doc[None, :], coef[None, :],
+                             r[None, :], hi[None, :], lo[None, :],
+                             sm_scale * 1.4426950408889634, MASKED, HAS_DOC, HAS_PRIOR, FUSE_RS)
 
             do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC)
-            dscoreT = pT * (dpT - delta[None, :])
-            if HAS_RS:
-                dscoreT = dscoreT * r[None, :]  # the gradient of l = dS r
+            if HAS_RS:  # the gradient of l: dS r = P (dP r - Delta r)
+                dscoreT = pT * tl.fma(dpT, r[None, :], -(delta * r)[None, :])
+            else:
+                dscoreT = pT * (dpT - delta[None, :])
             dk = _dot(dscoreT.to(qT.dtype), tl.trans(qT), dk, DOT_PREC)
         return dk, dv
 
@@ -329,7 +410,8 @@ if triton is not None:
                        H, Tq, Tk, q_offset, sm_scale, tab_stride, n_kblocks,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                       HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, DOT_PREC: tl.constexpr):
+                       HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
+                       REG_TABLES: tl.constexpr, DOT_PREC: tl.constexpr):
         pid_n, bh, b, h = _program_ids(H)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -361,7 +443,6 @@ if triton is not None:
 
         Q_ptr = Q + b * sqb + h * sqh
         DO_ptr = DO + b * sdob + h * sdoh
-        LSE_ptr = LSE + bh * Tq
         DELTA_ptr = DELTA + bh * Tq
         DOC_ptr = DOC + b * sdocb
         RS_ptr = RS + b * srb + h * srh
@@ -370,10 +451,11 @@ if triton is not None:
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
             dk, dv = _dkdv_stage(
-                dk, dv, k, v, Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, DOC_ptr, RS_ptr,
+                dk, dv, k, v, Q_ptr, DO_ptr, LSE, bh, DELTA_ptr, DOC_ptr, RS_ptr,
                 sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
                 Tq, q_offset, blk_lo, blk_hi,
-                stage > 0, HAS_DOC, HAS_PRIOR, HAS_RS, SCALE_PRIOR, BLOCK_M, BLOCK_N, DOT_PREC)
+                stage > 0, HAS_DOC, HAS_PRIOR, HAS_RS, FUSE_RS, REG_TABLES, BLOCK_M, BLOCK_N,
+                DOT_PREC)
 
         tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd,
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -403,10 +485,11 @@ if triton is not None:
     # table's entries there, into g_acc (K_POW2,): 2 BLOCK loads per table and tile, not one per
     # score, and no accumulator per table.
     @triton.jit
-    def _dq_stage(dq, dlp_acc, dj_acc, g_acc, w, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt,
-                  svd, offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo,
-                  blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                  SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+    def _dq_stage(dq, dlp_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd,
+                  svt, svd, offs_d, d_ok, row0, qpos, doc, coef, r, qk_scale, tab, jtab, tab_stride,
+                  Tk, blk_lo, blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
+                  HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
+                  REG_TABLES: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
                   BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):  # pipelines the tables' loads too
@@ -419,17 +502,17 @@ if triton is not None:
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             lp = 0.0
             if HAS_PRIOR:
-                lp = _table_tile(tab, tab_stride, row0, n0, BLOCK_M, BLOCK_N)
+                lp = _table_tile(tab, tab_stride, row0, n0, 0, BLOCK_M, BLOCK_N, REG_TABLES)
             jt = ()  # the derivative tables' tiles
             if not BY_DIAGONAL:
                 for i in tl.static_range(N_GRAD):
                     jt = jt + (_table_tile(jtab + i * (_COPIES * tab_stride), tab_stride, row0, n0,
-                                           BLOCK_M, BLOCK_N),)
+                                           0, BLOCK_M, BLOCK_N, REG_TABLES),)
 
             qk = _dot(q, kT, None, DOT_PREC)
-            s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
-                             r[:, None], MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
-            p = tl.exp2(s - lse[:, None])
+            p = _tile_probs(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
+                            r[:, None], hi[:, None], lo[:, None], qk_scale, MASKED, HAS_DOC,
+                            HAS_PRIOR, FUSE_RS)
             dp = _dot(do, vT, None, DOT_PREC)
             dscore = p * (dp - delta[:, None])
             dq = _dot(dscore.to(kT.dtype), tl.trans(kT), dq, DOT_PREC)  # sum_j dS k_j; r at the end
@@ -460,9 +543,10 @@ if triton is not None:
                      H, Tq, Tk, q_offset, sm_scale, tab_stride, n_qblocks,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                     HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, N_GRAD: tl.constexpr,
-                     NEED_RS_GRAD: tl.constexpr, BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr,
-                     DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
+                     HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
+                     REG_TABLES: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                     BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, DOT_PREC: tl.constexpr,
+                     STAGES: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         row0 = pid_m * BLOCK_M
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -475,7 +559,7 @@ if triton is not None:
                     mask=qd_mask, other=0.0)
         do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                      mask=qd_mask, other=0.0)
-        lse = tl.load(LSE + bh * Tq + offs_m, mask=row_ok, other=float("inf"))
+        hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS)
         delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
         DOC_ptr = DOC + b * sdocb
         RS_ptr = RS + b * srb + h * srh
@@ -504,9 +588,10 @@ if triton is not None:
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
             dq, dlp_acc, dj_acc, g_acc = _dq_stage(
-                dq, dlp_acc, dj_acc, g_acc, w, q, do, lse, delta, K_ptr, V_ptr, skt, skd, svt,
-                svd, offs_d, d_ok, row0, qpos, doc, coef, r, tab, jtab, tab_stride, Tk, blk_lo,
-                blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, N_GRAD, NEED_RS_GRAD,
+                dq, dlp_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd, svt,
+                svd, offs_d, d_ok, row0, qpos, doc, coef, r, sm_scale * 1.4426950408889634, tab,
+                jtab, tab_stride, Tk, blk_lo, blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR,
+                FUSE_RS, REG_TABLES, N_GRAD, NEED_RS_GRAD,
                 BY_DIAGONAL, K_POW2, BLOCK_M, BLOCK_N, DOT_PREC, STAGES)
 
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
@@ -709,10 +794,30 @@ def _device_of(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _fuses_rs(has_prior, has_rs, scale_prior):
+    """FUSE_RS: SSMax scaling a prior, the score r (l + lp) taken inside the exponent's fma."""
+    return has_prior and has_rs and scale_prior
+
+
+# Table tiles are read straight into registers (_load_table_regs) when they have at least this
+# many columns; with fewer (dQ's 16 keys at head_dim 128) the address arithmetic per pair of
+# entries costs more than the shared-memory round trip it saves (dev/perf_model.py, sm_90, GGD dQ
+# at head_dim 128: 0.333 clocks per score through shared memory, 0.347 into registers).
+REG_TABLE_MIN_COLS = 32
+
+
+def _reg_tables(dtype, cols):
+    """REG_TABLES of a kernel whose table tiles have `cols` columns: 16-bit inputs on a GPU (fp32's
+    ieee dots use other layouts than the tensor cores')."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    return not interpreting() and half and cols >= REG_TABLE_MIN_COLS
+
+
 def _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d):
-    """The compile-time flags every kernel launch shares."""
+    """The compile-time flags every kernel launch shares (each launch adds its REG_TABLES)."""
     return dict(HEAD_DIM=q.shape[-1], BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
-                HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs, DOT_PREC=dot_prec,
+                HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs,
+                FUSE_RS=_fuses_rs(has_prior, has_rs, scale_prior), DOT_PREC=dot_prec,
                 enable_fp_fusion=FP_FUSION)  # fmt: skip
 
 
@@ -721,19 +826,23 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: Op
                 jtab: OptTensor, theta: OptTensor, row_scale: OptTensor, scale_prior: bool,
                 q_offset: int, softmax_scale: float,
                 table_start: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The forward kernel: (O, LSE). LSE (batch, H, Tq) fp32 is the row log-sum-exp in base 2 (the
-    backward needs it). table, jtab, theta, table_start as _prior_tables makes them; jtab and theta
-    are only kept for the backward."""
+    """The forward kernel: (O, LSE). LSE (batch, H, n, Tq) fp32 is the row log-sum-exp in base 2
+    (the backward needs it), n = 1, or 2 with FUSE_RS (_row_lse). table, jtab, theta, table_start
+    as _prior_tables makes them; jtab and theta are only kept for the backward."""
     batch, H, Tq, D = q.shape
     Tk = k.shape[2]
     has_prior, has_doc, has_rs = table is not None, doc_start is not None, row_scale is not None
+    fuse = _fuses_rs(has_prior, has_rs, scale_prior)
     with _device_of(q):
         block_d, cfg, dot_prec, dummy, doc, rs = _launch_state(q, k, doc_start, row_scale)
         tab, tab_stride = dummy, 0
-        if has_prior:  # in base 2, as the scores
-            tab, tab_stride = _shifted_copies(table * math.log2(math.e), table_start)
+        if has_prior:  # in base 2, as the scores; FUSE_RS: the negated table after it
+            table2 = table * math.log2(math.e)
+            if fuse:
+                table2 = torch.stack([table2, -table2], 1)
+            tab, tab_stride = _shifted_copies(table2, table_start)
         o = torch.empty_like(q)
-        lse = torch.empty((batch, H, Tq), device=q.device, dtype=torch.float32)
+        lse = torch.empty((batch, H, 1 + fuse, Tq), device=q.device, dtype=torch.float32)
         bm, bn, warps, stages = cfg["fwd"]
         flags = _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d)
         # fmt: off
@@ -742,7 +851,8 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: Op
             *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             doc.stride(0) if has_doc else 0, *(_strides(rs) if has_rs else (0, 0, 0)),
             H, Tq, Tk, q_offset, softmax_scale, tab_stride,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
+            BLOCK_M=bm, BLOCK_N=bn, REG_TABLES=_reg_tables(q.dtype, bn), num_warps=warps,
+            num_stages=stages, **flags)
         # fmt: on
     return o, lse
 
@@ -750,7 +860,8 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: Op
 @_triton_fwd.register_fake
 def _(q, k, v, doc_start, table, jtab, theta, row_scale, scale_prior, q_offset, softmax_scale,
       table_start):  # fmt: skip
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    n = 1 + _fuses_rs(table is not None, row_scale is not None, scale_prior)
+    return torch.empty_like(q), q.new_empty((*q.shape[:2], n, q.shape[2]), dtype=torch.float32)
 
 
 def _backward_tables(table, jtab, table_start, dummy):
@@ -787,7 +898,8 @@ def _launch_dkdv(q, k, v, do, lse, delta, doc, rs, rtab, tab_stride, q_offset, s
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
         H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_kb,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
+        BLOCK_M=bm, BLOCK_N=bn, REG_TABLES=_reg_tables(q.dtype, bm), num_warps=warps,
+        num_stages=stages, **flags)
     # fmt: on
     return dk, dv
 
@@ -817,7 +929,8 @@ def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
         H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_qb,
-        BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad, NEED_RS_GRAD=need_rs, **_grad_path(n_grad),
+        BLOCK_M=bm, BLOCK_N=bn, REG_TABLES=_reg_tables(q.dtype, bn), N_GRAD=n_grad,
+        NEED_RS_GRAD=need_rs, **_grad_path(n_grad),
         STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **flags)
     # fmt: on
     g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)

@@ -168,6 +168,7 @@ def kernel_launches(ak, variant, head_dim):
         HAS_PRIOR=prior is not None,
         HAS_RS=ssmax,
         SCALE_PRIOR=ssmax,
+        FUSE_RS=prior is not None and ssmax,
         EPS=1e-5,
         DOT_PREC="tf32",
     )
@@ -194,6 +195,8 @@ def kernel_launches(ak, variant, head_dim):
         flags = {k: v for k, v in {**common, **extra}.items() if k in fn.arg_names}
         if "STAGES" in fn.arg_names:
             flags["STAGES"] = ak._dq_stages(cfg, K)
+        if "REG_TABLES" in fn.arg_names:  # the table tiles' columns: keys, or queries in dK/dV
+            flags["REG_TABLES"] = (bm if name == "dkdv" else bn) >= ak.REG_TABLE_MIN_COLS
         out.append((name, fn, dict(flags, BLOCK_M=bm, BLOCK_N=bn), (bm, bn, warps, stages)))
     return out
 

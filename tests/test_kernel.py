@@ -261,6 +261,31 @@ CASES = {
             row_scale=torch.rand(2, 2, 1, generator=GEN),
         ),
     ),
+    # SSMax scaling the prior with row scales of either sign and 0 (the forward folds the sign of
+    # r into its table reads and row max), documents of length 1 among them
+    "signed_row_scale_scale_prior_docs": (
+        2,
+        2,
+        70,
+        70,
+        32,
+        (16, 16),
+        lambda: dict(
+            prior=bam_prior([0.2, -0.3], [-1.5, 0.7], [0.0, 0.2]),
+            doc_start=torch.stack(
+                [
+                    doc_start_from_boundaries(70, [3, 4, 30, 31, 50]),
+                    doc_start_from_boundaries(70, [1, 17, 18, 45]),
+                ]
+            ),
+            row_scale=torch.where(
+                torch.rand(2, 2, 70, generator=GEN) < 0.15,
+                0.0,
+                (torch.rand(2, 2, 70, generator=GEN) * 2 - 1) * 2,
+            ),
+            scale_prior=True,
+        ),
+    ),
     # documents of length 1 (one visible key: p = 1 on a prior of about -3e7) and query tiles whose
     # first key tile is fully masked; no SSMax, so the huge bias enters the scores unscaled
     "single_key_rows_beta_negative": (

@@ -91,6 +91,30 @@ def test_kernel_sees_a_prior_only_as_tables():
     assert launch["ggd_mu"][:2] == launch["ggd"][:2]  # the forward and dK/dV kernels read B only
 
 
+def test_tables_are_read_into_registers():
+    """With 16-bit inputs the kernels read the prior's table tiles straight into registers
+    (attention_kernel._load_table_regs): the compiled dQ loop of GGD + SSMax (sm_90, Triton's
+    bundled ptxas, outside the interpreter) holds 8-byte global loads and none of the 8-byte
+    shared-memory reads that tiles staged through shared memory need."""
+    script = """
+import attention_kernel as ak
+import perf_model as pm
+name, fn, constants, (_, _, warps, stages) = pm.kernel_launches(ak, "ggd_ssmax", 64)[2]
+assert name == "dq" and constants["REG_TABLES"] and constants["FUSE_RS"]
+kernel = pm.compile_kernel(fn, constants, 90, warps, stages, fp_fusion=ak.FP_FUSION)
+print(" ".join(op for _, op, _ in pm.hot_loop(pm.sass(kernel.asm["cubin"])[0])))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(pm.__file__), os.getcwd()])
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    ops = r.stdout.split()
+    assert any(op.startswith("LDG.E.64") for op in ops)
+    assert not any(op.startswith("LDS.64") for op in ops)
+
+
 def test_script_end_to_end(tmp_path):
     """Compiles the forward, dK/dV and dQ kernels without a prior for sm_90 (real ptxas, outside the
     interpreter) and checks the counts that the kernel's algorithm fixes."""
