@@ -85,6 +85,7 @@ if triton is not None:
     # rounding of P and dS.
     _INTERPRET_BF16_UPCAST = tl.constexpr(interpreting())
     _LN2 = tl.constexpr(0.6931471805599453)
+    _LOG2E = tl.constexpr(1.4426950408889634)
     _COPIES = tl.constexpr(TABLE_COPIES)
 
     # fmt: off
@@ -162,6 +163,15 @@ if triton is not None:
         return hi, lo
 
     @triton.jit
+    def _fused_exponent(t, r, ref, MASKED: tl.constexpr):
+        """FUSE_RS's exponent of P in base 2: r t - ref in one fma, -inf where hidden (t = -inf),
+        which the fma would make NaN where r = 0."""
+        x = tl.fma(t, r, -ref)
+        if MASKED:
+            x = tl.where(t == float("-inf"), float("-inf"), x)
+        return x
+
+    @triton.jit
     def _tile_probs(qk, lp, qpos, kpos, doc, coef, r, hi, lo, qk_scale, MASKED: tl.constexpr,
                     HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr):
         """The backward's P of a tile, exactly as the forward took it: exp2(s - LSE), or with
@@ -169,10 +179,7 @@ if triton is not None:
         and |r| is bit for bit the same product."""
         if FUSE_RS:
             t = _tile_scores(qk, lp, qpos, kpos, doc, qk_scale, MASKED, HAS_DOC, HAS_PRIOR)
-            x = tl.fma(t, r, -hi)
-            if MASKED:  # -inf * 0 where r = 0
-                x = tl.where(t == float("-inf"), float("-inf"), x)
-            return tl.exp2(x - lo)
+            return tl.exp2(_fused_exponent(t, r, hi, MASKED) - lo)
         s = _tile_scores(qk, lp, qpos, kpos, doc, coef, MASKED, HAS_DOC, HAS_PRIOR)
         return tl.exp2(s - hi)
 
@@ -199,7 +206,7 @@ if triton is not None:
             r = tl.load(RS_ptr + offs_m * srt, mask=row_ok, other=0.0)
         else:
             r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+        qk_scale = sm_scale * _LOG2E
         return doc, r, r * qk_scale
 
     @triton.jit
@@ -265,9 +272,7 @@ if triton is not None:
             new_max = tl.maximum(row_max, tl.max(s, 1))
             if FUSE_RS:  # s holds t = l + lp, the score is |r| t
                 ref = tl.where(new_max == float("-inf"), 0.0, new_max * r)
-                x = tl.fma(s, r[:, None], -ref[:, None])
-                if MASKED:  # -inf * 0 where r = 0
-                    x = tl.where(s == float("-inf"), float("-inf"), x)
+                x = _fused_exponent(s, r[:, None], ref[:, None], MASKED)
             else:
                 ref = tl.where(new_max == float("-inf"), 0.0, new_max)
                 x = s - ref[:, None]
@@ -314,8 +319,7 @@ if triton is not None:
             head_tabs = 2 * head_tabs
             negative = r < 0.0
             row_off = tl.where(negative, _COPIES * tab_stride, 0)[:, None]
-            qk_scale = sm_scale * 1.4426950408889634  # log2(e)
-            coef = tl.where(negative, -qk_scale, qk_scale)
+            coef = tl.where(negative, -sm_scale * _LOG2E, sm_scale * _LOG2E)
             r = tl.abs(r)
         tab = PTAB + h * head_tabs
         start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
@@ -389,7 +393,7 @@ if triton is not None:
             qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
             pT = _tile_probs(qkT, lpT, qpos[None, :], offs_n[:, None], doc[None, :], coef[None, :],
                              r[None, :], hi[None, :], lo[None, :],
-                             sm_scale * 1.4426950408889634, MASKED, HAS_DOC, HAS_PRIOR, FUSE_RS)
+                             sm_scale * _LOG2E, MASKED, HAS_DOC, HAS_PRIOR, FUSE_RS)
 
             do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -589,7 +593,7 @@ if triton is not None:
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
             dq, dlp_acc, dj_acc, g_acc = _dq_stage(
                 dq, dlp_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd, svt,
-                svd, offs_d, d_ok, row0, qpos, doc, coef, r, sm_scale * 1.4426950408889634, tab,
+                svd, offs_d, d_ok, row0, qpos, doc, coef, r, sm_scale * _LOG2E, tab,
                 jtab, tab_stride, Tk, blk_lo, blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR,
                 FUSE_RS, REG_TABLES, N_GRAD, NEED_RS_GRAD,
                 BY_DIAGONAL, K_POW2, BLOCK_M, BLOCK_N, DOT_PREC, STAGES)
