@@ -16,15 +16,18 @@ GGD triple of (H,) tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, 
 (B, Tk): each position's document start. Impls: "torch" the chunked reference (any prior, any
 device), "sdpa" the CPU evaluation path, "triton" the fused kernel (CUDA, attention_kernel.py);
 "auto" the fastest that can. impl_error is the one place that says which impl can do what, and
-attention() the one place that checks and resolves the arguments for every impl.
+attention() the one place that checks and resolves the arguments for every impl. check_kernel
+compares the kernel with the reference on a problem shaped like a run; train.py and every
+evaluation call it before they trust the kernel.
 """
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
-from attention_kernel import attention_triton, interpreting, triton_available
+from attention_kernel import attention_triton, check_length, interpreting, triton_available
 from priors import BoundPrior, Prior, bind
 
 IMPLS = ("auto", "torch", "sdpa", "triton")
@@ -462,3 +465,167 @@ def attention_sdpa(
         )
         outs.append(out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(dtype)
+
+
+# ---- The kernel's self-check ---------------------------------------------------------------------
+# A compiled kernel can compute wrong numbers without an error on a GPU that no test ran on, so
+# Every run that resolves to impl "triton" first compares it with the reference on one small problem
+# shaped like the run (check_kernel), the reference in fp32 on the same rounded inputs; the errors
+# are relative (_check_errors). A correct kernel differs by the roundings the reference does
+# not make: with 16-bit inputs, P before P V and dS before dS K and dS^T Q are rounded to 8 bits
+# (bfloat16) or 11 (float16), and the output once more. The prior's and SSMax's gradients are sums
+# in fp32 (attention_kernel._own_delta). Measured by dev/check_errors.py on every registered prior,
+# SSMax off, on and scaling the prior, three seeds, head_dim 32 and 64, the largest errors were:
+#   float32: output 2.3e-6, q k v 3.7e-6, parameters 2.9e-5
+#   float16: output 4.2e-4, q k v 1.2e-3, parameters 4.9e-5
+#   bfloat16: output 8.7e-3, q k v 3.3e-2, parameters 2.8e-5
+# The tolerances leave 3x to 40x over those; a misread table moves scores by a distance's worth of
+# prior, and the gradients of its parameters by far more than 1e-3 (tests/test_kernel.py's
+# test_self_check_catches_a_misread_table). (output, q k v, parameters) per dtype:
+CHECK_TOLERANCE = {
+    torch.float32: (1e-4, 1e-4, 1e-3),
+    torch.float16: (4e-3, 1e-2, 1e-3),
+    torch.bfloat16: (3e-2, 1e-1, 1e-3),
+}
+CHECK_HEADS = 2  # head 0 with a positive SSMax scale, head 1 with a negative one
+
+
+class KernelMismatch(RuntimeError):
+    """The Triton kernel disagrees with the reference on check_kernel's problem."""
+
+
+def _check_errors(kernel, reference, prior):
+    """{name: max |kernel - reference| / scale} of check_kernel's results, the scale max |reference|
+    (floored at 1e-3, so that a gradient that is 0 is compared absolutely), for the prior's
+    parameters taken over all of them together: each is a sum over every score of dS times a table
+    of like size, so their errors are alike, while one of them may be near 0 by chance."""
+    params = [n for n in reference if prior is not None and n in prior.params]
+    scale = {n: reference[n].double().abs().max() for n in reference}
+    for name in params:
+        scale[name] = max(scale[p] for p in params)
+    errors = {}
+    for name in reference:
+        difference = (kernel[name].double() - reference[name].double()).abs().max()
+        errors[name] = (difference / scale[name].clamp_min(1e-3)).item()
+    return errors
+
+
+def _check_inputs(prior, head_dim, dtype, ssmax, documents, seed=0):
+    """check_kernel's problem, on the CPU and from its own generator (the run's RNG is untouched):
+    q, k, v (B, H, T, D) of dtype in the model's (B, T, H, D) layout, dout, doc_start or None, the
+    prior's parameters (its default init moved at random: a constant prior hides misreads) and
+    SSMax's s, one sign per head, whose row scales s log n are -0.0 where n = 1."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, T, D = 2, CHECK_HEADS, check_length(head_dim, dtype), head_dim
+    q, k, v = (torch.randn(B, T, H, D, generator=gen).to(dtype).transpose(1, 2) for _ in range(3))
+    dout = torch.randn(B, H, T, D, generator=gen).to(dtype)  # what the kernel gets: see _triton_bwd
+
+    doc_start = None
+    if documents:  # three documents per row, starting at random positions
+        doc_start = torch.zeros(B, T, dtype=torch.long)
+        for b in range(B):
+            for start in sorted((torch.randperm(T - 1, generator=gen)[:2] + 1).tolist()):
+                doc_start[b, start:] = start
+
+    params = ()
+    if prior is not None:
+        with torch.random.fork_rng(devices=[]):  # some inits draw from the global RNG
+            torch.manual_seed(seed)
+            params = tuple(t.float() for t in prior.initial("default", H))
+        if prior.trainable:
+            params = tuple(t + 0.5 * torch.randn(t.shape, generator=gen) for t in params)
+    s = torch.tensor([1.0, -0.6]) if ssmax else None
+    return q, k, v, dout, doc_start, params, s
+
+
+def _check_run(impl, inputs, prior, trained, scale_prior, device, training):
+    """impl's output and, when training, its gradients {name: tensor}, on check_kernel's inputs
+    (the reference takes fp32 copies of the same rounded q, k, v)."""
+    q, k, v, dout, doc_start, params, s = inputs
+    if impl == "torch":
+        q, k, v = q.float(), k.float(), v.float()
+    leaves = dict(q=q, k=k, v=v)
+    if prior is not None:
+        leaves |= {n: t for n, t in zip(prior.params, params) if n in trained}
+    if s is not None:
+        leaves["s"] = s
+    leaves = {n: t.to(device, copy=True).requires_grad_(training) for n, t in leaves.items()}
+    values = [leaves.get(n, t.to(device)) for n, t in zip(prior.params, params)] if prior else ()
+
+    row_scale = None
+    if s is not None:  # the model's SSMax: s_h log n_i, n_i the keys visible to query i
+        pos = torch.arange(q.shape[2])
+        n = pos[None, :] - doc_start + 1 if doc_start is not None else (pos + 1)[None, :]
+        row_scale = leaves["s"][None, :, None] * n.float().log().to(device)[:, None, :]
+    with torch.set_grad_enabled(training):
+        out = attention(
+            leaves["q"],
+            leaves["k"],
+            leaves["v"],
+            doc_start=doc_start.to(device) if doc_start is not None else None,
+            prior=BoundPrior(prior, tuple(values)) if prior is not None else None,
+            row_scale=row_scale,
+            scale_prior=scale_prior,
+            impl=impl,
+        )
+        results = {"output": out.detach().float().cpu()}
+        if training:
+            (out.float() * dout.to(device)).sum().backward()
+            results |= {n: t.grad.float().cpu() for n, t in leaves.items()}
+    return results
+
+
+def _check_line(errors, dtype, head_dim, prior, ssmax, scale_prior, documents, length):
+    """check_kernel's line: the problem, and the largest error of each kind against its tolerance.
+    Also returns whether every error is within its tolerance."""
+    tolerances = dict(zip(("output", "inputs", "parameters"), CHECK_TOLERANCE[dtype]))
+    kinds = {}
+    for name in errors:
+        kinds[name] = "output" if name == "output" else "parameters"
+        if name in ("q", "k", "v"):
+            kinds[name] = "inputs"
+    worst = {}  # kind: the name of its largest error (NaN counts as the largest)
+    for name, kind in kinds.items():
+        if kind not in worst or not errors[name] <= errors[worst[kind]]:
+            worst[kind] = name
+
+    what = prior.name if prior is not None else "no prior"
+    if ssmax:
+        what += " + SSMax" + (" scaling the prior" if scale_prior and prior is not None else "")
+    if documents:
+        what += ", documents"
+    parts = []
+    for kind, name in worst.items():
+        which = "" if kind == "output" else f" ({name})"
+        parts.append(f"{kind} {errors[name]:.1e}{which} (tolerance {tolerances[kind]:.0e})")
+    line = (
+        f"attention kernel check ({str(dtype).removeprefix('torch.')}, head_dim {head_dim}, "
+        f"{what}, {length} tokens): {', '.join(parts)}"
+    )
+    ok = all(errors[name] <= tolerances[kinds[name]] for name in errors)  # NaN is not <=
+    return line, ok
+
+
+def check_kernel(
+    *, impl, prior, trained, head_dim, dtype, device, ssmax, scale_prior, training, documents
+):
+    """Compare the Triton kernel with the reference on one small problem shaped like a run: its
+    dtype, head_dim, prior (a Prior; `trained`: the names of its parameters that the run trains),
+    SSMax and its placement (scale_prior), documents, and gradients when training. Returns the line
+    to print, or None where `impl` does not resolve to the kernel; raises KernelMismatch (the same
+    line) where an error is over CHECK_TOLERANCE."""
+    if pick_impl(impl, prior, device, training, dtype, head_dim) != "triton":
+        return None
+
+    started = time.time()
+    inputs = _check_inputs(prior, head_dim, dtype, ssmax, documents)
+    run = (prior, trained if training else (), scale_prior, device, training)
+    kernel = _check_run("triton", inputs, *run)
+    reference = _check_run("torch", inputs, *run)
+    errors = _check_errors(kernel, reference, prior)
+
+    length = inputs[0].shape[2]
+    line, ok = _check_line(errors, dtype, head_dim, prior, ssmax, scale_prior, documents, length)
+    if not ok:
+        raise KernelMismatch(f"the Triton kernel disagrees with the reference: {line}")
+    return f"{line}: ok in {time.time() - started:.1f} s"

@@ -20,18 +20,16 @@ scalar directions of its trained parameters (one per entry: GGD's two per head, 
 their derivative tables J_k(d) = d lp(d) / d theta_k (forward-mode autograd), K a compile-time
 constant. A tile's log-prior depends on d = j - i only (a Toeplitz tile); each table is stored as 4
 copies shifted by one entry, so that every row of a tile is a 16-byte aligned run of one copy:
-vectorised loads, which on a GPU go straight into the registers of the scores' layout
-(_load_table_regs), not through shared memory.
+vectorised loads.
 
 Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
 without SSMax):
     l = softmax_scale q_i.k_j ;  s = (l + lp) r  if scale_prior  else  l r + lp ;  -inf if hidden
     P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij), stored in base 2
-    dP = dO V^T ;  Delta_i = sum_j P_ij dP_ij = rowsum(O_i * dO_i) ;  dS = P (dP - Delta)
+    dP = dO V^T ;  Delta_i = sum_j P_ij dP_ij (= rowsum(O_i * dO_i)) ;  dS = P (dP - Delta)
     dq = softmax_scale r sum_j dS k_j ;  dk = softmax_scale sum_i dS r q_i ;  dv = P^T dO
     dtheta_k = sum_ij w_i dS_ij J_k(d_ij),  w = r if scale_prior else 1
-    dr_i = sum_j dS_ij x_ij,  x = l + lp if scale_prior else l,
-           where sum_j dS_ij l_ij = softmax_scale q_i.(dS K)_i comes from dQ's own product.
+    dr_i = sum_j dS_ij x_ij,  x = l + lp if scale_prior else l
 Numerics: the scores are one explicit fma (s = fma(q.k, coef_i, lp)), the same in every kernel,
 so the backward recomputes the forward's scores bit for bit even with fp fusion on; a row with one
 visible key thus gets P = 1 exactly, and its gradients, exactly 0 in real arithmetic, are set to 0
@@ -40,9 +38,12 @@ visible key thus gets P = 1 exactly, and its gradients, exactly 0 in real arithm
 t = fma(q.k, softmax_scale log2 e, lp), P = exp2(fma(t, r, -hi) - lo). The forward takes the row
 max of sign(r) t (a row with r < 0 reads -lp from a negated copy of the table, so the sign costs
 nothing per score) and keeps hi = |r| max and lo = log2 sum apart; |r| (sign(r) t) is the same
-product as r t, so the backward's P is the forward's, normalised to one rounding. The floor bounds
-every score and every derivative table, so that Delta's rounding (O is stored in the inputs' dtype)
-reaches d theta at most times |floor|, not times a prior of -3e7.
+product as r t, so the backward's P is the forward's, normalised to one rounding.
+d theta and d row_scale sum dS times a table or a score over every score, so each row's error in
+Delta reaches them times the tables' size. The floor bounds every table, so that this is at most
+|floor| times Delta's error, not times a prior of -3e7; and where it sums them, the dQ kernel takes
+Delta from its own P (_own_delta: rowsum(O dO) is off by the rounding of P before P V, 8 bits in
+bf16) and sums dS x in fp32 rather than from its 16-bit dS product.
 """
 
 import contextlib
@@ -99,34 +100,17 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
     @triton.jit
-    def _load_table_regs(ptrs):
-        """tl.load(ptrs) of a table tile (_table_tile's pointers), in the layout of the tile that
-        consumes it. tl.load gives its result a coalesced layout of its own and converts it to the
-        consumer's through shared memory (or a pipelined asynchronous copy): 8 bytes of L1 traffic
-        per entry. An elementwise inline asm takes its consumer's layout instead: the tensor cores'
-        accumulator layout (mma.sync and wgmma, sm_80 and sm_90), where a thread's elements come in
-        fours, (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1) with col even. Row + 8
-        reads the same copy 8 entries earlier (_table_tile), so each four is two 8-byte loads from
-        one address, straight into registers."""
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.v2.f32 {$0, $1}, [$4]; ld.global.nc.v2.f32 {$2, $3}, [$4+-32];",
-            "=r,=r,=r,=r,l,l,l,l", [ptrs], dtype=tl.float32, is_pure=True, pack=4)
-
-    @triton.jit
     def _table_tile(tab, tab_stride, row0, col0, row_off, ROWS: tl.constexpr,
-                    COLS: tl.constexpr, REG_TABLES: tl.constexpr):
+                    COLS: tl.constexpr):
         """A (ROWS, COLS) tile of a table by distance: entry (r, c) is t[(col0 + c) - (row0 + r)],
         read from the table's shifted copies (copy k at tab + k * tab_stride holds t[y - k] at y):
         row r reads copy r % 4 at a multiple of 4 from col0 - row0, so its COLS entries are one
         aligned run (a vector load). row_off (ROWS, 1) or 0, a multiple of tab_stride, moves a row
-        to another set of copies. REG_TABLES (16-bit inputs on a GPU, whose dots use the tensor
-        cores' layouts): read with _load_table_regs."""
+        to another set of copies."""
         r = tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, COLS)[None, :]
         copy = (r % _COPIES) * tab_stride + row_off
         ptrs = tab + copy + (col0 - row0) - (r // _COPIES) * _COPIES + c
-        if REG_TABLES:
-            return _load_table_regs(ptrs)
         return tl.load(ptrs)
 
     @triton.jit
@@ -185,11 +169,27 @@ if triton is not None:
 
     @triton.jit
     def _program_ids(H):
-        """(block index, batch * head index, batch, head) of this program; b and h are 64-bit so
-        that base offsets such as b * stride_b do not overflow (B * H * T * D may exceed 2^31)."""
+        """(block index, batch * head index, batch, head) of this program; bh, b and h are 64-bit
+        so that base offsets such as b * stride_b and bh * Tq do not overflow (B * H * T * D may
+        exceed 2^31)."""
         pid = tl.program_id(0)
-        bh = tl.program_id(1)
-        return pid, bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+        bh = tl.program_id(1).to(tl.int64)
+        return pid, bh, bh // H, bh % H
+
+    @triton.jit
+    def _tile_ptrs(base, row0, ROWS: tl.constexpr, row_stride, offs_d, d_stride,
+                   TRANSPOSED: tl.constexpr):
+        """Pointers to rows row0 .. row0 + ROWS - 1 of a (T, D) matrix at base, as a (ROWS, D)
+        tile, or TRANSPOSED (D, ROWS). The first row's offset is 64-bit, since row0 * row_stride
+        passes 2^31 at long contexts (500K tokens at a row stride of 3 n_embd = 6144); the offsets
+        within the tile stay 32-bit."""
+        base = base + row0.to(tl.int64) * row_stride
+        rows = tl.arange(0, ROWS)
+        if TRANSPOSED:
+            ptrs = base + rows[None, :] * row_stride + offs_d[:, None] * d_stride
+        else:  # (one return: the compiler types every return of a function alike)
+            ptrs = base + rows[:, None] * row_stride + offs_d[None, :] * d_stride
+        return ptrs
 
     @triton.jit
     def _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
@@ -249,7 +249,7 @@ if triton is not None:
     def _fwd_stage(acc, row_sum, row_max, row_ref, q, K_ptr, V_ptr, skt, skd, svt, svd,
                    offs_d, d_ok, row0, qpos, doc, coef, r, tab, tab_stride, row_off, Tk, blk_lo,
                    blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                   FUSE_RS: tl.constexpr, REG_TABLES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   FUSE_RS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         """The online softmax over key blocks [blk_lo, blk_hi). row_max: the rows' running max of
         the scores (of t with FUSE_RS); row_ref: what p was taken relative to so far (-inf while
@@ -258,11 +258,11 @@ if triton is not None:
             n0 = blk * BLOCK_N
             offs_n = n0 + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < Tk
-            kT = tl.load(K_ptr + offs_n[None, :] * skt + offs_d[:, None] * skd,
+            kT = tl.load(_tile_ptrs(K_ptr, n0, BLOCK_N, skt, offs_d, skd, True),
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             lp = 0.0
             if HAS_PRIOR:
-                lp = _table_tile(tab, tab_stride, row0, n0, row_off, BLOCK_M, BLOCK_N, REG_TABLES)
+                lp = _table_tile(tab, tab_stride, row0, n0, row_off, BLOCK_M, BLOCK_N)
 
             qk = _dot(q, kT, None, DOT_PREC)
             s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
@@ -280,7 +280,7 @@ if triton is not None:
             alpha = tl.exp2(row_ref - ref)
             row_sum = row_sum * alpha + tl.sum(p, 1)
 
-            v = tl.load(V_ptr + offs_n[:, None] * svt + offs_d[None, :] * svd,
+            v = tl.load(_tile_ptrs(V_ptr, n0, BLOCK_N, svt, offs_d, svd, False),
                         mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
             acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
             row_max = new_max
@@ -295,7 +295,7 @@ if triton is not None:
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
                   HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
-                  REG_TABLES: tl.constexpr, DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         row0 = pid_m * BLOCK_M
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -303,7 +303,7 @@ if triton is not None:
         qpos = q_offset + offs_m
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM  # head dims that are not a power of two are padded with zeros
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+        q = tl.load(_tile_ptrs(Q + b * sqb + h * sqh, row0, BLOCK_M, sqt, offs_d, sqd, False),
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
@@ -334,7 +334,7 @@ if triton is not None:
             acc, row_sum, row_max, row_ref = _fwd_stage(
                 acc, row_sum, row_max, row_ref, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok,
                 row0, qpos, doc, coef, r, tab, tab_stride, row_off, Tk, blk_lo, blk_hi,
-                stage > 0, HAS_DOC, HAS_PRIOR, FUSE_RS, REG_TABLES, BLOCK_M, BLOCK_N, DOT_PREC)
+                stage > 0, HAS_DOC, HAS_PRIOR, FUSE_RS, BLOCK_M, BLOCK_N, DOT_PREC)
 
         # rows with no visible key give 0 and LSE = +inf (so that the backward's P is exactly 0)
         has_mass = row_sum > 0.0
@@ -348,7 +348,7 @@ if triton is not None:
         else:
             lse = tl.where(has_mass, finite_ref + tl.log2(safe_sum), float("inf"))
             tl.store(LSE + bh * Tq + offs_m, lse, mask=row_ok)
-        tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+        tl.store(_tile_ptrs(OUT + b * sob + h * soh, row0, BLOCK_M, sot, offs_d, sod, False),
                  o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     # ------------------------------------------------------------------------------------- backward
@@ -356,12 +356,13 @@ if triton is not None:
     def _attn_bwd_preprocess(OUT, DO, DELTA, sob, soh, sot, sod, sdob, sdoh, sdot, sdod, H, Tq,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row0 = pid_m * BLOCK_M
+        offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_m < Tq)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        o = tl.load(OUT + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+        o = tl.load(_tile_ptrs(OUT + b * sob + h * soh, row0, BLOCK_M, sot, offs_d, sod, False),
                     mask=mask, other=0.0)
-        do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
+        do = tl.load(_tile_ptrs(DO + b * sdob + h * sdoh, row0, BLOCK_M, sdot, offs_d, sdod, False),
                      mask=mask, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + bh * Tq + offs_m, delta, mask=offs_m < Tq)
@@ -371,14 +372,14 @@ if triton is not None:
                     sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
                     Tq, q_offset, blk_lo, blk_hi,
                     MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                    HAS_RS: tl.constexpr, FUSE_RS: tl.constexpr, REG_TABLES: tl.constexpr,
+                    HAS_RS: tl.constexpr, FUSE_RS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
             m0 = blk * BLOCK_M
             offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < Tq
             qpos = q_offset + offs_m
-            qT = tl.load(Q_ptr + offs_m[None, :] * sqt + offs_d[:, None] * sqd,
+            qT = tl.load(_tile_ptrs(Q_ptr, m0, BLOCK_M, sqt, offs_d, sqd, True),
                          mask=d_ok[:, None] & row_ok[None, :], other=0.0)
             # padded query rows: LSE = +inf makes P = 0, and dO = 0, so they add nothing
             hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS)
@@ -388,14 +389,14 @@ if triton is not None:
                                       MASKED and HAS_DOC, HAS_RS, BLOCK_M)
             lpT = 0.0
             if HAS_PRIOR:  # the transposed tile: entry (key, query) from the reversed table
-                lpT = _table_tile(rtab, tab_stride, n0, m0, 0, BLOCK_N, BLOCK_M, REG_TABLES)
+                lpT = _table_tile(rtab, tab_stride, n0, m0, 0, BLOCK_N, BLOCK_M)
 
             qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
             pT = _tile_probs(qkT, lpT, qpos[None, :], offs_n[:, None], doc[None, :], coef[None, :],
                              r[None, :], hi[None, :], lo[None, :],
                              sm_scale * _LOG2E, MASKED, HAS_DOC, HAS_PRIOR, FUSE_RS)
 
-            do = tl.load(DO_ptr + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
+            do = tl.load(_tile_ptrs(DO_ptr, m0, BLOCK_M, sdot, offs_d, sdod, False),
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC)
@@ -415,7 +416,7 @@ if triton is not None:
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
                        HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
-                       REG_TABLES: tl.constexpr, DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr):
         pid_n, bh, b, h = _program_ids(H)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -423,9 +424,9 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd,
+        k = tl.load(_tile_ptrs(K + b * skb + h * skh, n0, BLOCK_N, skt, offs_d, skd, False),
                     mask=kv_mask, other=0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
+        v = tl.load(_tile_ptrs(V + b * svb + h * svh, n0, BLOCK_N, svt, offs_d, svd, False),
                     mask=kv_mask, other=0.0)
         rtab = RTAB + h * (_COPIES * tab_stride)  # this head's reversed prior table, if any
 
@@ -458,12 +459,12 @@ if triton is not None:
                 dk, dv, k, v, Q_ptr, DO_ptr, LSE, bh, DELTA_ptr, DOC_ptr, RS_ptr,
                 sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
                 Tq, q_offset, blk_lo, blk_hi,
-                stage > 0, HAS_DOC, HAS_PRIOR, HAS_RS, FUSE_RS, REG_TABLES, BLOCK_M, BLOCK_N,
+                stage > 0, HAS_DOC, HAS_PRIOR, HAS_RS, FUSE_RS, BLOCK_M, BLOCK_N,
                 DOT_PREC)
 
-        tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd,
+        tl.store(_tile_ptrs(DK + b * sdkb + h * sdkh, n0, BLOCK_N, sdkt, offs_d, sdkd, False),
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-        tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd,
+        tl.store(_tile_ptrs(DV + b * sdvb + h * sdvh, n0, BLOCK_N, sdvt, offs_d, sdvd, False),
                  dv.to(DV.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
@@ -481,37 +482,67 @@ if triton is not None:
         skewed = tl.gather(blocks, tl.where(inside, col, 0), 2)
         return tl.sum(tl.where(inside, skewed, 0.0), 1)
 
-    # The dQ kernel's sums over a row's visible keys j, kept per score (2-D, reduced once after the
-    # loop, so that the loop does no cross-lane reductions): dlp_acc = dS lp (d row_scale with
-    # scale_prior), and dj_acc, a tuple of K, whose entry k holds dS J_k (prior parameter k). With
-    # BY_DIAGONAL (many parameters: T5's buckets) the prior's gradient is summed per tile instead:
-    # the tile's w dS summed along its diagonals (d is constant on each), times each derivative
-    # table's entries there, into g_acc (K_POW2,): 2 BLOCK loads per table and tile, not one per
-    # score, and no accumulator per table.
     @triton.jit
-    def _dq_stage(dq, dlp_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd,
+    def _key_tiles(K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, n0, Tk, tab, tab_stride, row0,
+                   HAS_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """What dQ reads of key block n0: its positions, K^T and V^T tiles, and the prior's tile."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < Tk
+        kT = tl.load(_tile_ptrs(K_ptr, n0, BLOCK_N, skt, offs_d, skd, True),
+                     mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+        vT = tl.load(_tile_ptrs(V_ptr, n0, BLOCK_N, svt, offs_d, svd, True),
+                     mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
+        lp = 0.0
+        if HAS_PRIOR:
+            lp = _table_tile(tab, tab_stride, row0, n0, 0, BLOCK_M, BLOCK_N)
+        return offs_n, kT, vT, lp
+
+    @triton.jit
+    def _delta_stage(delta_acc, q, do, hi, lo, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok,
+                     row0, qpos, doc, coef, r, qk_scale, tab, tab_stride, Tk, blk_lo, blk_hi,
+                     MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                     FUSE_RS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+        """OWN_DELTA's pass over key blocks [blk_lo, blk_hi): delta_acc += P dP per score, P this
+        kernel's own (see _own_delta)."""
+        for blk in range(blk_lo, blk_hi):
+            n0 = blk * BLOCK_N
+            offs_n, kT, vT, lp = _key_tiles(K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, n0,
+                                            Tk, tab, tab_stride, row0, HAS_PRIOR, BLOCK_M,
+                                            BLOCK_N)
+            qk = _dot(q, kT, None, DOT_PREC)
+            p = _tile_probs(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
+                            r[:, None], hi[:, None], lo[:, None], qk_scale, MASKED, HAS_DOC,
+                            HAS_PRIOR, FUSE_RS)
+            delta_acc += p * _dot(do, vT, None, DOT_PREC)
+        return delta_acc
+
+    # The dQ kernel's sums over a row's visible keys j, kept per score (2-D, reduced once after the
+    # loop, so that the loop does no cross-lane reductions): dx_acc = dS x (d row_scale, x = l + lp
+    # with scale_prior, else l: in fp32, not from dQ's product, whose dS is rounded to 16 bits for
+    # the tensor cores and whose row sums would cancel to that rounding), and dj_acc, a tuple of K,
+    # whose entry k holds dS J_k (prior parameter k). With BY_DIAGONAL (many parameters: T5's
+    # buckets) the prior's gradient is summed per tile instead: the tile's w dS summed along its
+    # diagonals (d is constant on each), times each derivative table's entries there, into g_acc
+    # (K_POW2,): 2 BLOCK loads per table and tile, not one per score, and no accumulator per table.
+    @triton.jit
+    def _dq_stage(dq, dx_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd,
                   svt, svd, offs_d, d_ok, row0, qpos, doc, coef, r, qk_scale, tab, jtab, tab_stride,
                   Tk, blk_lo, blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
                   HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
-                  REG_TABLES: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                  N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
                   BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):  # pipelines the tables' loads too
             n0 = blk * BLOCK_N
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            kv_ok = offs_n < Tk
-            kT = tl.load(K_ptr + offs_n[None, :] * skt + offs_d[:, None] * skd,
-                         mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
-            vT = tl.load(V_ptr + offs_n[None, :] * svt + offs_d[:, None] * svd,
-                         mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
-            lp = 0.0
-            if HAS_PRIOR:
-                lp = _table_tile(tab, tab_stride, row0, n0, 0, BLOCK_M, BLOCK_N, REG_TABLES)
+            offs_n, kT, vT, lp = _key_tiles(K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, n0,
+                                            Tk, tab, tab_stride, row0, HAS_PRIOR, BLOCK_M,
+                                            BLOCK_N)
             jt = ()  # the derivative tables' tiles
             if not BY_DIAGONAL:
                 for i in tl.static_range(N_GRAD):
                     jt = jt + (_table_tile(jtab + i * (_COPIES * tab_stride), tab_stride, row0, n0,
-                                           0, BLOCK_M, BLOCK_N, REG_TABLES),)
+                                           0, BLOCK_M, BLOCK_N),)
 
             qk = _dot(q, kT, None, DOT_PREC)
             p = _tile_probs(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
@@ -521,8 +552,11 @@ if triton is not None:
             dscore = p * (dp - delta[:, None])
             dq = _dot(dscore.to(kT.dtype), tl.trans(kT), dq, DOT_PREC)  # sum_j dS k_j; r at the end
 
-            if NEED_RS_GRAD and HAS_PRIOR and SCALE_PRIOR:
-                dlp_acc += dscore * lp
+            if NEED_RS_GRAD:
+                x = qk * (qk_scale * _LN2)  # l; the tile lp is in base 2
+                if HAS_PRIOR and SCALE_PRIOR:
+                    x = x + lp * _LN2
+                dx_acc += dscore * x
             if BY_DIAGONAL:
                 diag = _diagonal_sums(dscore * w[:, None], BLOCK_M, BLOCK_N)  # (N_SUB, 2 BLOCK_N)
                 u = tl.arange(0, 2 * BLOCK_N)[None, :]
@@ -537,7 +571,7 @@ if triton is not None:
                 for i in tl.static_range(N_GRAD):
                     summed = summed + (dj_acc[i] + dscore * jt[i],)
                 dj_acc = summed
-        return dq, dlp_acc, dj_acc, g_acc
+        return dq, dx_acc, dj_acc, g_acc
 
     @triton.jit
     def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DOC, RS, PTAB, JTAB, DRS, PART,
@@ -548,9 +582,9 @@ if triton is not None:
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
                      HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
-                     REG_TABLES: tl.constexpr, N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
-                     BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, DOT_PREC: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                     BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, OWN_DELTA: tl.constexpr,
+                     DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         row0 = pid_m * BLOCK_M
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -559,12 +593,11 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         qd_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+        q = tl.load(_tile_ptrs(Q + b * sqb + h * sqh, row0, BLOCK_M, sqt, offs_d, sqd, False),
                     mask=qd_mask, other=0.0)
-        do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
+        do = tl.load(_tile_ptrs(DO + b * sdob + h * sdoh, row0, BLOCK_M, sdot, offs_d, sdod, False),
                      mask=qd_mask, other=0.0)
         hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS)
-        delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
         DOC_ptr = DOC + b * sdocb
         RS_ptr = RS + b * srb + h * srh
         doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
@@ -575,10 +608,22 @@ if triton is not None:
                                                                HAS_DOC, BLOCK_M, BLOCK_N)
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
+        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+        if OWN_DELTA:  # Delta_i = sum_j P_ij dP_ij from this kernel's P, not the forward's O
+            delta_acc = zero
+            for stage in tl.static_range(3):
+                blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
+                delta_acc = _delta_stage(
+                    delta_acc, q, do, hi, lo, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, row0,
+                    qpos, doc, coef, r, sm_scale * _LOG2E, tab, tab_stride, Tk, blk_lo, blk_hi,
+                    stage > 0, HAS_DOC, HAS_PRIOR, FUSE_RS, BLOCK_M, BLOCK_N, DOT_PREC)
+            delta = tl.sum(delta_acc, 1)
+        else:
+            delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        dlp_acc = zero
+        dx_acc = zero
         dj_acc = ()
         if not BY_DIAGONAL:
             for i in tl.static_range(N_GRAD):
@@ -591,20 +636,17 @@ if triton is not None:
             w = w * r  # d lp = dS r
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
-            dq, dlp_acc, dj_acc, g_acc = _dq_stage(
-                dq, dlp_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd, svt,
+            dq, dx_acc, dj_acc, g_acc = _dq_stage(
+                dq, dx_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd, svt,
                 svd, offs_d, d_ok, row0, qpos, doc, coef, r, sm_scale * _LOG2E, tab,
                 jtab, tab_stride, Tk, blk_lo, blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR,
-                FUSE_RS, REG_TABLES, N_GRAD, NEED_RS_GRAD,
+                FUSE_RS, N_GRAD, NEED_RS_GRAD,
                 BY_DIAGONAL, K_POW2, BLOCK_M, BLOCK_N, DOT_PREC, STAGES)
 
-        tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
+        tl.store(_tile_ptrs(DQ + b * sdqb + h * sdqh, row0, BLOCK_M, sdqt, offs_d, sdqd, False),
                  (dq * (sm_scale * r * multi)[:, None]).to(DQ.dtype.element_ty), mask=qd_mask)
-        if NEED_RS_GRAD:  # sum_j dS l = softmax_scale q.(sum_j dS k_j); + sum_j dS lp (scale_prior)
-            drs = sm_scale * tl.sum(q.to(tl.float32) * dq, 1)
-            if HAS_PRIOR and SCALE_PRIOR:
-                drs += _LN2 * tl.sum(dlp_acc, 1)  # the tile lp is in base 2
-            tl.store(DRS + bh * Tq + offs_m, drs * multi, mask=row_ok)
+        if NEED_RS_GRAD:
+            tl.store(DRS + bh * Tq + offs_m, tl.sum(dx_acc, 1) * multi, mask=row_ok)
         part = PART + (bh * n_qblocks + pid_m) * N_GRAD
         if BY_DIAGONAL:
             kk = tl.arange(0, K_POW2)
@@ -620,7 +662,8 @@ if triton is not None:
 # --------------------------------------------------------------------------------------------------
 # Fixed tiles per (head_dim, dtype) rather than triton.autotune: the backward's tile-skipping
 # tables depend on the block sizes, and under the interpreter autotuning would multiply test time.
-# Tests may set INTERPRET_BLOCKS.
+# Under the interpreter every kernel takes INTERPRET_BLOCKS (small tiles: more of them per test);
+# tests set it to None to run the GPU's own tiles, so that every configuration below is executed.
 INTERPRET_BLOCKS = (32, 32)
 
 
@@ -628,7 +671,7 @@ def _configs(block_d, dtype):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels. Chosen so
     that the sm_90 builds (ptxas, all prior/SSMax/document flags on) spill no or almost no
     registers; not tuned on hardware."""
-    if interpreting():
+    if interpreting() and INTERPRET_BLOCKS is not None:
         bm, bn = INTERPRET_BLOCKS
         return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
     if (
@@ -642,6 +685,14 @@ def _configs(block_d, dtype):
     # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead:
     # the performance model's shared-memory bandwidth bound, dev/README.md)
     return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
+
+
+def check_length(head_dim, dtype):
+    """The length of attention.check_kernel's problem: two full tiles of every kernel's
+    configuration and a ragged third, so that it runs unmasked, diagonal and ragged tiles."""
+    cfg = _configs(_block_d(head_dim), dtype)
+    largest = max(max(cfg[kernel][:2]) for kernel in ("fwd", "dkdv", "dq"))
+    return 2 * largest + largest // 2 + 3
 
 
 def _dq_stages(cfg, n_grad):
@@ -663,6 +714,18 @@ DIAGONAL_FROM = 4
 def _grad_path(n_grad):
     """The dQ kernel's flags for K derivative tables: BY_DIAGONAL, and K_POW2 (its accumulator)."""
     return dict(BY_DIAGONAL=n_grad >= DIAGONAL_FROM, K_POW2=max(2, triton.next_power_of_2(n_grad)))
+
+
+def _own_delta(n_grad, need_rs):
+    """Whether dQ recomputes Delta from its own P (one more pass over the row's keys: two of its
+    three products) rather than reading rowsum(O * dO): whenever it sums d theta or d row_scale.
+    Those sum dS times the prior's tables (or the scores) over every score, and every row's dS sums
+    to its error in Delta instead of 0, so these errors add up, times the tables' size. With 16-bit
+    inputs rowsum(O * dO) is off by the rounding of P before P V (8 bits in bf16): on
+    attention.check_kernel's bf16 problems the gradients were off by up to 40 %, and are within
+    1e-4 with it. In fp32, O's rounding times a floored table (1e4) reached 2e-4. dQ, dK and dV are
+    not sums over rows, and dK/dV keeps rowsum(O * dO)."""
+    return n_grad > 0 or need_rs
 
 
 def _round_up(n, multiple):
@@ -803,22 +866,8 @@ def _fuses_rs(has_prior, has_rs, scale_prior):
     return has_prior and has_rs and scale_prior
 
 
-# Table tiles are read straight into registers (_load_table_regs) when they have at least this
-# many columns; with fewer (dQ's 16 keys at head_dim 128) the address arithmetic per pair of
-# entries costs more than the shared-memory round trip it saves (dev/perf_model.py, sm_90, GGD dQ
-# at head_dim 128: 0.333 clocks per score through shared memory, 0.347 into registers).
-REG_TABLE_MIN_COLS = 32
-
-
-def _reg_tables(dtype, cols):
-    """REG_TABLES of a kernel whose table tiles have `cols` columns: 16-bit inputs on a GPU (fp32's
-    ieee dots use other layouts than the tensor cores')."""
-    half = dtype in (torch.float16, torch.bfloat16)
-    return not interpreting() and half and cols >= REG_TABLE_MIN_COLS
-
-
 def _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d):
-    """The compile-time flags every kernel launch shares (each launch adds its REG_TABLES)."""
+    """The compile-time flags every kernel launch shares."""
     return dict(HEAD_DIM=q.shape[-1], BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
                 HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs,
                 FUSE_RS=_fuses_rs(has_prior, has_rs, scale_prior), DOT_PREC=dot_prec,
@@ -855,7 +904,7 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: Op
             *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             doc.stride(0) if has_doc else 0, *(_strides(rs) if has_rs else (0, 0, 0)),
             H, Tq, Tk, q_offset, softmax_scale, tab_stride,
-            BLOCK_M=bm, BLOCK_N=bn, REG_TABLES=_reg_tables(q.dtype, bn), num_warps=warps,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **flags)
         # fmt: on
     return o, lse
@@ -902,7 +951,7 @@ def _launch_dkdv(q, k, v, do, lse, delta, doc, rs, rtab, tab_stride, q_offset, s
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
         H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_kb,
-        BLOCK_M=bm, BLOCK_N=bn, REG_TABLES=_reg_tables(q.dtype, bm), num_warps=warps,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         num_stages=stages, **flags)
     # fmt: on
     return dk, dv
@@ -933,8 +982,8 @@ def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
         H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_qb,
-        BLOCK_M=bm, BLOCK_N=bn, REG_TABLES=_reg_tables(q.dtype, bn), N_GRAD=n_grad,
-        NEED_RS_GRAD=need_rs, **_grad_path(n_grad),
+        BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad,
+        NEED_RS_GRAD=need_rs, **_grad_path(n_grad), OWN_DELTA=_own_delta(n_grad, need_rs),
         STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **flags)
     # fmt: on
     g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)
@@ -954,6 +1003,7 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     with _device_of(q):
         block_d, cfg, dot_prec, dummy, doc, rs = _launch_state(q, k, doc_start, row_scale)
         dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
+        do = do.to(q.dtype)  # the gradient of O cast to q's dtype: values of that dtype already
         do = do.contiguous() if do.stride(-1) != 1 else do
         tab, rtab, jtabs, tab_stride = _backward_tables(table, jtab, table_start, dummy)
         flags = _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d)

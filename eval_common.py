@@ -16,10 +16,10 @@ import sys
 
 import torch
 
-from attention import IMPLS, impl_error
+from attention import IMPLS, KernelMismatch, impl_error
 from checkpoint import CheckpointError, load_model
 from data import DataError, get_tokenizer
-from hardware import resolve_device
+from hardware import native_bf16, resolve_device
 
 
 class EvalError(ValueError):
@@ -54,7 +54,8 @@ def add_common_args(parser, default_out):
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="autocast precision; auto: bfloat16 on CUDA, float32 on CPU",
+        help="autocast precision; auto: bfloat16 on a GPU that has it natively (else float16), "
+        "float32 on CPU",
     )
     parser.add_argument(
         "--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl"
@@ -91,11 +92,13 @@ def pick_device(name="auto"):
 
 
 def resolve_dtype(device, dtype="auto"):
-    """The precision of --dtype on this device: auto = bfloat16 on CUDA, float32 on CPU
-    (hardware.autocast takes it)."""
+    """The precision of --dtype on this device: auto = bfloat16 on a GPU that has it natively,
+    float16 on an older one, float32 on CPU (hardware.autocast takes it)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if torch.device(device).type != "cuda":
+        return "float32"
+    return "bfloat16" if native_bf16(device) else "float16"
 
 
 def model_device(model):  # CPU for a model without parameters
@@ -144,10 +147,24 @@ def load_run(path, device, attn_impl="auto"):
     )
 
 
-def load_runs(paths, device, attn_impl="auto"):
+def check_kernel(model, label, dtype):
+    """Where the model's attention resolves to the Triton kernel, compare it with the reference on a
+    problem shaped like this evaluation (model.Attention.check_kernel) and print the line, before
+    anything is evaluated; an EvalError where they disagree."""
+    try:
+        line = model.check_kernel(getattr(torch, dtype), training=False)
+    except KernelMismatch as e:
+        raise EvalError(f"{label}: {e}; evaluate with --attn_impl torch (the reference)") from None
+    if line:
+        print(f"{label}: {line}", flush=True)
+
+
+def load_runs(paths, device, attn_impl="auto", dtype="float32"):
     """(runs, tokenizer): every checkpoint as a run (load_run), all with one tokenizer so that they
-    see identical prompts."""
+    see identical prompts, each with its kernel checked for evaluations in dtype (check_kernel)."""
     runs = [load_run(path, device, attn_impl) for path in paths]
+    for run in runs:
+        check_kernel(run["model"], run["label"], dtype)
 
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:

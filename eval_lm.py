@@ -66,7 +66,8 @@ class BamGPT(LM):
         super().__init__()
         model = ckpt
         if isinstance(ckpt, str):
-            (run,), _ = load_runs([ckpt], pick_device(device or "auto"))
+            device = pick_device(device or "auto")
+            (run,), _ = load_runs([ckpt], device, dtype=resolve_dtype(device, dtype))
             model = run["model"]
         self.model = model.eval()
         self.tok = get_tokenizer(self.model.config.tokenizer)

@@ -471,7 +471,7 @@ def main(argv=None):
     device = ec.pick_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else preset.get("dtype", "auto")
     dtype = ec.resolve_dtype(device, dtype)
-    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
+    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl, dtype)
     template = dict(passkey.TEMPLATES[args.template], **preset.get("template", {}))
     lengths = choose_lengths(args, preset, runs)
 

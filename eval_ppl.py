@@ -398,7 +398,7 @@ def main(argv=None):
 
     device = pick_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
-    runs, _ = load_runs(args.ckpt, device, args.attn_impl)
+    runs, _ = load_runs(args.ckpt, device, args.attn_impl, dtype)
     seqs, data_desc = load_sequences(args, runs)
     print(
         f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of "

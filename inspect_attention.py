@@ -410,7 +410,7 @@ def run(args):
     t0 = time.perf_counter()
     device = ec.pick_device(args.device)
     dtype = ec.resolve_dtype(device, args.dtype)
-    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl)
+    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl, dtype)
     length, lengths = choose_lengths(args, runs, enc, template, device)
     rows = []
     accuracy = {}

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import IMPLS as ATTN_IMPLS
-from attention import attention, impl_error
+from attention import attention, check_kernel, impl_error
 from priors import BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
@@ -216,22 +216,46 @@ class Attention(nn.Module):
             k = apply_rope(k, *rope)
         return q, k, v
 
+    @property
+    def scales_prior(self):
+        """attention()'s scale_prior: whether SSMax's row scale multiplies the prior too."""
+        return (
+            self.config.pos_encoding == "bam"
+            and self.config.ssmax_prior
+            and bool(self.prior_def.trainable)
+        )
+
     def attention_kwargs(self, doc_start, log_n):
         """The keyword arguments of attention() for this layer: doc_start, prior, row_scale,
         scale_prior."""
         row_scale = None
         if log_n is not None:  # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
             row_scale = self.ssmax_s[None, :, None] * log_n[:, None, :]
-        scale_prior = (
-            self.config.pos_encoding == "bam"
-            and self.config.ssmax_prior
-            and bool(self.prior_def.trainable)
-        )
         return dict(
             doc_start=doc_start,
             prior=self.bound_prior(),
             row_scale=row_scale,
-            scale_prior=scale_prior,
+            scale_prior=self.scales_prior,
+        )
+
+    def check_kernel(self, dtype, training):
+        """attention.check_kernel on a problem shaped like this layer's attention in a run of dtype
+        (training: with documents and gradients, as train.py calls it; else as an evaluation):
+        the line to print, or None where the layer's attention does not resolve to the kernel."""
+        trained = ()
+        if self.prior_def is not None and training:
+            trained = tuple(n for n in self.prior_def.params if getattr(self, n).requires_grad)
+        return check_kernel(
+            impl=self.config.attn_impl,
+            prior=self.prior_def,
+            trained=trained,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            device=self.wq.weight.device,
+            ssmax=self.config.ssmax,
+            scale_prior=self.scales_prior,
+            training=training,
+            documents=training,
         )
 
     def forward(self, x, rope, doc_start, log_n, kv_cache):
@@ -288,6 +312,11 @@ class GPT(nn.Module):
         authors report)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
+
+    def check_kernel(self, dtype, training):
+        """Attention.check_kernel of the first layer (every layer's attention is configured alike):
+        the line to print, or None where attention does not resolve to the Triton kernel."""
+        return self.blocks[0].attn.check_kernel(dtype, training)
 
     def forward(
         self, idx, targets=None, *, doc_start=None, kv_cache=None, logits_at=None, reduction="mean"

@@ -18,7 +18,7 @@ import torch
 
 from checkpoint import load_model
 from data import get_tokenizer
-from eval_common import pick_device, resolve_dtype, run_script
+from eval_common import check_kernel, pick_device, resolve_dtype, run_script
 from hardware import autocast
 
 SEPARATOR = "---------------"
@@ -71,6 +71,7 @@ def main(argv=None):
     device = pick_device("auto")
     dtype = resolve_dtype(device)
     model, _ = load_model(args.ckpt, device)
+    check_kernel(model, args.ckpt, dtype)
     tok = get_tokenizer(model.config.tokenizer)
     prompt = [tok.doc_start] + tok.encode_ordinary(prompt_text)
     x = torch.tensor([prompt], device=device)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from attention import impl_error
+from attention import KernelMismatch, impl_error
 from checkpoint import (
     CheckpointError,
     checkpoint_name,
@@ -43,7 +43,7 @@ from checkpoint import (
 )
 from configurator import ConfigError, configure
 from data import VAL_TOKENS, DataError, TokenLoader
-from hardware import autocast, peak_flops, resolve_device
+from hardware import autocast, native_bf16, peak_flops, resolve_device
 from model import GPT, MODEL_SIZES, GPTConfig
 
 # ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py names it)
@@ -194,6 +194,11 @@ def resolve_config(settings, world_size):
 def check_device(cfg, ddp):
     """The device the settings ask for (auto resolved), checked with the precision and the attention
     impl against the hardware (a ConfigError says what does not fit)."""
+    try:  # first, so that a driver too old for this torch is named as the reason
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        message = f"device={cfg.device!r} {e}; use --device=cpu"
+        raise ConfigError(f"invalid settings: {message}") from None
     cuda = torch.cuda.is_available()
     gpu_recipe = cfg.dtype == "bfloat16" and cfg.compile
     if cfg.device == "auto" and not cuda and (ddp or gpu_recipe):
@@ -206,11 +211,6 @@ def check_device(cfg, ddp):
             "--compile=False --dtype=float32)"
         )
 
-    try:
-        device = resolve_device(cfg.device)
-    except ValueError as e:
-        message = f"device={cfg.device!r} {e}; use --device=cpu"
-        raise ConfigError(f"invalid settings: {message}") from None
     if device.type == "cpu" and cfg.dtype == "float16":
         raise ConfigError(
             "invalid settings: dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU "
@@ -284,8 +284,9 @@ def setup_device(cfg, device, ddp, local_rank, log):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        if cfg.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-            log("warning: this GPU has no bfloat16; using float16 with a GradScaler")
+        if cfg.dtype == "bfloat16" and not native_bf16(device):
+            name = torch.cuda.get_device_name(device)
+            log(f"note: {name} has no native bfloat16; training in float16 with a GradScaler")
             cfg.dtype = "float16"
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
@@ -709,6 +710,18 @@ def build_run(cfg, device, accum, tokens_per_update, log, master):
     )
 
 
+def check_kernel(run):
+    """Compare the Triton kernel with the reference on a problem shaped like this run's attention
+    (its dtype, prior, SSMax, documents, every gradient) before anything is trained or written; a
+    TrainingError where they disagree. Every rank checks its own GPU."""
+    try:
+        line = run.raw_model.check_kernel(getattr(torch, run.cfg.dtype), training=True)
+    except KernelMismatch as e:
+        raise TrainingError(f"{e}; train with --attn_impl=torch (the reference)") from None
+    if line:
+        run.log(line)
+
+
 def measure_mfu(run, device, world_size):
     """Set what MFU needs: the FLOPs of a step and the GPUs' bf16 peak (none on a CPU or an unknown
     GPU)."""
@@ -743,6 +756,7 @@ def train(settings, argv=()):
 
     run = build_run(cfg, device, accum, tokens_per_update, log, master)
     describe(run)
+    check_kernel(run)
     if cfg.resume:
         restore(run, existing[-1][1], rank, world_size)
     if cfg.compile:

@@ -1,57 +1,96 @@
 #!/usr/bin/env bash
-# The GPU checks, in one go (about 5 minutes on an H100/H200): `bash dev/gpu_check.sh` (or `make gpu-check`).
-# Everything lands in results/gpu/ (logs and JSON); copy the numbers into the README.
-#   1. the compiled Triton kernel vs the PyTorch reference: values and every gradient, fp32 / bf16, for ggd and
-#      for cauchy (the kernel reads any prior from its tables)
-#   2. the kernel, prior and torch.compile test suites on the GPU (compiled, not interpreted): every registered
-#      prior and the tests' own priors, never seen by any other code, against the dense formula
-#   3. the same compiled kernels for ggd, cauchy and a test prior (two trained parameters each): their
-#      forward + backward times side by side
-#   4. kernel vs SDPA-flash (no prior) and SDPA with a materialised prior, for ggd and for cauchy: TFLOP/s,
-#      memory, and the performance model's predicted ratios next to the measured ones (perf_model.py)
-#   5. a training step of l12: BAM+SSMax vs NoPE time ratio, tokens/s and MFU, bf16 + torch.compile
-#   6. a 131,072-token forward of l12 BAM+SSMax in bf16: time and peak memory
-#   7. train.py end to end for a few steps on the demo data, bf16 + torch.compile (ggd, then cauchy, both on the
-#      kernel), then a passkey evaluation
-# Each step runs even if an earlier one failed; the exit status says whether all passed.
+# The GPU checks, in two tiers, on a machine where the repo's requirements are installed (this
+# script installs and builds nothing):
+#
+#   bash dev/gpu_check.sh correctness   # is the compiled kernel right on this GPU? (~4 min, H100)
+#   bash dev/gpu_check.sh performance   # the full compiled test suites, speed, a compiled training
+#   bash dev/gpu_check.sh all           # both
+#
+# correctness: the compiled kernel against the reference on the self-check problems of every tile
+#   configuration (dtype x head_dim class of attention_kernel._configs), 16-bit inputs with row
+#   scales of both signs and -0.0, offsets past 2^31, and a kernel made wrong on purpose; then
+#   train.py for a few bf16 steps on the kernel (its own self-check first) and a passkey evaluation
+#   (its self-check for evaluation). Most of its time is compilation: about 70 kernel
+#   specialisations, 1-5 s each on one CPU core, 4 test processes at a time.
+# performance: the kernel, prior and torch.compile test suites compiled instead of interpreted;
+#   every prior's forward + backward time; the kernel against SDPA with the performance model's
+#   prediction beside it; the l12 step-time ratio BAM+SSMax / NoPE with MFU; a 131,072-token l12
+#   forward; a bf16 + torch.compile training on the demo data.
+#
+# Every step runs even if an earlier one failed (no -x: one failure does not hide the others). Each
+# writes OUT/<step>.log, and OUT/summary.md gets its PASS/FAIL row as soon as it ends; the exit
+# status is 1 if any step failed. OUT defaults to dev/results/gpu, PYTHON to python3.
 set -u
 cd "$(dirname "$0")/.."  # the repo root
-PY=${PYTHON:-python}
-OUT=results/gpu
+tier=${1:-correctness}
+case $tier in
+  correctness | performance | all) ;;
+  *) echo "gpu_check.sh: error: unknown tier '$tier'; use correctness, performance or all" >&2; exit 1 ;;
+esac
+PY=${PYTHON:-python3}
+OUT=${OUT:-dev/results/gpu}
+WORK=$(mktemp -d)  # the runs' data and checkpoints
 mkdir -p "$OUT"
+summary=$OUT/summary.md
 status=0
-run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure
-  local name=$1; shift
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  if "$@" 2>&1 | tee "$OUT/$name.log"; then echo "=== $name: ok ($((SECONDS - t0)) s)"
-  else echo "=== $name: FAILED ($((SECONDS - t0)) s)"; status=1; fi
-}
-set -o pipefail  # a step's status is its command's, not tee's
-$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU here: nothing to check')" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
-  | tee -a "$OUT/gpu.txt"
 
-run kernel_check        $PY dev/bench_attention.py --check --out "$OUT/kernel_check.json"
-run kernel_check_cauchy $PY dev/bench_attention.py --check --prior cauchy --out "$OUT/kernel_check_cauchy.json"
-run kernel_tests        env TRITON_INTERPRET=0 $PY -m pytest -q -x tests/test_kernel.py tests/test_priors.py \
-                        tests/test_kernel_compile.py
-run prior_speed         env TRITON_INTERPRET=0 $PY -m pytest -q -s tests/test_kernel.py -k speed_of_every_prior
-run attention_bench     $PY dev/bench_attention.py --quick --out "$OUT/bench_attention.json"
-run attention_bench_cauchy $PY dev/bench_attention.py --quick --prior cauchy --impls kernel_bam kernel_plain \
-                        --out "$OUT/bench_attention_cauchy.json"
-run perf_model          $PY dev/perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
-                        --compare "$OUT/bench_attention.json" --out "$OUT/perf_model"
-run step_ratio          $PY dev/bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
-run long_forward        $PY dev/bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
-rm -rf /tmp/bam_gpu_run /tmp/bam_gpu_cauchy /tmp/bam_gpu_demo_data
-run demo_data           $PY prepare_demo.py --out_dir /tmp/bam_gpu_demo_data
-run train_compiled      $PY train.py config/demo_cpu.py --data_dir=/tmp/bam_gpu_demo_data --out_dir=/tmp/bam_gpu_run \
-                        --device=cuda --dtype=bfloat16 --compile=True --max_iters=40 --eval_interval=20 --log_interval=10
-run train_cauchy        $PY train.py config/demo_cpu.py --data_dir=/tmp/bam_gpu_demo_data --out_dir=/tmp/bam_gpu_cauchy \
-                        --device=cuda --dtype=bfloat16 --compile=True --prior=cauchy --attn_impl=triton \
-                        --max_iters=40 --eval_interval=20 --log_interval=10
-run passkey_gpu         $PY eval_passkey.py --ckpt /tmp/bam_gpu_run --template demo --max_length 65536 --samples 10 \
-                        --out "$OUT/passkey"
+step() {  # step NAME CMD...: log to OUT/NAME.log, append its row to the summary, keep going
+  local name=$1
+  shift
+  echo "=== $name: $*"
+  local started=$SECONDS
+  if "$@" > "$OUT/$name.log" 2>&1; then
+    result=PASS
+  else
+    result=FAIL
+    status=1
+  fi
+  local seconds=$((SECONDS - started))
+  tail -n 3 "$OUT/$name.log"
+  echo "=== $name: $result ($seconds s)"
+  echo "| $name | $result | $seconds | $name.log |" >> "$summary"
+}
+
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: error: torch finds no CUDA GPU here')" \
+  || exit 1
+{
+  echo "# GPU check ($tier), $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  echo '```'
+  echo
+  echo "| step | result | seconds | log |"
+  echo "|---|---|---|---|"
+} > "$summary"
+cat "$summary"
+
+kernel_tests="tests/test_kernel.py tests/test_priors.py tests/test_kernel_compile.py"
+if [ "$tier" != performance ]; then
+  step self_check env TRITON_INTERPRET=0 $PY -m pytest -q -n 4 -p no:cacheprovider tests/test_kernel.py \
+    -k "self_check or half_precision or offsets_past_2_31 or single_key_rows"
+  step demo_data $PY prepare_demo.py --out_dir "$WORK/data"
+  step train_on_kernel $PY train.py config/demo_cpu.py --data_dir="$WORK/data" --out_dir="$WORK/run" \
+    --device=cuda --dtype=bfloat16 --compile=False --attn_impl=triton --max_iters=40 --eval_interval=20 \
+    --log_interval=10
+  step passkey_on_kernel $PY eval_passkey.py --ckpt "$WORK/run" --template demo --max_length 4096 \
+    --samples 4 --attn_impl triton --out "$OUT/passkey"
+fi
+if [ "$tier" != correctness ]; then
+  step kernel_tests env TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider $kernel_tests
+  step prior_speed env TRITON_INTERPRET=0 $PY -m pytest -q -s -p no:cacheprovider tests/test_kernel.py \
+    -k speed_of_every_prior
+  step attention_bench $PY dev/bench_attention.py --quick --out "$OUT/bench_attention.json"
+  step perf_model $PY dev/perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
+    --compare "$OUT/bench_attention.json" --out "$OUT/perf_model"
+  step step_ratio $PY dev/bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
+  step long_forward $PY dev/bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
+  [ -d "$WORK/data" ] || step demo_data $PY prepare_demo.py --out_dir "$WORK/data"
+  step train_compiled $PY train.py config/demo_cpu.py --data_dir="$WORK/data" --out_dir="$WORK/compiled" \
+    --device=cuda --dtype=bfloat16 --compile=True --max_iters=200 --eval_interval=100 --log_interval=50
+fi
+rm -rf "$WORK"
+echo
+cat "$summary"
 exit $status

@@ -184,6 +184,7 @@ def kernel_launches(ak, variant, head_dim):
     )
     if hasattr(ak, "_grad_path"):  # how dQ sums the prior's gradient (per score or per diagonal)
         dq_flags.update(ak._grad_path(K))
+    dq_flags["OWN_DELTA"] = K > 0 or ssmax  # attention_kernel._own_delta
     out = []
     kernels = (
         ("fwd", ak._attn_fwd, {}),
@@ -195,7 +196,7 @@ def kernel_launches(ak, variant, head_dim):
         flags = {k: v for k, v in {**common, **extra}.items() if k in fn.arg_names}
         if "STAGES" in fn.arg_names:
             flags["STAGES"] = ak._dq_stages(cfg, K)
-        if "REG_TABLES" in fn.arg_names:  # the table tiles' columns: keys, or queries in dK/dV
+        if "REG_TABLES" in fn.arg_names:  # revisions with register table reads (dev/README.md)
             flags["REG_TABLES"] = (bm if name == "dkdv" else bn) >= ak.REG_TABLE_MIN_COLS
         out.append((name, fn, dict(flags, BLOCK_M=bm, BLOCK_N=bn), (bm, bn, warps, stages)))
     return out
@@ -224,7 +225,13 @@ def sass(cubin):
 
 def hot_loop(ins):
     """The instructions of the innermost loop (a backward branch's range) that holds tensor-core
-    instructions and the fewest instructions."""
+    instructions and the fewest instructions. In dQ with OWN_DELTA that is its first pass over the
+    keys (2 of the 3 matrix products, nothing accumulated): see measure."""
+    return min(_tensor_loops(ins), key=len)
+
+
+def _tensor_loops(ins):
+    """The innermost loops (a backward branch's range) that hold tensor-core instructions."""
     loops = []
     for addr, op, rest in ins:
         m = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
@@ -239,7 +246,7 @@ def hot_loop(ins):
     bodies = [body for body in bodies if any(op.startswith(TENSOR_OPS) for _, op, _ in body)]
     if not bodies:
         raise RuntimeError("no loop with tensor-core instructions found in the SASS")
-    return min(bodies, key=len)
+    return bodies
 
 
 def _mma_flops(op):
@@ -253,9 +260,8 @@ def _mma_flops(op):
     return 2 * m * n * k
 
 
-MATMULS = dict(
-    fwd=2, dkdv=4, dq=3
-)  # matrix products per tile: QK^T, PV | QK^T, dP, dV, dK | QK^T, dP, dQ
+# matrix products per tile: QK^T, PV | QK^T, dP, dV, dK | QK^T, dP, dQ | dQ's delta pass: QK^T, dP
+MATMULS = dict(fwd=2, dkdv=4, dq=3, dq_delta=2)
 
 
 MEMORY_OPS = ("LDG", "STG", "LDS", "STS", "LDSM", "LDGSTS", "LDL", "STL", "LD.", "ST.")
@@ -343,35 +349,51 @@ def measure(ak, tag, archs, head_dims, variants):
                         fn, const, arch, warps, stages, getattr(ak, "FP_FUSION", False)
                     )
                     ins, res = sass(k.asm["cubin"])
-                    c = count_per_score(hot_loop(ins), warps, kname, const["BLOCK_D"], bm * bn)
-                    clk, bound = clocks_per_score(c, GPUS[arch])
-                    kinds = {k_: round(v, 3) for k_, v in c.pop("mufu_kinds").items()}
-                    rows.append(
-                        dict(
-                            kernel_src=tag,
-                            arch=f"sm_{arch}",
-                            head_dim=D,
-                            variant=variant,
-                            kernel=kname,
-                            tiles=f"{bm}x{bn} w{warps} s{stages}",
-                            regs=res.get("REG"),
-                            stack_bytes=res.get("STACK", 0) + res.get("LOCAL", 0),
-                            smem=k.metadata.shared + res.get("SHARED", 0),
-                            **{k_: round(v, 3) for k_, v in c.items()},
-                            mufu_kinds=kinds,
-                            clk_per_score=clk,
-                            bound=bound,
+                    loops = [(kname, hot_loop(ins))]
+                    if const.get("OWN_DELTA"):  # dQ's two passes: a row each
+                        # its main loop, found alone in a build without the first pass
+                        alone = compile_kernel(
+                            fn, dict(const, OWN_DELTA=False), arch, warps, stages, ak.FP_FUSION
                         )
-                    )
-                    print(
-                        f"{tag:>8} sm_{arch} D={D:<3} {variant:<9} {kname:<4} regs "
-                        f"{res.get('REG')} "
-                        f"mufu {c['mufu']:.2f} tensor {c['tensor_flops']:.0f} fp32 {c['fp32']:.2f} "
-                        f"issue {c['issue']:.2f} tiles/iter {c['tiles_per_iter']:.2f} -> {bound}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                        main = hot_loop(sass(alone.asm["cubin"])[0])
+                        loops = [(kname, main), ("dq_delta", loops[0][1])]
+                    for name, body in loops:
+                        c = count_per_score(body, warps, name, const["BLOCK_D"], bm * bn)
+                        rows.append(
+                            model_row(
+                                tag, arch, D, variant, name, c, res, k, (bm, bn, warps, stages)
+                            )
+                        )
     return rows
+
+
+def model_row(tag, arch, D, variant, kname, c, res, k, tiles):
+    """One kernel loop's row of the table (and its progress line)."""
+    bm, bn, warps, stages = tiles
+    clk, bound = clocks_per_score(c, GPUS[arch])
+    kinds = {k_: round(v, 3) for k_, v in c.pop("mufu_kinds").items()}
+    print(
+        f"{tag:>8} sm_{arch} D={D:<3} {variant:<9} {kname:<8} regs {res.get('REG')} "
+        f"mufu {c['mufu']:.2f} tensor {c['tensor_flops']:.0f} fp32 {c['fp32']:.2f} "
+        f"issue {c['issue']:.2f} tiles/iter {c['tiles_per_iter']:.2f} -> {bound}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dict(
+        kernel_src=tag,
+        arch=f"sm_{arch}",
+        head_dim=D,
+        variant=variant,
+        kernel=kname,
+        tiles=f"{bm}x{bn} w{warps} s{stages}",
+        regs=res.get("REG"),
+        stack_bytes=res.get("STACK", 0) + res.get("LOCAL", 0),
+        smem=k.metadata.shared + res.get("SHARED", 0),
+        **{k_: round(v, 3) for k_, v in c.items()},
+        mufu_kinds=kinds,
+        clk_per_score=clk,
+        bound=bound,
+    )
 
 
 def summarise(rows):
@@ -393,15 +415,12 @@ def summarise(rows):
     for src, arch, D, variant in keys:
         get, base = kernels(src, arch, D, variant), kernels(src, arch, D, "none")
         fa2 = fa2_clocks(D, GPUS[int(arch[3:])])
-        fwd, bwd = (
-            get["fwd"]["clk_per_score"],
-            get["dkdv"]["clk_per_score"] + get["dq"]["clk_per_score"],
-        )
-        bfwd, bbwd = (
-            base["fwd"]["clk_per_score"],
-            base["dkdv"]["clk_per_score"] + base["dq"]["clk_per_score"],
-        )
-        bwd_sum = {k: get["dkdv"][k] + get["dq"][k] for k in ("mufu", "fp32")}
+        backward = [get[name] for name in ("dkdv", "dq", "dq_delta") if name in get]
+        fwd = get["fwd"]["clk_per_score"]
+        bwd = sum(r["clk_per_score"] for r in backward)  # the kernels and passes run one by one
+        bfwd = base["fwd"]["clk_per_score"]
+        bbwd = base["dkdv"]["clk_per_score"] + base["dq"]["clk_per_score"]
+        bwd_sum = {k: sum(r[k] for r in backward) for k in ("mufu", "fp32")}
         out.append(
             dict(
                 kernel_src=src,
@@ -413,7 +432,7 @@ def summarise(rows):
                 fwd_bound=get["fwd"]["bound"],
                 bwd_mufu=bwd_sum["mufu"],
                 bwd_fp32=bwd_sum["fp32"],
-                bwd_bound="/".join((get["dkdv"]["bound"], get["dq"]["bound"])),
+                bwd_bound="/".join(r["bound"] for r in backward),
                 max_regs=max(r["regs"] for r in get.values()),
                 stack_bytes=max(r["stack_bytes"] for r in get.values()),
                 loop_local_ops=max(r["local"] for r in get.values()),
@@ -431,9 +450,8 @@ def summarise(rows):
 def markdown(summary):
     lines = [
         "| GPU | D | variant | fwd MUFU / FP32 per score | fwd bound | bwd MUFU / FP32 per score | "
-        "bwd bound "
-        "(dK/dV / dQ) | regs (stack B) | fwd vs no prior | bwd vs no prior | fwd vs FA2 | bwd vs "
-        "FA2 |",
+        "bwd bound (dK/dV / dQ / dQ's Delta pass) | regs (stack B) | fwd vs no prior | "
+        "bwd vs no prior | fwd vs FA2 | bwd vs FA2 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:

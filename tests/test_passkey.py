@@ -13,6 +13,7 @@ import tiktoken
 import torch
 import torch.nn as nn
 
+import attention_kernel as ak
 import eval_common
 import eval_passkey as ep
 import model as model_mod
@@ -593,3 +594,28 @@ def test_default_grid_from_the_training_length(tmp_path, ckpts, capsys):
         assert (s["status"] == "ok") == (L >= shortest)
         assert s["n"] == (2 if L >= shortest else 0)
     assert "skipping length 32 for runA" in capsys.readouterr().err
+
+
+def test_triton_evaluation_checks_the_kernel_first(tmp_path, ckpts, capsys, monkeypatch):
+    """--attn_impl triton (here through Triton's interpreter): the kernel is compared with the
+    reference on a problem shaped like the evaluation before the first length, and a kernel made
+    wrong on purpose (its prior table read one distance off) stops the evaluation with an EvalError
+    that names the reference."""
+    args = ("--attn_impl", "triton", "--device", "cpu", "--lengths", "64", "--samples", "1")
+    assert run_main(tmp_path / "right", ckpts[:1], *args)["summary"]
+    line = next(x for x in capsys.readouterr().out.splitlines() if "attention kernel check" in x)
+    assert line.startswith("runA: attention kernel check (float32, head_dim 8,"), line
+    assert ": ok in " in line and "parameters" not in line, line  # no gradients in an evaluation
+
+    right = ak._prior_tables
+
+    def misread(*args):
+        table, *rest = right(*args)
+        return (table.roll(1, -1), *rest)
+
+    monkeypatch.setattr(ak, "_prior_tables", misread)
+    with pytest.raises(
+        eval_common.EvalError, match=r"disagrees with the reference.*--attn_impl torch"
+    ):
+        run_main(tmp_path / "wrong", ckpts[:1], *args)
+    assert not (tmp_path / "wrong").exists() or not os.listdir(tmp_path / "wrong")

@@ -196,6 +196,55 @@ def test_missing_data_dir_is_a_clear_error(tmp_path):
     )
 
 
+# A kernel made wrong on purpose: every row reads the prior's table one distance off, as a wrong
+# address would. Run as train.py's own __main__, so that the error is what a user sees.
+WRONG_KERNEL = """
+import runpy, sys
+import attention_kernel as ak
+right = ak._prior_tables
+def misread(*args):
+    table, *rest = right(*args)
+    return (table.roll(1, -1), *rest)
+ak._prior_tables = misread
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_triton_training_checks_the_kernel_before_step_1(data_dir, tmp_path):
+    """--attn_impl=triton (here through Triton's interpreter) compares the kernel with the
+    reference on a problem shaped like the run, prints the line, then trains."""
+    out = tmp_path / "run"
+    args = tiny(data_dir, out, attn_impl="triton", ssmax=True, max_iters=2, eval_interval=2)
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("attention kernel check"))
+    assert "(float32, head_dim 8, ggd + SSMax scaling the prior, documents," in line, line
+    assert line.endswith("s") and ": ok in " in line, line
+    assert r.stdout.index("attention kernel check") < r.stdout.index("step 1/2")
+    assert "done: step 2 of 2" in r.stdout
+
+
+def test_a_wrong_kernel_stops_training_before_anything_is_written(data_dir, tmp_path):
+    out = tmp_path / "run"
+    args = tiny(data_dir, out, attn_impl="triton", ssmax=True)
+    r = subprocess.run(
+        [sys.executable, "-c", WRONG_KERNEL, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        # the interpreter's numpy warns of the NaN it computes in masked lanes; a GPU does not
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::RuntimeWarning"),
+    )
+    assert r.returncode == 1
+    assert r.stderr.startswith("train.py: error: the Triton kernel disagrees with the reference")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--attn_impl=torch" in r.stderr and "Traceback" not in r.stderr
+    assert "step 1" not in r.stdout
+    assert not out.exists() or not any(out.iterdir())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
     # as torchrun launches rank 0 of 2: one line, before any process group, data or run directory

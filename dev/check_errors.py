@@ -1,0 +1,59 @@
+"""
+The errors behind attention.CHECK_TOLERANCE: check_kernel's problem for every registered prior,
+SSMax off, on, and scaling the prior, a few seeds, in each dtype. Prints one line per problem and
+the largest error of each kind per dtype. Through Triton's interpreter on a CPU (about 10 minutes
+per head_dim), compiled on a GPU.
+
+    TRITON_INTERPRET=1 python dev/check_errors.py --head_dim 64
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import attention  # noqa: E402
+from priors import PRIORS  # noqa: E402
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PLACEMENTS = ((False, False), (True, False), (True, True))  # (SSMax, scaling the prior)
+
+
+def errors_of(prior, head_dim, dtype, ssmax, scale_prior, seed, device):
+    """check_kernel's errors {name: error} on its problem drawn from `seed`, with gradients."""
+    inputs = attention._check_inputs(prior, head_dim, dtype, ssmax, True, seed=seed)
+    run = (prior, prior.trainable, scale_prior and bool(prior.trainable), device, True)
+    kernel = attention._check_run("triton", inputs, *run)
+    reference = attention._check_run("torch", inputs, *run)
+    return attention._check_errors(kernel, reference, prior)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+    device = "cpu" if attention.interpreting() else "cuda"
+
+    for dtype in DTYPES:
+        worst = {}
+        for prior in PRIORS.values():
+            for ssmax, scale_prior in PLACEMENTS:
+                for seed in range(args.seeds):
+                    errors = errors_of(
+                        prior, args.head_dim, dtype, ssmax, scale_prior, seed, device
+                    )
+                    text = " ".join(f"{name} {error:.1e}" for name, error in errors.items())
+                    print(f"{dtype} {prior.name} ssmax={ssmax} scale_prior={scale_prior} {text}")
+                    for name, error in errors.items():
+                        kind = "output" if name == "output" else "parameters"
+                        kind = "q k v" if name in ("q", "k", "v") else kind
+                        worst[kind] = max(worst.get(kind, 0.0), error)
+        print(f"largest, {dtype}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+if __name__ == "__main__":
+    main()
