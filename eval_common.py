@@ -30,9 +30,23 @@ class EvalError(ValueError):
 EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError)
 
 
+def mmap_large_allocations():
+    """From now on, in this process, give every allocation of >= 1 MiB its own mmap, returned to the
+    OS when freed (glibc only; elsewhere nothing). Long CPU evaluations need it: without it,
+    multi-MiB tensors fragment the heap and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS
+    instead of ~2 GiB)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl)
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+
+
 def run_script(main, script):
-    """An evaluation's entry point: an expected failure ends in one line and exit status 1, no
-    traceback."""
+    """An evaluation's entry point: large allocations mmapped (mmap_large_allocations), and an
+    expected failure ends in one line and exit status 1, no traceback."""
+    mmap_large_allocations()
     try:
         main()
     except EXPECTED_ERRORS as e:
@@ -74,20 +88,11 @@ def add_common_args(parser, default_out):
 
 
 def pick_device(name="auto"):
-    """The device of --device (hardware.resolve_device), as a string. On the CPU (glibc) every
-    allocation of >= 1 MiB gets its own mmap from now on, given back to the OS when freed: else
-    multi-MiB tensors fragment the heap and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS
-    instead of ~2 GiB)."""
+    """The device of --device (hardware.resolve_device), as a string."""
     try:
         device = resolve_device(name)
     except ValueError as e:
         raise EvalError(f"--device {name} {e}; use --device cpu") from None
-
-    if device.type == "cpu":
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 = M_MMAP_THRESHOLD, fixed
-        except (OSError, AttributeError):  # not glibc (macOS, musl)
-            pass
     return str(device)
 
 

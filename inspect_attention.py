@@ -503,4 +503,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    ec.mmap_large_allocations()
     main()
