@@ -125,9 +125,8 @@ def _chunk_scores(
     content = queries @ k[:, :, first_key:end].float().transpose(-1, -2)
 
     log_prior = 0.0
-    if (
-        prior is not None
-    ):  # a function of d = j - i alone: evaluated once per distance, then gathered
+    # a function of d = j - i alone: evaluated once per distance, then gathered
+    if prior is not None:
         nearest = first_key - (end - 1)  # the most negative distance of the chunk
         table = prior.table(torch.arange(nearest, stop - start, device=q.device))
         log_prior = table[:, j - i - nearest]

@@ -70,15 +70,13 @@ def interpreting():
 
 
 def triton_available():
-    return (
-        triton is not None
-    )  # the import is tried once, above (no import inside code that torch.compile traces)
+    # the import is tried once, above (no import inside code that torch.compile traces)
+    return triton is not None
 
 
 FP_FUSION = True  # every launch's enable_fp_fusion (dev/perf_model.py compiles with the same)
-TABLE_COPIES = (
-    4  # shifted copies per table: a tile row is then a 16-byte aligned run of fp32 entries
-)
+# shifted copies per table: a tile row is then a 16-byte aligned run of fp32 entries
+TABLE_COPIES = 4
 
 if triton is not None:
     # Triton's interpreter multiplies bfloat16 blocks as their raw uint16 storage; there (only)
@@ -674,9 +672,8 @@ def _configs(block_d, dtype):
     if interpreting() and INTERPRET_BLOCKS is not None:
         bm, bn = INTERPRET_BLOCKS
         return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
-    if (
-        dtype == torch.float32
-    ):  # ieee dots run on FMA units: the exact path for gradient checks, not for speed
+    # fp32: ieee dots run on FMA units, the exact path for gradient checks, not for speed
+    if dtype == torch.float32:
         if block_d <= 64:
             return dict(fwd=(64, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=64)
         return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
@@ -834,9 +831,8 @@ Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
 
 
 def _block_d(head_dim):
-    return max(
-        16, triton.next_power_of_2(head_dim)
-    )  # head dims that are not a power of two are padded
+    # head dims that are not a power of two are padded
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _launch_state(q, k, doc_start, row_scale):
@@ -846,9 +842,8 @@ def _launch_state(q, k, doc_start, row_scale):
     batch, H, Tq, D = q.shape
     Tk = k.shape[2]
     block_d = _block_d(D)
-    dot_prec = (
-        "ieee" if q.dtype == torch.float32 else "tf32"
-    )  # input_precision only matters for fp32 inputs
+    # input_precision only matters for fp32 inputs
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dummy = torch.zeros(1, device=q.device, dtype=torch.float32)
     doc = None
     if doc_start is not None:

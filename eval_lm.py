@@ -46,12 +46,10 @@ from eval_common import (
 )
 from hardware import autocast
 
-MAX_GEN_TOKS = (
-    256  # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
-)
-STOP_TAIL = (
-    8  # context tokens decoded with the generated ones, so the first word keeps its leading space
-)
+# generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
+MAX_GEN_TOKS = 256
+# context tokens decoded with the generated ones, so the first word keeps its leading space
+STOP_TAIL = 8
 
 
 @register_model("bam-gpt")

@@ -15,7 +15,6 @@
 # accumulation making up 1152 sequences per step: the world size must divide 1152 / 48 = 24, or pick
 # a --batch_size that divides 1152 / world size.
 out_dir = "out/l12_bam_ssmax"
-data_dir = (
-    "data/fineweb_mistral"  # prepare_fineweb.py's default: mistral, sample-100BT, 11.9B tokens
-)
+# prepare_fineweb.py's default: mistral, sample-100BT, 11.9B tokens
+data_dir = "data/fineweb_mistral"
 model_size = "l12"  # 12 layers, n_embd 768, 16 heads of 48

@@ -72,9 +72,8 @@ def run(fn, q, k, v, dout, *, prior=None, row_scale=None, dtype=None, prior_grad
 
     q_, k_, v_ = leaf("q", q), leaf("k", k), leaf("v", v)
     pr = None
-    if (
-        prior is not None
-    ):  # prior_grad: one bool, or one per tensor (e.g. theta_mu frozen as in the model)
+    # prior_grad: one bool, or one per tensor (e.g. theta_mu frozen as in the model)
+    if prior is not None:
         flags = prior_grad if isinstance(prior_grad, tuple) else (prior_grad,) * 3
         pr = tuple(
             leaf(n, t, f)
@@ -783,12 +782,10 @@ def check_against_dense_formula(name, values, trained, scale_prior, passes, grad
     B, H, Tq, Tk, D, q_offset = 2, 2, 24, 40, 16, 10
     q, k, v = (torch.randn(B, H, t, D, generator=gen) for t in (Tq, Tk, Tk))
     ds = torch.zeros(B, Tk, dtype=torch.long)
-    ds[0, 13:], ds[0, 27:], ds[1, 20:], ds[1, 21:] = (
-        13,
-        27,
-        20,
-        21,
-    )  # query 20 of row 1: a one-key document
+    # documents start at 13 and 27 in row 0, at 20 and 21 in row 1: query 20 there is a one-key
+    # document
+    for row, start in ((0, 13), (0, 27), (1, 20), (1, 21)):
+        ds[row, start:] = start
     leaves = [
         t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.rand(B, H, Tq, generator=gen) + 0.5)
     ]
@@ -870,9 +867,9 @@ def test_kernel_minimal_prior_trains_like_reference(monkeypatch):
             {n: p.detach().clone() for n, p in net.named_parameters() if ".theta_" in n},
         )
     (loss_ref, p_ref), (loss_k, p_k) = runs["torch"], runs["triton"]
-    assert len(p_ref) == 2 and all(
-        not torch.equal(t, torch.zeros_like(t)) for t in p_ref.values()
-    )  # trained
+    # trained
+    assert len(p_ref) == 2
+    assert all(not torch.equal(t, torch.zeros_like(t)) for t in p_ref.values())
     assert loss_k == pytest.approx(loss_ref, rel=1e-5)
     for n in p_ref:
         assert rel_err(p_k[n], p_ref[n]) < 1e-4, n

@@ -67,9 +67,8 @@ def test_kernel_compiled_model_has_no_graph_break_and_equals_eager(small_tiles):
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     loss_eager, g_eager = loss_and_grads(net, net, args, kwargs)
-    compiled = torch.compile(
-        net, backend="aot_eager", fullgraph=True
-    )  # fullgraph: a break would raise
+    # fullgraph: a break would raise
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
     loss_comp, g_comp = loss_and_grads(compiled, net, args, kwargs)
     torch._dynamo.reset()
     assert torch.equal(loss_comp, loss_eager)

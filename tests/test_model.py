@@ -307,9 +307,8 @@ def test_prior_is_finite_for_negative_beta_at_distance_zero():
     b = ggd_prior(
         torch.arange(-5, 1), torch.tensor([0.0]), torch.tensor([-1.5]), torch.tensor([0.0])
     )
-    assert (
-        torch.isfinite(b).all() and b[0, -1] < -1e6 and b[0, 0] > -1
-    )  # anti-local: d=0 is most penalised
+    # anti-local: d=0 is most penalised
+    assert torch.isfinite(b).all() and b[0, -1] < -1e6 and b[0, 0] > -1
 
 
 def test_alibi_slopes_match_reference_values():
@@ -455,9 +454,9 @@ def test_generate_greedy_matches_argmax_of_full_forward():
     seq = prompt
     with torch.no_grad():
         for tok in out:
-            assert (
-                int(model(seq)[0][0, -1, : model.config.vocab_size].argmax()) == tok
-            )  # never a padded id
+            # never a padded id
+            logits = model(seq)[0][0, -1, : model.config.vocab_size]
+            assert int(logits.argmax()) == tok
             seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
 
 
