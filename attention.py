@@ -220,6 +220,14 @@ def attention_probs(
 
 
 # ---- attention() and the one decision point: which impl can compute which prior, where -----------
+def ssmax_log_n(pos, doc_start=None):
+    """SSMax's log n_i of the queries at positions pos (1-D), n_i the keys query i sees: its
+    position in its document + 1 (as the authors). (B, T) with doc_start (B, T), else (1, T); the
+    row scale is then r_i = s_h log n_i."""
+    n = pos[None, :] - doc_start + 1 if doc_start is not None else (pos + 1)[None, :]
+    return n.float().log()
+
+
 def needs_grad(*tensors):
     """Whether autograd will want a gradient of any of these (tensors, BoundPriors, None)."""
     flat = []
@@ -468,7 +476,7 @@ def attention_sdpa(
 
 # ---- The kernel's self-check ---------------------------------------------------------------------
 # A compiled kernel can compute wrong numbers without an error on a GPU that no test ran on, so
-# Every run that resolves to impl "triton" first compares it with the reference on one small problem
+# every run that resolves to impl "triton" first compares it with the reference on one small problem
 # shaped like the run (check_kernel), the reference in fp32 on the same rounded inputs; the errors
 # are relative (_check_errors). A correct kernel differs by the roundings the reference does
 # not make: with 16-bit inputs, P before P V and dS before dS K and dS^T Q are rounded to 8 bits
@@ -491,6 +499,14 @@ CHECK_HEADS = 2  # head 0 with a positive SSMax scale, head 1 with a negative on
 
 class KernelMismatch(RuntimeError):
     """The Triton kernel disagrees with the reference on check_kernel's problem."""
+
+
+def check_kind(name):
+    """The kind of one of check_kernel's results, each kind with its tolerance: the output, the
+    inputs' gradients (q, k, v) or the parameters' (the prior's, SSMax's s)."""
+    if name == "output":
+        return "output"
+    return "inputs" if name in ("q", "k", "v") else "parameters"
 
 
 def _check_errors(kernel, reference, prior):
@@ -517,7 +533,8 @@ def _check_inputs(prior, head_dim, dtype, ssmax, documents, seed=0):
     gen = torch.Generator().manual_seed(seed)
     B, H, T, D = 2, CHECK_HEADS, check_length(head_dim, dtype), head_dim
     q, k, v = (torch.randn(B, T, H, D, generator=gen).to(dtype).transpose(1, 2) for _ in range(3))
-    dout = torch.randn(B, H, T, D, generator=gen).to(dtype)  # what the kernel gets: see _triton_bwd
+    # the output's gradient in its dtype, as autograd hands it to the kernel's backward
+    dout = torch.randn(B, H, T, D, generator=gen).to(dtype)
 
     doc_start = None
     if documents:  # three documents per row, starting at random positions
@@ -553,9 +570,8 @@ def _check_run(impl, inputs, prior, trained, scale_prior, device, training):
 
     row_scale = None
     if s is not None:  # the model's SSMax: s_h log n_i, n_i the keys visible to query i
-        pos = torch.arange(q.shape[2])
-        n = pos[None, :] - doc_start + 1 if doc_start is not None else (pos + 1)[None, :]
-        row_scale = leaves["s"][None, :, None] * n.float().log().to(device)[:, None, :]
+        log_n = ssmax_log_n(torch.arange(q.shape[2]), doc_start).to(device)
+        row_scale = leaves["s"][None, :, None] * log_n[:, None, :]
     with torch.set_grad_enabled(training):
         out = attention(
             leaves["q"],
@@ -578,11 +594,7 @@ def _check_line(errors, dtype, head_dim, prior, ssmax, scale_prior, documents, l
     """check_kernel's line: the problem, and the largest error of each kind against its tolerance.
     Also returns whether every error is within its tolerance."""
     tolerances = dict(zip(("output", "inputs", "parameters"), CHECK_TOLERANCE[dtype]))
-    kinds = {}
-    for name in errors:
-        kinds[name] = "output" if name == "output" else "parameters"
-        if name in ("q", "k", "v"):
-            kinds[name] = "inputs"
+    kinds = {name: check_kind(name) for name in errors}
     worst = {}  # kind: the name of its largest error (NaN counts as the largest)
     for name, kind in kinds.items():
         if kind not in worst or not errors[name] <= errors[worst[kind]]:

@@ -998,7 +998,6 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     with _device_of(q):
         block_d, cfg, dot_prec, dummy, doc, rs = _launch_state(q, k, doc_start, row_scale)
         dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
-        do = do.to(q.dtype)  # the gradient of O cast to q's dtype: values of that dtype already
         do = do.contiguous() if do.stride(-1) != 1 else do
         tab, rtab, jtabs, tab_stride = _backward_tables(table, jtab, table_start, dummy)
         flags = _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d)

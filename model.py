@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import IMPLS as ATTN_IMPLS
-from attention import attention, check_kernel, impl_error
+from attention import attention, check_kernel, impl_error, ssmax_log_n
 from priors import BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
@@ -339,11 +339,8 @@ class GPT(nn.Module):
         if cfg.pos_encoding == "rope":
             rope = rope_cos_sin(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta)
         log_n = None
-        # SSMax's n_i = the keys visible to query i = its position in its document + 1 (as the
-        # authors)
         if cfg.ssmax:
-            n = (pos[None, :] - doc_start + 1) if doc_start is not None else (pos + 1)[None, :]
-            log_n = n.float().log()
+            log_n = ssmax_log_n(pos, doc_start)
 
         for block in self.blocks:
             x = block(x, rope, doc_start, log_n, kv_cache)

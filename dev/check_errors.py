@@ -49,8 +49,7 @@ def main():
                     text = " ".join(f"{name} {error:.1e}" for name, error in errors.items())
                     print(f"{dtype} {prior.name} ssmax={ssmax} scale_prior={scale_prior} {text}")
                     for name, error in errors.items():
-                        kind = "output" if name == "output" else "parameters"
-                        kind = "q k v" if name in ("q", "k", "v") else kind
+                        kind = attention.check_kind(name)
                         worst[kind] = max(worst.get(kind, 0.0), error)
         print(f"largest, {dtype}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 

@@ -184,7 +184,8 @@ def kernel_launches(ak, variant, head_dim):
     )
     if hasattr(ak, "_grad_path"):  # how dQ sums the prior's gradient (per score or per diagonal)
         dq_flags.update(ak._grad_path(K))
-    dq_flags["OWN_DELTA"] = K > 0 or ssmax  # attention_kernel._own_delta
+    if hasattr(ak, "_own_delta"):  # whether dQ takes Delta from its own P (a first pass)
+        dq_flags["OWN_DELTA"] = ak._own_delta(K, ssmax)
     out = []
     kernels = (
         ("fwd", ak._attn_fwd, {}),
@@ -227,11 +228,6 @@ def hot_loop(ins):
     """The instructions of the innermost loop (a backward branch's range) that holds tensor-core
     instructions and the fewest instructions. In dQ with OWN_DELTA that is its first pass over the
     keys (2 of the 3 matrix products, nothing accumulated): see measure."""
-    return min(_tensor_loops(ins), key=len)
-
-
-def _tensor_loops(ins):
-    """The innermost loops (a backward branch's range) that hold tensor-core instructions."""
     loops = []
     for addr, op, rest in ins:
         m = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
@@ -246,7 +242,7 @@ def _tensor_loops(ins):
     bodies = [body for body in bodies if any(op.startswith(TENSOR_OPS) for _, op, _ in body)]
     if not bodies:
         raise RuntimeError("no loop with tensor-core instructions found in the SASS")
-    return bodies
+    return min(bodies, key=len)
 
 
 def _mma_flops(op):
@@ -345,15 +341,14 @@ def measure(ak, tag, archs, head_dims, variants):
                 for kname, fn, const, (bm, bn, warps, stages) in kernel_launches(ak, variant, D):
                     # compiled as the kernel's launches do (kernels from before FP_FUSION: fusion
                     # off)
-                    k = compile_kernel(
-                        fn, const, arch, warps, stages, getattr(ak, "FP_FUSION", False)
-                    )
+                    fusion = getattr(ak, "FP_FUSION", False)
+                    k = compile_kernel(fn, const, arch, warps, stages, fusion)
                     ins, res = sass(k.asm["cubin"])
                     loops = [(kname, hot_loop(ins))]
                     if const.get("OWN_DELTA"):  # dQ's two passes: a row each
                         # its main loop, found alone in a build without the first pass
                         alone = compile_kernel(
-                            fn, dict(const, OWN_DELTA=False), arch, warps, stages, ak.FP_FUSION
+                            fn, dict(const, OWN_DELTA=False), arch, warps, stages, fusion
                         )
                         main = hot_loop(sass(alone.asm["cubin"])[0])
                         loops = [(kname, main), ("dq_delta", loops[0][1])]
