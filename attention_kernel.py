@@ -1,49 +1,12 @@
 """
 The Triton kernel of bam-gpt's attention (impl "triton"): flash attention with any registered prior
 and SSMax, forward and backward, registered as torch.library custom ops. attention.py holds the
-contract, the formula and the one decision point (impl_error); it checks and resolves the arguments
-before calling attention_triton.
+contract and the formula, and calls attention_triton with its resolved arguments.
 
-Structure (Triton's fused-attention tutorial): the forward is one online-softmax loop over key
-blocks, in base 2 (log2 e folded into the scores). The backward is a preprocess
-Delta = rowsum(O * dO), a kernel per key block that accumulates dK and dV over query blocks, and a
-kernel per query block for dQ (no atomics), which also sums the gradients of SSMax's row scale and
-of the prior's parameters: per-program partial sums, reduced afterwards in a fixed order, so that
-two backward passes are bitwise equal. A prior with a few trained entries per head (GGD: 2) has its
-gradient summed score by score; one with many (T5: 32 buckets) tile by tile, along the tile's
-diagonals, on which d is constant (DIAGONAL_FROM). Every kernel visits its blocks in three stages:
-the unmasked ones, then the masked ones before and after them (document starts, the diagonal).
-
-The kernels never see a prior's formula, only tables by distance, built once per call from the
-registry's BoundPrior.table (floored at priors.LOG_PRIOR_FLOOR): lp(d) per head, and for the K
-scalar directions of its trained parameters (one per entry: GGD's two per head, T5's 32 buckets)
-their derivative tables J_k(d) = d lp(d) / d theta_k (forward-mode autograd), K a compile-time
-constant. A tile's log-prior depends on d = j - i only (a Toeplitz tile); each table is stored as 4
-copies shifted by one entry, so that every row of a tile is a 16-byte aligned run of one copy:
-vectorised loads.
-
-Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
-without SSMax):
-    l = softmax_scale q_i.k_j ;  s = (l + lp) r  if scale_prior  else  l r + lp ;  -inf if hidden
-    P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij), stored in base 2
-    dP = dO V^T ;  Delta_i = sum_j P_ij dP_ij (= rowsum(O_i * dO_i)) ;  dS = P (dP - Delta)
-    dq = softmax_scale r sum_j dS k_j ;  dk = softmax_scale sum_i dS r q_i ;  dv = P^T dO
-    dtheta_k = sum_ij w_i dS_ij J_k(d_ij),  w = r if scale_prior else 1
-    dr_i = sum_j dS_ij x_ij,  x = l + lp if scale_prior else l
-Numerics: the scores are one explicit fma (s = fma(q.k, coef_i, lp)), the same in every kernel,
-so the backward recomputes the forward's scores bit for bit even with fp fusion on; a row with one
-visible key thus gets P = 1 exactly, and its gradients, exactly 0 in real arithmetic, are set to 0
-(dQ, d theta, d row_scale) rather than left as rounding noise. With SSMax scaling the prior
-(FUSE_RS) the row scale goes into the exponent's fma instead of a multiply per score:
-t = fma(q.k, softmax_scale log2 e, lp), P = exp2(fma(t, r, -hi) - lo). The forward takes the row
-max of sign(r) t (a row with r < 0 reads -lp from a negated copy of the table, so the sign costs
-nothing per score) and keeps hi = |r| max and lo = log2 sum apart; |r| (sign(r) t) is the same
-product as r t, so the backward's P is the forward's, normalised to one rounding.
-d theta and d row_scale sum dS times a table or a score over every score, so each row's error in
-Delta reaches them times the tables' size. The floor bounds every table, so that this is at most
-|floor| times Delta's error, not times a prior of -3e7; and where it sums them, the dQ kernel takes
-Delta from its own P (_own_delta: rowsum(O dO) is off by the rounding of P before P V, 8 bits in
-bf16) and sums dS x in fp32 rather than from its 16-bit dS product.
+The kernels never see a prior's formula, only its table of log-priors by distance (and, for the
+gradients, the table's derivatives in its trained parameters), built here from the registry's
+BoundPrior.table. Their gradients are deterministic: partial sums per program, reduced in a fixed
+order, no atomics. The math and the numerics are written out above the kernels.
 """
 
 import contextlib
@@ -78,6 +41,48 @@ FP_FUSION = True  # every launch's enable_fp_fusion (dev/perf_model.py compiles 
 # shifted copies per table: a tile row is then a 16-byte aligned run of fp32 entries
 TABLE_COPIES = 4
 
+# Structure (Triton's fused-attention tutorial): the forward is one online-softmax loop over key
+# blocks, in base 2 (log2 e folded into the scores). The backward is a preprocess Delta = rowsum(O
+# * dO), a kernel per key block that accumulates dK and dV over query blocks, and a kernel per
+# query block for dQ, which also sums the gradients of SSMax's row scale and of the prior's
+# parameters. A prior with a few trained entries per head (GGD: 2) has its gradient summed score
+# by score; one with many (T5: 32 buckets) tile by tile, along the tile's diagonals, on which d is
+# constant (DIAGONAL_FROM). Every kernel visits its blocks in three stages: the unmasked ones,
+# then the masked ones before and after them (document starts, the diagonal).
+#
+# The tables (_prior_tables): lp(d) per head, floored at priors.LOG_PRIOR_FLOOR, and for the K
+# scalar directions of the prior's trained parameters (one per entry: GGD's two per head, T5's 32
+# buckets) the derivative tables J_k(d) = d lp(d) / d theta_k, K a compile-time constant. A tile's
+# log-prior depends on d = j - i only (a Toeplitz tile); each table is stored as TABLE_COPIES
+# copies shifted by one entry, so that every row of a tile is a 16-byte aligned run of one copy:
+# vectorised loads.
+#
+# Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
+# without SSMax):
+#     l = softmax_scale q_i.k_j ;  s = (l + lp) r  if scale_prior  else  l r + lp ;  -inf if hidden
+#     P = softmax_j(s) ;  O = P V ;  LSE_i = log sum_j exp(s_ij), stored in base 2
+#     dP = dO V^T ;  Delta_i = sum_j P_ij dP_ij (= rowsum(O_i * dO_i)) ;  dS = P (dP - Delta)
+#     dq = softmax_scale r sum_j dS k_j ;  dk = softmax_scale sum_i dS r q_i ;  dv = P^T dO
+#     dtheta_k = sum_ij w_i dS_ij J_k(d_ij),  w = r if scale_prior else 1
+#     dr_i = sum_j dS_ij x_ij,  x = l + lp if scale_prior else l
+#
+# Numerics: the scores are one explicit fma (s = fma(q.k, row_qk_scale_i, lp)), the same in every
+# kernel, so the backward recomputes the forward's scores bit for bit even with fp fusion on; a
+# row with one visible key thus gets P = 1 exactly, and its gradients, exactly 0 in real
+# arithmetic, are set to 0 (dQ, d theta, d row_scale) rather than left as rounding noise.
+#
+# With SSMax scaling the prior (SCALE_PRIOR) the row scale goes into the exponent's fma instead of
+# a multiply per score: t = fma(q.k, softmax_scale log2 e, lp), P = exp2(fma(t, r, -hi) - lo). The
+# forward takes the row max of sign(r) t (a row with r < 0 reads -lp from a negated copy of the
+# table, so the sign costs nothing per score) and keeps hi = |r| max and lo = log2 sum apart; |r|
+# (sign(r) t) is the same product as r t, so the backward's P is the forward's, normalised to one
+# rounding.
+#
+# d theta and d row_scale sum dS times a table or a score over every score, so each row's error in
+# Delta reaches them times the tables' size. The floor bounds every table, so that this is at most
+# |floor| times Delta's error, not times a prior of -3e7; and where it sums them, the dQ kernel
+# takes Delta from its own P (_own_delta: rowsum(O dO) is off by the rounding of P before P V, 8
+# bits in bf16) and sums dS x in fp32 rather than from its 16-bit dS product.
 if triton is not None:
     # Triton's interpreter multiplies bfloat16 blocks as their raw uint16 storage; there (only)
     # tl.dot gets its bf16 operands upcast to fp32, which is exact, so the CPU tests still see bf16
@@ -98,30 +103,31 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
     @triton.jit
-    def _table_tile(tab, tab_stride, row0, col0, row_off, ROWS: tl.constexpr,
+    def _table_tile(table, table_stride, row0, col0, row_off, ROWS: tl.constexpr,
                     COLS: tl.constexpr):
-        """A (ROWS, COLS) tile of a table by distance: entry (r, c) is t[(col0 + c) - (row0 + r)],
-        read from the table's shifted copies (copy k at tab + k * tab_stride holds t[y - k] at y):
-        row r reads copy r % 4 at a multiple of 4 from col0 - row0, so its COLS entries are one
-        aligned run (a vector load). row_off (ROWS, 1) or 0, a multiple of tab_stride, moves a row
-        to another set of copies."""
-        r = tl.arange(0, ROWS)[:, None]
+        """A (ROWS, COLS) tile of a table by distance: entry (row, c) is t[(col0 + c) - (row0 +
+        row)], read from the table's shifted copies (copy k at table + k * table_stride holds
+        t[y - k] at y): row `row` reads copy row % 4 at a multiple of 4 from col0 - row0, so its
+        COLS entries are one aligned run (a vector load). row_off (ROWS, 1) or 0, a multiple of
+        table_stride, moves a row to another set of copies."""
+        row = tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, COLS)[None, :]
-        copy = (r % _COPIES) * tab_stride + row_off
-        ptrs = tab + copy + (col0 - row0) - (r // _COPIES) * _COPIES + c
+        copy = (row % _COPIES) * table_stride + row_off
+        ptrs = table + copy + (col0 - row0) - (row // _COPIES) * _COPIES + c
         return tl.load(ptrs)
 
     @triton.jit
-    def _tile_scores(qk, lp, qpos, kpos, doc, coef, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
-                     HAS_PRIOR: tl.constexpr):
+    def _tile_scores(qk, lp, qpos, kpos, doc, row_qk_scale, MASKED: tl.constexpr,
+                     HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr):
         """A tile's scores in base 2 from its raw q.k products and its log-prior tile lp (base 2),
-        as every kernel computes them: one fma, coef = softmax_scale log2(e) r per row (r = 1 where
-        the row scale multiplies the prior too: FUSE_RS), then -inf where hidden (doc: the rows'
-        doc_start). qpos, kpos, doc and coef broadcast against qk (dK/dV passes them transposed)."""
+        as every kernel computes them: one fma, row_qk_scale = softmax_scale log2(e) r per row
+        (r = 1 where the row scale multiplies the prior too: SCALE_PRIOR), then -inf where hidden
+        (doc: the rows' doc_start). qpos, kpos, doc and row_qk_scale broadcast against qk (dK/dV
+        passes them transposed)."""
         if HAS_PRIOR:
-            s = tl.fma(qk, coef, lp)
+            s = tl.fma(qk, row_qk_scale, lp)
         else:
-            s = qk * coef
+            s = qk * row_qk_scale
 
         if MASKED:
             visible = kpos <= qpos
@@ -131,12 +137,12 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS: tl.constexpr):
-        """The forward's LSE of a block of rows, as (hi, lo): hi = LSE and lo = 0, or with FUSE_RS
-        the reference hi = |r| max_j sign(r) t and lo = log2 sum_j exp2(r t - hi) kept apart, since
-        rounding hi + lo to fp32 would lose up to half an ulp of hi from every P of the row (+inf
-        and 0 for padded rows, whose P is then 0)."""
-        if FUSE_RS:
+    def _row_lse(LSE, bh, offs_m, row_ok, Tq, SCALE_PRIOR: tl.constexpr):
+        """The forward's LSE of a block of rows, as (hi, lo): hi = LSE and lo = 0, or with
+        SCALE_PRIOR the reference hi = |r| max_j sign(r) t and lo = log2 sum_j exp2(r t - hi) kept
+        apart, since rounding hi + lo to fp32 would lose up to half an ulp of hi from every P of the
+        row (+inf and 0 for padded rows, whose P is then 0)."""
+        if SCALE_PRIOR:
             hi = tl.load(LSE + bh * 2 * Tq + offs_m, mask=row_ok, other=float("inf"))
             lo = tl.load(LSE + bh * 2 * Tq + Tq + offs_m, mask=row_ok, other=0.0)
         else:
@@ -145,24 +151,25 @@ if triton is not None:
         return hi, lo
 
     @triton.jit
-    def _fused_exponent(t, r, ref, MASKED: tl.constexpr):
-        """FUSE_RS's exponent of P in base 2: r t - ref in one fma, -inf where hidden (t = -inf),
-        which the fma would make NaN where r = 0."""
-        x = tl.fma(t, r, -ref)
+    def _fused_exponent(t, row_scale, ref, MASKED: tl.constexpr):
+        """SCALE_PRIOR's exponent of P in base 2: r t - ref in one fma, -inf where hidden
+        (t = -inf), which the fma would make NaN where r = 0."""
+        x = tl.fma(t, row_scale, -ref)
         if MASKED:
             x = tl.where(t == float("-inf"), float("-inf"), x)
         return x
 
     @triton.jit
-    def _tile_probs(qk, lp, qpos, kpos, doc, coef, r, hi, lo, qk_scale, MASKED: tl.constexpr,
-                    HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr):
+    def _tile_probs(qk, lp, qpos, kpos, doc, row_qk_scale, row_scale, hi, lo, qk_scale,
+                    MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                    SCALE_PRIOR: tl.constexpr):
         """The backward's P of a tile, exactly as the forward took it: exp2(s - LSE), or with
-        FUSE_RS exp2(fma(t, r, -hi) - lo), t = fma(qk, qk_scale, lp); the forward's fma of sign(r) t
-        and |r| is bit for bit the same product."""
-        if FUSE_RS:
+        SCALE_PRIOR exp2(fma(t, r, -hi) - lo), t = fma(qk, qk_scale, lp); the forward's fma of
+        sign(r) t and |r| is bit for bit the same product."""
+        if SCALE_PRIOR:
             t = _tile_scores(qk, lp, qpos, kpos, doc, qk_scale, MASKED, HAS_DOC, HAS_PRIOR)
-            return tl.exp2(_fused_exponent(t, r, hi, MASKED) - lo)
-        s = _tile_scores(qk, lp, qpos, kpos, doc, coef, MASKED, HAS_DOC, HAS_PRIOR)
+            return tl.exp2(_fused_exponent(t, row_scale, hi, MASKED) - lo)
+        s = _tile_scores(qk, lp, qpos, kpos, doc, row_qk_scale, MASKED, HAS_DOC, HAS_PRIOR)
         return tl.exp2(s - hi)
 
     @triton.jit
@@ -190,22 +197,22 @@ if triton is not None:
         return ptrs
 
     @triton.jit
-    def _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
-                   HAS_DOC: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _row_state(DOC_ptr, ROW_SCALE_ptr, srt, offs_m, qpos, row_ok, softmax_scale,
+                   HAS_DOC: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
         """A block of query rows' doc_start (0 without documents), row scale r (1 without SSMax) and
-        score coefficient coef = softmax_scale log2(e) r. DOC_ptr points at this batch's doc_start,
-        RS_ptr at this (batch, head)'s row_scale."""
+        per-row qk scale row_qk_scale = softmax_scale log2(e) r. DOC_ptr points at this batch's
+        doc_start, ROW_SCALE_ptr at this (batch, head)'s row_scale."""
         if HAS_DOC:
             doc = tl.load(DOC_ptr + qpos, mask=row_ok, other=0)
         else:
             doc = tl.zeros([BLOCK_M], dtype=tl.int32)
 
-        if HAS_RS:
-            r = tl.load(RS_ptr + offs_m * srt, mask=row_ok, other=0.0)
+        if HAS_ROW_SCALE:
+            row_scale = tl.load(ROW_SCALE_ptr + offs_m * srt, mask=row_ok, other=0.0)
         else:
-            r = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        qk_scale = sm_scale * _LOG2E
-        return doc, r, r * qk_scale
+            row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        qk_scale = softmax_scale * _LOG2E
+        return doc, row_scale, row_scale * qk_scale
 
     @triton.jit
     def _stage_blocks(stage: tl.constexpr, start, clean_start, clean_end, end):
@@ -245,13 +252,14 @@ if triton is not None:
     # -------------------------------------------------------------------------------------- forward
     @triton.jit
     def _fwd_stage(acc, row_sum, row_max, row_ref, q, K_ptr, V_ptr, skt, skd, svt, svd,
-                   offs_d, d_ok, row0, qpos, doc, coef, r, tab, tab_stride, row_off, Tk, blk_lo,
-                   blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                   FUSE_RS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   offs_d, d_ok, row0, qpos, doc, row_qk_scale, row_scale, table, table_stride,
+                   row_off, Tk, blk_lo, blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
+                   HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         """The online softmax over key blocks [blk_lo, blk_hi). row_max: the rows' running max of
-        the scores (of t with FUSE_RS); row_ref: what p was taken relative to so far (-inf while
-        nothing is visible). With FUSE_RS, coef, r and row_off are _attn_fwd's sign-folded ones."""
+        the scores (of t with SCALE_PRIOR); row_ref: what p was taken relative to so far (-inf while
+        nothing is visible). With SCALE_PRIOR, row_qk_scale, row_scale and row_off are _attn_fwd's
+        sign-folded ones."""
         for blk in range(blk_lo, blk_hi):
             n0 = blk * BLOCK_N
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -260,17 +268,17 @@ if triton is not None:
                          mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
             lp = 0.0
             if HAS_PRIOR:
-                lp = _table_tile(tab, tab_stride, row0, n0, row_off, BLOCK_M, BLOCK_N)
+                lp = _table_tile(table, table_stride, row0, n0, row_off, BLOCK_M, BLOCK_N)
 
             qk = _dot(q, kT, None, DOT_PREC)
-            s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
-                             MASKED, HAS_DOC, HAS_PRIOR)
+            s = _tile_scores(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None],
+                             row_qk_scale[:, None], MASKED, HAS_DOC, HAS_PRIOR)
 
             # a row with nothing visible yet has max -inf: subtract 0 instead (no -inf - -inf)
             new_max = tl.maximum(row_max, tl.max(s, 1))
-            if FUSE_RS:  # s holds t = l + lp, the score is |r| t
-                ref = tl.where(new_max == float("-inf"), 0.0, new_max * r)
-                x = _fused_exponent(s, r[:, None], ref[:, None], MASKED)
+            if SCALE_PRIOR:  # s holds t = l + lp, the score is |r| t
+                ref = tl.where(new_max == float("-inf"), 0.0, new_max * row_scale)
+                x = _fused_exponent(s, row_scale[:, None], ref[:, None], MASKED)
             else:
                 ref = tl.where(new_max == float("-inf"), 0.0, new_max)
                 x = s - ref[:, None]
@@ -286,13 +294,13 @@ if triton is not None:
         return acc, row_sum, row_max, row_ref
 
     @triton.jit
-    def _attn_fwd(Q, K, V, OUT, LSE, DOC, RS, PTAB,
+    def _attn_fwd(Q, K, V, OUT, LSE, DOC, ROW_SCALE, TABLE,
                   sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
                   sdocb, srb, srh, srt,
-                  H, Tq, Tk, q_offset, sm_scale, tab_stride,
+                  H, Tq, Tk, q_offset, softmax_scale, table_stride,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                  HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
+                  HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
                   DOT_PREC: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
         row0 = pid_m * BLOCK_M
@@ -306,20 +314,21 @@ if triton is not None:
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + h * svh
         DOC_ptr = DOC + b * sdocb
-        RS_ptr = RS + b * srb + h * srh
-        doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
-                                  HAS_DOC, HAS_RS, BLOCK_M)
-        head_tabs = _COPIES * tab_stride  # this head's prior table (unused without a prior)
+        ROW_SCALE_ptr = ROW_SCALE + b * srb + h * srh
+        doc, row_scale, row_qk_scale = _row_state(DOC_ptr, ROW_SCALE_ptr, srt, offs_m, qpos, row_ok,
+                                                  softmax_scale, HAS_DOC, HAS_ROW_SCALE, BLOCK_M)
+        # this head's prior table (unused without a prior)
+        head_tables = _COPIES * table_stride
         row_off = 0
-        if FUSE_RS:
+        if SCALE_PRIOR:
             # score r t = |r| (sign(r) t): the row max is taken of sign(r) t, whose lp a row with
             # r < 0 reads from the negated table's copies, stored after the table's
-            head_tabs = 2 * head_tabs
-            negative = r < 0.0
-            row_off = tl.where(negative, _COPIES * tab_stride, 0)[:, None]
-            coef = tl.where(negative, -sm_scale * _LOG2E, sm_scale * _LOG2E)
-            r = tl.abs(r)
-        tab = PTAB + h * head_tabs
+            head_tables = 2 * head_tables
+            negative = row_scale < 0.0
+            row_off = tl.where(negative, _COPIES * table_stride, 0)[:, None]
+            row_qk_scale = tl.where(negative, -softmax_scale * _LOG2E, softmax_scale * _LOG2E)
+            row_scale = tl.abs(row_scale)
+        table = TABLE + h * head_tables
         start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
                                                                HAS_DOC, BLOCK_M, BLOCK_N)
 
@@ -331,15 +340,15 @@ if triton is not None:
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
             acc, row_sum, row_max, row_ref = _fwd_stage(
                 acc, row_sum, row_max, row_ref, q, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok,
-                row0, qpos, doc, coef, r, tab, tab_stride, row_off, Tk, blk_lo, blk_hi,
-                stage > 0, HAS_DOC, HAS_PRIOR, FUSE_RS, BLOCK_M, BLOCK_N, DOT_PREC)
+                row0, qpos, doc, row_qk_scale, row_scale, table, table_stride, row_off, Tk, blk_lo,
+                blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, BLOCK_M, BLOCK_N, DOT_PREC)
 
         # rows with no visible key give 0 and LSE = +inf (so that the backward's P is exactly 0)
         has_mass = row_sum > 0.0
         safe_sum = tl.where(has_mass, row_sum, 1.0)
         o = acc / safe_sum[:, None]
         finite_ref = tl.where(row_ref == float("-inf"), 0.0, row_ref)
-        if FUSE_RS:  # the reference and log2 of the sum apart (see _row_lse)
+        if SCALE_PRIOR:  # the reference and log2 of the sum apart (see _row_lse)
             tl.store(LSE + bh * 2 * Tq + offs_m, tl.where(has_mass, finite_ref, float("inf")),
                      mask=row_ok)
             tl.store(LSE + bh * 2 * Tq + Tq + offs_m, tl.log2(safe_sum), mask=row_ok)
@@ -366,11 +375,11 @@ if triton is not None:
         tl.store(DELTA + bh * Tq + offs_m, delta, mask=offs_m < Tq)
 
     @triton.jit
-    def _dkdv_stage(dk, dv, k, v, Q_ptr, DO_ptr, LSE, bh, DELTA_ptr, DOC_ptr, RS_ptr,
-                    sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
-                    Tq, q_offset, blk_lo, blk_hi,
+    def _dkdv_stage(dk, dv, k, v, Q_ptr, DO_ptr, LSE, bh, DELTA_ptr, DOC_ptr, ROW_SCALE_ptr,
+                    sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, table_rev, table_stride,
+                    softmax_scale, Tq, q_offset, blk_lo, blk_hi,
                     MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                    HAS_RS: tl.constexpr, FUSE_RS: tl.constexpr,
+                    HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         for blk in range(blk_lo, blk_hi):
             m0 = blk * BLOCK_M
@@ -380,40 +389,41 @@ if triton is not None:
             qT = tl.load(_tile_ptrs(Q_ptr, m0, BLOCK_M, sqt, offs_d, sqd, True),
                          mask=d_ok[:, None] & row_ok[None, :], other=0.0)
             # padded query rows: LSE = +inf makes P = 0, and dO = 0, so they add nothing
-            hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS)
+            hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, SCALE_PRIOR)
             delta = tl.load(DELTA_ptr + offs_m, mask=row_ok, other=0.0)
             # doc_start is only needed (and loaded) for the masked tiles
-            doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
-                                      MASKED and HAS_DOC, HAS_RS, BLOCK_M)
+            doc, row_scale, row_qk_scale = _row_state(DOC_ptr, ROW_SCALE_ptr, srt, offs_m, qpos,
+                                                      row_ok, softmax_scale, MASKED and HAS_DOC,
+                                                      HAS_ROW_SCALE, BLOCK_M)
             lpT = 0.0
             if HAS_PRIOR:  # the transposed tile: entry (key, query) from the reversed table
-                lpT = _table_tile(rtab, tab_stride, n0, m0, 0, BLOCK_N, BLOCK_M)
+                lpT = _table_tile(table_rev, table_stride, n0, m0, 0, BLOCK_N, BLOCK_M)
 
             qkT = _dot(k, qT, None, DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
-            pT = _tile_probs(qkT, lpT, qpos[None, :], offs_n[:, None], doc[None, :], coef[None, :],
-                             r[None, :], hi[None, :], lo[None, :],
-                             sm_scale * _LOG2E, MASKED, HAS_DOC, HAS_PRIOR, FUSE_RS)
+            pT = _tile_probs(qkT, lpT, qpos[None, :], offs_n[:, None], doc[None, :],
+                             row_qk_scale[None, :], row_scale[None, :], hi[None, :], lo[None, :],
+                             softmax_scale * _LOG2E, MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
 
             do = tl.load(_tile_ptrs(DO_ptr, m0, BLOCK_M, sdot, offs_d, sdod, False),
                          mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC)
-            if HAS_RS:  # the gradient of l: dS r = P (dP r - Delta r)
-                dscoreT = pT * tl.fma(dpT, r[None, :], -(delta * r)[None, :])
+            if HAS_ROW_SCALE:  # the gradient of l: dS r = P (dP r - Delta r)
+                dscoreT = pT * tl.fma(dpT, row_scale[None, :], -(delta * row_scale)[None, :])
             else:
                 dscoreT = pT * (dpT - delta[None, :])
             dk = _dot(dscoreT.to(qT.dtype), tl.trans(qT), dk, DOT_PREC)
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DOC, RS, RTAB, QEND, QCLEAN,
+    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DOC, ROW_SCALE, TABLE_REV, QEND, QCLEAN,
                        sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
                        sdob, sdoh, sdot, sdod,
                        sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sdocb, srb, srh, srt,
-                       H, Tq, Tk, q_offset, sm_scale, tab_stride, n_kblocks,
+                       H, Tq, Tk, q_offset, softmax_scale, table_stride, n_kblocks,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                       HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
+                       HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
                        DOT_PREC: tl.constexpr):
         pid_n, bh, b, h = _program_ids(H)
         n0 = pid_n * BLOCK_N
@@ -426,7 +436,8 @@ if triton is not None:
                     mask=kv_mask, other=0.0)
         v = tl.load(_tile_ptrs(V + b * svb + h * svh, n0, BLOCK_N, svt, offs_d, svd, False),
                     mask=kv_mask, other=0.0)
-        rtab = RTAB + h * (_COPIES * tab_stride)  # this head's reversed prior table, if any
+        # this head's reversed prior table, if any
+        table_rev = TABLE_REV + h * (_COPIES * table_stride)
 
         # the query blocks that see this key block: [start, end), from the first query at or after
         # n0 to the last block whose earliest document start is <= the block's last key (_kv_ranges)
@@ -448,20 +459,20 @@ if triton is not None:
         DO_ptr = DO + b * sdob + h * sdoh
         DELTA_ptr = DELTA + bh * Tq
         DOC_ptr = DOC + b * sdocb
-        RS_ptr = RS + b * srb + h * srh
+        ROW_SCALE_ptr = ROW_SCALE + b * srb + h * srh
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
             dk, dv = _dkdv_stage(
-                dk, dv, k, v, Q_ptr, DO_ptr, LSE, bh, DELTA_ptr, DOC_ptr, RS_ptr,
-                sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, rtab, tab_stride, sm_scale,
-                Tq, q_offset, blk_lo, blk_hi,
-                stage > 0, HAS_DOC, HAS_PRIOR, HAS_RS, FUSE_RS, BLOCK_M, BLOCK_N,
+                dk, dv, k, v, Q_ptr, DO_ptr, LSE, bh, DELTA_ptr, DOC_ptr, ROW_SCALE_ptr,
+                sqt, sqd, sdot, sdod, srt, n0, offs_n, offs_d, d_ok, table_rev, table_stride,
+                softmax_scale, Tq, q_offset, blk_lo, blk_hi,
+                stage > 0, HAS_DOC, HAS_PRIOR, HAS_ROW_SCALE, SCALE_PRIOR, BLOCK_M, BLOCK_N,
                 DOT_PREC)
 
         tl.store(_tile_ptrs(DK + b * sdkb + h * sdkh, n0, BLOCK_N, sdkt, offs_d, sdkd, False),
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+                 (dk * softmax_scale).to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(_tile_ptrs(DV + b * sdvb + h * sdvh, n0, BLOCK_N, sdvt, offs_d, sdvd, False),
                  dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -481,8 +492,8 @@ if triton is not None:
         return tl.sum(tl.where(inside, skewed, 0.0), 1)
 
     @triton.jit
-    def _key_tiles(K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, n0, Tk, tab, tab_stride, row0,
-                   HAS_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _key_tiles(K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, n0, Tk, table, table_stride,
+                   row0, HAS_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """What dQ reads of key block n0: its positions, K^T and V^T tiles, and the prior's tile."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < Tk
@@ -492,26 +503,27 @@ if triton is not None:
                      mask=d_ok[:, None] & kv_ok[None, :], other=0.0)
         lp = 0.0
         if HAS_PRIOR:
-            lp = _table_tile(tab, tab_stride, row0, n0, 0, BLOCK_M, BLOCK_N)
+            lp = _table_tile(table, table_stride, row0, n0, 0, BLOCK_M, BLOCK_N)
         return offs_n, kT, vT, lp
 
     @triton.jit
     def _delta_stage(delta_acc, q, do, hi, lo, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok,
-                     row0, qpos, doc, coef, r, qk_scale, tab, tab_stride, Tk, blk_lo, blk_hi,
-                     MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                     FUSE_RS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     row0, qpos, doc, row_qk_scale, row_scale, qk_scale, table, table_stride, Tk,
+                     blk_lo, blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
+                     HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr,
                      DOT_PREC: tl.constexpr):
         """OWN_DELTA's pass over key blocks [blk_lo, blk_hi): delta_acc += P dP per score, P this
         kernel's own (see _own_delta)."""
         for blk in range(blk_lo, blk_hi):
             n0 = blk * BLOCK_N
             offs_n, kT, vT, lp = _key_tiles(K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, n0,
-                                            Tk, tab, tab_stride, row0, HAS_PRIOR, BLOCK_M,
+                                            Tk, table, table_stride, row0, HAS_PRIOR, BLOCK_M,
                                             BLOCK_N)
             qk = _dot(q, kT, None, DOT_PREC)
-            p = _tile_probs(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
-                            r[:, None], hi[:, None], lo[:, None], qk_scale, MASKED, HAS_DOC,
-                            HAS_PRIOR, FUSE_RS)
+            p = _tile_probs(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None],
+                            row_qk_scale[:, None], row_scale[:, None], hi[:, None], lo[:, None],
+                            qk_scale, MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
             delta_acc += p * _dot(do, vT, None, DOT_PREC)
         return delta_acc
 
@@ -525,34 +537,35 @@ if triton is not None:
     # (K_POW2,): 2 BLOCK loads per table and tile, not one per score, and no accumulator per table.
     @triton.jit
     def _dq_stage(dq, dx_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd,
-                  svt, svd, offs_d, d_ok, row0, qpos, doc, coef, r, qk_scale, tab, jtab, tab_stride,
-                  Tk, blk_lo, blk_hi, MASKED: tl.constexpr, HAS_DOC: tl.constexpr,
-                  HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
-                  N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                  svt, svd, offs_d, d_ok, row0, qpos, doc, row_qk_scale, row_scale, qk_scale, table,
+                  dtable, table_stride, Tk, blk_lo, blk_hi, MASKED: tl.constexpr,
+                  HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+                  N_GRAD: tl.constexpr, NEED_ROW_SCALE_GRAD: tl.constexpr,
                   BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):  # pipelines the tables' loads too
             n0 = blk * BLOCK_N
             offs_n, kT, vT, lp = _key_tiles(K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, n0,
-                                            Tk, tab, tab_stride, row0, HAS_PRIOR, BLOCK_M,
+                                            Tk, table, table_stride, row0, HAS_PRIOR, BLOCK_M,
                                             BLOCK_N)
-            jt = ()  # the derivative tables' tiles
+            # the derivative tables' tiles
+            dtiles = ()
             if not BY_DIAGONAL:
                 for i in tl.static_range(N_GRAD):
-                    jt = jt + (_table_tile(jtab + i * (_COPIES * tab_stride), tab_stride, row0, n0,
-                                           0, BLOCK_M, BLOCK_N),)
+                    dtiles = dtiles + (_table_tile(dtable + i * (_COPIES * table_stride),
+                                                   table_stride, row0, n0, 0, BLOCK_M, BLOCK_N),)
 
             qk = _dot(q, kT, None, DOT_PREC)
-            p = _tile_probs(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None], coef[:, None],
-                            r[:, None], hi[:, None], lo[:, None], qk_scale, MASKED, HAS_DOC,
-                            HAS_PRIOR, FUSE_RS)
+            p = _tile_probs(qk, lp, qpos[:, None], offs_n[None, :], doc[:, None],
+                            row_qk_scale[:, None], row_scale[:, None], hi[:, None], lo[:, None],
+                            qk_scale, MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
             dp = _dot(do, vT, None, DOT_PREC)
             dscore = p * (dp - delta[:, None])
             dq = _dot(dscore.to(kT.dtype), tl.trans(kT), dq, DOT_PREC)  # sum_j dS k_j; r at the end
 
-            if NEED_RS_GRAD:
+            if NEED_ROW_SCALE_GRAD:
                 x = qk * (qk_scale * _LN2)  # l; the tile lp is in base 2
-                if HAS_PRIOR and SCALE_PRIOR:
+                if SCALE_PRIOR:
                     x = x + lp * _LN2
                 dx_acc += dscore * x
             if BY_DIAGONAL:
@@ -561,26 +574,26 @@ if triton is not None:
                 first_row = row0 + tl.arange(0, BLOCK_M // BLOCK_N)[:, None] * BLOCK_N
                 x = n0 - first_row - (BLOCK_N - 1) + u  # the tables' index of each diagonal
                 kk = tl.arange(0, K_POW2)[:, None, None]
-                rows = tl.load(jtab + kk * (_COPIES * tab_stride) + x[None, :, :],
+                rows = tl.load(dtable + kk * (_COPIES * table_stride) + x[None, :, :],
                                mask=(kk < N_GRAD) & (u[None, :, :] < 2 * BLOCK_N - 1), other=0.0)
                 g_acc += tl.sum(tl.sum(rows * diag[None, :, :], 2), 1)
             else:
                 summed = ()
                 for i in tl.static_range(N_GRAD):
-                    summed = summed + (dj_acc[i] + dscore * jt[i],)
+                    summed = summed + (dj_acc[i] + dscore * dtiles[i],)
                 dj_acc = summed
         return dq, dx_acc, dj_acc, g_acc
 
     @triton.jit
-    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DOC, RS, PTAB, JTAB, DRS, PART,
+    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DOC, ROW_SCALE, TABLE, DTABLE, DROW_SCALE, PART,
                      sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
                      sdob, sdoh, sdot, sdod,
                      sdqb, sdqh, sdqt, sdqd, sdocb, srb, srh, srt,
-                     H, Tq, Tk, q_offset, sm_scale, tab_stride, n_qblocks,
+                     H, Tq, Tk, q_offset, softmax_scale, table_stride, n_qblocks,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                     HAS_RS: tl.constexpr, SCALE_PRIOR: tl.constexpr, FUSE_RS: tl.constexpr,
-                     N_GRAD: tl.constexpr, NEED_RS_GRAD: tl.constexpr,
+                     HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+                     N_GRAD: tl.constexpr, NEED_ROW_SCALE_GRAD: tl.constexpr,
                      BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, OWN_DELTA: tl.constexpr,
                      DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
         pid_m, bh, b, h = _program_ids(H)
@@ -595,13 +608,14 @@ if triton is not None:
                     mask=qd_mask, other=0.0)
         do = tl.load(_tile_ptrs(DO + b * sdob + h * sdoh, row0, BLOCK_M, sdot, offs_d, sdod, False),
                      mask=qd_mask, other=0.0)
-        hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, FUSE_RS)
+        hi, lo = _row_lse(LSE, bh, offs_m, row_ok, Tq, SCALE_PRIOR)
         DOC_ptr = DOC + b * sdocb
-        RS_ptr = RS + b * srb + h * srh
-        doc, r, coef = _row_state(DOC_ptr, RS_ptr, srt, offs_m, qpos, row_ok, sm_scale,
-                                  HAS_DOC, HAS_RS, BLOCK_M)
-        tab = PTAB + h * (_COPIES * tab_stride)  # this head's prior table (unused without a prior)
-        jtab = JTAB + h * (N_GRAD * _COPIES * tab_stride)  # its derivative tables, if any
+        ROW_SCALE_ptr = ROW_SCALE + b * srb + h * srh
+        doc, row_scale, row_qk_scale = _row_state(DOC_ptr, ROW_SCALE_ptr, srt, offs_m, qpos, row_ok,
+                                                  softmax_scale, HAS_DOC, HAS_ROW_SCALE, BLOCK_M)
+        # this head's prior table (unused without a prior), and its derivative tables, if any
+        table = TABLE + h * (_COPIES * table_stride)
+        dtable = DTABLE + h * (N_GRAD * _COPIES * table_stride)
         start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
                                                                HAS_DOC, BLOCK_M, BLOCK_N)
         K_ptr = K + b * skb + h * skh
@@ -614,8 +628,9 @@ if triton is not None:
                 blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
                 delta_acc = _delta_stage(
                     delta_acc, q, do, hi, lo, K_ptr, V_ptr, skt, skd, svt, svd, offs_d, d_ok, row0,
-                    qpos, doc, coef, r, sm_scale * _LOG2E, tab, tab_stride, Tk, blk_lo, blk_hi,
-                    stage > 0, HAS_DOC, HAS_PRIOR, FUSE_RS, BLOCK_M, BLOCK_N, DOT_PREC)
+                    qpos, doc, row_qk_scale, row_scale, softmax_scale * _LOG2E, table, table_stride,
+                    Tk, blk_lo, blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, BLOCK_M,
+                    BLOCK_N, DOT_PREC)
             delta = tl.sum(delta_acc, 1)
         else:
             delta = tl.load(DELTA + bh * Tq + offs_m, mask=row_ok, other=0.0)
@@ -630,21 +645,23 @@ if triton is not None:
         # a row with one visible key has P = 1 whatever its scores: its gradients are exactly 0
         multi = tl.where(row_ok & (qpos > doc), 1.0, 0.0)
         w = multi
+        # d lp = dS r
         if SCALE_PRIOR:
-            w = w * r  # d lp = dS r
+            w = w * row_scale
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
             dq, dx_acc, dj_acc, g_acc = _dq_stage(
                 dq, dx_acc, dj_acc, g_acc, w, q, do, hi, lo, delta, K_ptr, V_ptr, skt, skd, svt,
-                svd, offs_d, d_ok, row0, qpos, doc, coef, r, sm_scale * _LOG2E, tab,
-                jtab, tab_stride, Tk, blk_lo, blk_hi, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR,
-                FUSE_RS, N_GRAD, NEED_RS_GRAD,
+                svd, offs_d, d_ok, row0, qpos, doc, row_qk_scale, row_scale, softmax_scale * _LOG2E,
+                table, dtable, table_stride, Tk, blk_lo, blk_hi, stage > 0, HAS_DOC, HAS_PRIOR,
+                SCALE_PRIOR, N_GRAD, NEED_ROW_SCALE_GRAD,
                 BY_DIAGONAL, K_POW2, BLOCK_M, BLOCK_N, DOT_PREC, STAGES)
 
         tl.store(_tile_ptrs(DQ + b * sdqb + h * sdqh, row0, BLOCK_M, sdqt, offs_d, sdqd, False),
-                 (dq * (sm_scale * r * multi)[:, None]).to(DQ.dtype.element_ty), mask=qd_mask)
-        if NEED_RS_GRAD:
-            tl.store(DRS + bh * Tq + offs_m, tl.sum(dx_acc, 1) * multi, mask=row_ok)
+                 (dq * (softmax_scale * row_scale * multi)[:, None]).to(DQ.dtype.element_ty),
+                 mask=qd_mask)
+        if NEED_ROW_SCALE_GRAD:
+            tl.store(DROW_SCALE + bh * Tq + offs_m, tl.sum(dx_acc, 1) * multi, mask=row_ok)
         part = PART + (bh * n_qblocks + pid_m) * N_GRAD
         if BY_DIAGONAL:
             kk = tl.arange(0, K_POW2)
@@ -661,7 +678,8 @@ if triton is not None:
 # Fixed tiles per (head_dim, dtype) rather than triton.autotune: the backward's tile-skipping
 # tables depend on the block sizes, and under the interpreter autotuning would multiply test time.
 # Under the interpreter every kernel takes INTERPRET_BLOCKS (small tiles: more of them per test);
-# tests set it to None to run the GPU's own tiles, so that every configuration below is executed.
+# tests set it to None to run the GPU's own tiles, so that every configuration below is executed,
+# and to smaller tiles where a few tokens must span several.
 INTERPRET_BLOCKS = (32, 32)
 
 
@@ -672,11 +690,13 @@ def _configs(block_d, dtype):
     if interpreting() and INTERPRET_BLOCKS is not None:
         bm, bn = INTERPRET_BLOCKS
         return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
+
     # fp32: ieee dots run on FMA units, the exact path for gradient checks, not for speed
     if dtype == torch.float32:
         if block_d <= 64:
             return dict(fwd=(64, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=64)
         return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
+
     if block_d <= 64:
         return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 2), pre=128)
     # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead:
@@ -697,6 +717,7 @@ def _dq_stages(cfg, n_grad):
     tiles too (the kernel argument num_stages only those that feed a dot); beyond 96 KB of table
     tiles per extra stage they would not fit beside K and V on an A100, and stay unpipelined."""
     bm, bn, _, stages = cfg["dq"]
+
     tiles = 1 if _grad_path(n_grad)["BY_DIAGONAL"] else 1 + n_grad
     return stages if tiles * bm * bn * 4 * (stages - 1) <= 96 * 1024 else 1
 
@@ -713,7 +734,7 @@ def _grad_path(n_grad):
     return dict(BY_DIAGONAL=n_grad >= DIAGONAL_FROM, K_POW2=max(2, triton.next_power_of_2(n_grad)))
 
 
-def _own_delta(n_grad, need_rs):
+def _own_delta(n_grad, need_row_scale_grad):
     """Whether dQ recomputes Delta from its own P (one more pass over the row's keys: two of its
     three products) rather than reading rowsum(O * dO): whenever it sums d theta or d row_scale.
     Those sum dS times the prior's tables (or the scores) over every score, and every row's dS sums
@@ -722,7 +743,7 @@ def _own_delta(n_grad, need_rs):
     attention.check_kernel's bf16 problems the gradients were off by up to 40 %, and are within
     1e-4 with it. In fp32, O's rounding times a floored table (1e4) reached 2e-4. dQ, dK and dV are
     not sums over rows, and dK/dV keeps rowsum(O * dO)."""
-    return n_grad > 0 or need_rs
+    return n_grad > 0 or need_row_scale_grad
 
 
 def _round_up(n, multiple):
@@ -730,34 +751,36 @@ def _round_up(n, multiple):
 
 
 def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
-    """The prior by distance for the kernels, which never evaluate a formula: (table, jtab, theta,
-    start). The kernels index a table by x = j - (i - q_offset) = d + q_offset, the key's position
-    minus the query's row: table (H, n) fp32 holds lp(d) at x = start + t, for every x a tile
-    touches (padded rows and keys included; start and start + n - 1 multiples of 16). jtab (H, K,
-    n): the derivative tables d lp / d theta_k in the K directions of _parameter_directions; theta
-    (H, K) the parameters' entries along them: the ops never read its values, they return its
-    gradient sum_ij w dS J_k and autograd takes it on to the parameters (None, None when K = 0). The
-    derivatives are forward-mode autograd, here because the ops run below the autograd key, where
-    forward-mode AD is not allowed. d > 0 is never visible: 0 there, so that a prior undefined there
-    (inf, NaN) cannot reach a gradient sum as 0 * inf."""
+    """The prior by distance for the kernels, which never evaluate a formula: (table, dtable, theta,
+    table_start). The kernels index a table by x = j - (i - q_offset) = d + q_offset, the key's
+    position minus the query's row: table (H, n) fp32 holds lp(d) at x = table_start + t, for every
+    x a tile touches (padded rows and keys included; table_start and table_start + n - 1 multiples
+    of 16). dtable (H, K, n): the derivative tables d lp / d theta_k in the K directions of
+    _parameter_directions; theta (H, K) the parameters' entries along them: the ops never read its
+    values, they return its gradient sum_ij w dS J_k and autograd takes it on to the parameters
+    (None, None when K = 0). The derivatives are forward-mode autograd, here because the ops run
+    below the autograd key, where forward-mode AD is not allowed. d > 0 is never visible: 0 there,
+    so that a prior undefined there (inf, NaN) cannot reach a gradient sum as 0 * inf."""
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
-    start = -_round_up(Tq + pad, 16)
-    stop = _round_up(Tk + pad, 16)
-    d = torch.arange(start, stop + 1, device=device) - q_offset
+    table_start = -_round_up(Tq + pad, 16)
+    table_stop = _round_up(Tk + pad, 16)
+    d = torch.arange(table_start, table_stop + 1, device=device) - q_offset
     future = d > 0
     params = tuple(t.detach() for t in prior.params)
 
-    def table_of(*values):  # the registry's table (with its floor), one row per head
-        return BoundPrior(prior.prior, values).table(d).float().expand(H, -1)
+    # the registry's table (with its floor), one row per head
+    def table_of(*values):
+        return BoundPrior(prior.family, values).table(d).float().expand(H, -1)
 
     table = table_of(*params).masked_fill(future, 0.0).contiguous()
     tangents, columns = _parameter_directions(prior, H)
     if not columns:
-        return table, None, None, start
+        return table, None, None, table_start
 
-    jtab = torch.stack([torch.func.jvp(table_of, params, tangent)[1] for tangent in tangents], 1)
+    jvps = [torch.func.jvp(table_of, params, tangent)[1] for tangent in tangents]
+    dtable = torch.stack(jvps, 1).masked_fill(future, 0.0).contiguous()
     theta = torch.stack(columns, 1)
-    return table, jtab.masked_fill(future, 0.0).contiguous(), theta, start
+    return table, dtable, theta, table_start
 
 
 def _parameter_directions(prior, H):
@@ -771,10 +794,12 @@ def _parameter_directions(prior, H):
     tangents, columns = [], []
     if not torch.is_grad_enabled():
         return tangents, columns
-    for i, (name, t) in enumerate(zip(prior.prior.params, prior.params)):
+
+    for i, (name, t) in enumerate(zip(prior.family.params, prior.params)):
         if not t.requires_grad:
             continue
-        shared = name in prior.prior.shared
+
+        shared = name in prior.family.shared
         flat = t.reshape(-1) if shared else t.reshape(H, -1)
         for e in range(flat.shape[-1]):
             one_hot = torch.zeros_like(flat)
@@ -786,15 +811,16 @@ def _parameter_directions(prior, H):
     return tangents, columns
 
 
-def _shifted_copies(table, start):
-    """The kernels' layout of tables by x (entry t at x = start + t, start a multiple of 16): (...,
-    4, L) copies, copy c holding the entry of x at y = x + c, and a view of them that starts at y =
-    0 (what _table_tile reads from; L, the copies' stride, and the view's offset are multiples of
-    16)."""
+def _shifted_copies(table, table_start):
+    """The kernels' layout of tables by x (entry t at x = table_start + t, table_start a multiple
+    of 16): (..., 4, L) copies, copy c holding the entry of x at y = x + c, and a view of them that
+    starts at y = 0 (what _table_tile reads from), with L, the copies' stride (the kernels'
+    table_stride; L and the view's offset are multiples of 16)."""
     n = table.shape[-1]
+
     length = _round_up(n + TABLE_COPIES - 1, 16)
     copies = torch.stack([F.pad(table, (c, length - n - c)) for c in range(TABLE_COPIES)], -2)
-    return copies[..., -start:], length
+    return copies[..., -table_start:], length
 
 
 def _kv_ranges(doc_rows, block_m, block_n, Tk):
@@ -806,11 +832,14 @@ def _kv_ranges(doc_rows, block_m, block_n, Tk):
     n_qb = triton.cdiv(Tq, block_m)
     pad = n_qb * block_m - Tq
     big = torch.iinfo(torch.int32).max
+
     rows = doc_rows.to(torch.int64)
     first = F.pad(rows, (0, pad), value=big).view(batch, n_qb, block_m).amin(-1)
     last = F.pad(rows, (0, pad), value=-1).view(batch, n_qb, block_m).amax(-1)
-    suffix_min = first.flip(-1).cummin(-1).values.flip(-1).contiguous()  # non-decreasing
-    prefix_max = last.cummax(-1).values.contiguous()  # non-decreasing
+    # both non-decreasing
+    suffix_min = first.flip(-1).cummin(-1).values.flip(-1).contiguous()
+    prefix_max = last.cummax(-1).values.contiguous()
+
     n0 = torch.arange(0, Tk, block_n, device=doc_rows.device)
     n_last = torch.clamp(n0 + block_n, max=Tk) - 1
     q_end = torch.searchsorted(suffix_min, n_last.expand(batch, -1).contiguous(), right=True)
@@ -845,60 +874,76 @@ def _launch_state(q, k, doc_start, row_scale):
     # input_precision only matters for fp32 inputs
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dummy = torch.zeros(1, device=q.device, dtype=torch.float32)
+
     doc = None
     if doc_start is not None:
         doc = doc_start.to(device=q.device, dtype=torch.int32).contiguous().expand(batch, Tk)
-    rs = row_scale.float().expand(batch, H, Tq) if row_scale is not None else None
-    return block_d, _configs(block_d, q.dtype), dot_prec, dummy, doc, rs
+    if row_scale is not None:
+        row_scale = row_scale.float().expand(batch, H, Tq)
+    return block_d, _configs(block_d, q.dtype), dot_prec, dummy, doc, row_scale
 
 
 def _device_of(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _fuses_rs(has_prior, has_rs, scale_prior):
-    """FUSE_RS: SSMax scaling a prior, the score r (l + lp) taken inside the exponent's fma."""
-    return has_prior and has_rs and scale_prior
+def _scales_prior(has_prior, has_row_scale, scale_prior):
+    """SCALE_PRIOR: SSMax's row scale multiplies a prior, r (l + lp) taken inside the exponent's
+    fma."""
+    return has_prior and has_row_scale and scale_prior
 
 
-def _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d):
+def _flags(q, has_doc, has_prior, has_row_scale, scale_prior, dot_prec, block_d):
     """The compile-time flags every kernel launch shares."""
-    return dict(HEAD_DIM=q.shape[-1], BLOCK_D=block_d, HAS_DOC=has_doc, HAS_PRIOR=has_prior,
-                HAS_RS=has_rs, SCALE_PRIOR=scale_prior and has_rs,
-                FUSE_RS=_fuses_rs(has_prior, has_rs, scale_prior), DOT_PREC=dot_prec,
-                enable_fp_fusion=FP_FUSION)  # fmt: skip
+    return dict(
+        HEAD_DIM=q.shape[-1],
+        BLOCK_D=block_d,
+        HAS_DOC=has_doc,
+        HAS_PRIOR=has_prior,
+        HAS_ROW_SCALE=has_row_scale,
+        SCALE_PRIOR=_scales_prior(has_prior, has_row_scale, scale_prior),
+        DOT_PREC=dot_prec,
+        enable_fp_fusion=FP_FUSION,
+    )
 
 
 @torch.library.custom_op("bam::triton_attention_fwd", mutates_args=())
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: OptTensor,
-                jtab: OptTensor, theta: OptTensor, row_scale: OptTensor, scale_prior: bool,
+                dtable: OptTensor, theta: OptTensor, row_scale: OptTensor, scale_prior: bool,
                 q_offset: int, softmax_scale: float,
                 table_start: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The forward kernel: (O, LSE). LSE (batch, H, n, Tq) fp32 is the row log-sum-exp in base 2
-    (the backward needs it), n = 1, or 2 with FUSE_RS (_row_lse). table, jtab, theta, table_start
-    as _prior_tables makes them; jtab and theta are only kept for the backward."""
+    (the backward needs it), n = 1, or 2 with SCALE_PRIOR (_row_lse). table, dtable, theta and
+    table_start as _prior_tables makes them; dtable and theta are only kept for the backward."""
     batch, H, Tq, D = q.shape
     Tk = k.shape[2]
-    has_prior, has_doc, has_rs = table is not None, doc_start is not None, row_scale is not None
-    fuse = _fuses_rs(has_prior, has_rs, scale_prior)
+    has_prior = table is not None
+    has_doc = doc_start is not None
+    has_row_scale = row_scale is not None
+    scales_prior = _scales_prior(has_prior, has_row_scale, scale_prior)
     with _device_of(q):
-        block_d, cfg, dot_prec, dummy, doc, rs = _launch_state(q, k, doc_start, row_scale)
-        tab, tab_stride = dummy, 0
-        if has_prior:  # in base 2, as the scores; FUSE_RS: the negated table after it
-            table2 = table * math.log2(math.e)
-            if fuse:
-                table2 = torch.stack([table2, -table2], 1)
-            tab, tab_stride = _shifted_copies(table2, table_start)
+        block_d, cfg, dot_prec, dummy, doc, row_scale = _launch_state(q, k, doc_start, row_scale)
+
+        # the table in base 2, as the scores; with SCALE_PRIOR the negated table after it
+        table_copies, table_stride = dummy, 0
+        if has_prior:
+            table_base2 = table * math.log2(math.e)
+            if scales_prior:
+                table_base2 = torch.stack([table_base2, -table_base2], 1)
+            table_copies, table_stride = _shifted_copies(table_base2, table_start)
+
         o = torch.empty_like(q)
-        lse = torch.empty((batch, H, 1 + fuse, Tq), device=q.device, dtype=torch.float32)
+        lse = torch.empty((batch, H, 1 + scales_prior, Tq), device=q.device, dtype=torch.float32)
         bm, bn, warps, stages = cfg["fwd"]
-        flags = _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d)
+        flags = _flags(q, has_doc, has_prior, has_row_scale, scale_prior, dot_prec, block_d)
         # fmt: off
         _attn_fwd[(triton.cdiv(Tq, bm), batch * H)](
-            q, k, v, o, lse, doc if has_doc else dummy, rs if has_rs else dummy, tab,
+            q, k, v, o, lse, doc if has_doc else dummy, row_scale if has_row_scale else dummy,
+            table_copies,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            doc.stride(0) if has_doc else 0, *(_strides(rs) if has_rs else (0, 0, 0)),
-            H, Tq, Tk, q_offset, softmax_scale, tab_stride,
+            doc.stride(0) if has_doc else 0,
+            *(_strides(row_scale) if has_row_scale else (0, 0, 0)),
+            H, Tq, Tk, q_offset, softmax_scale, table_stride,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
             num_stages=stages, **flags)
         # fmt: on
@@ -906,29 +951,30 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: Op
 
 
 @_triton_fwd.register_fake
-def _(q, k, v, doc_start, table, jtab, theta, row_scale, scale_prior, q_offset, softmax_scale,
+def _(q, k, v, doc_start, table, dtable, theta, row_scale, scale_prior, q_offset, softmax_scale,
       table_start):  # fmt: skip
-    n = 1 + _fuses_rs(table is not None, row_scale is not None, scale_prior)
+    n = 1 + _scales_prior(table is not None, row_scale is not None, scale_prior)
     return torch.empty_like(q), q.new_empty((*q.shape[:2], n, q.shape[2]), dtype=torch.float32)
 
 
-def _backward_tables(table, jtab, table_start, dummy):
-    """The backward's tables in the kernels' layout: (tab, rtab, jtabs, tab_stride). tab: the prior
-    in base 2 for dQ's tiles, rtab: reversed for dK/dV's transposed tiles, jtabs: the derivative
-    tables (dQ); dummy where absent."""
-    tab = rtab = jtabs = dummy
-    tab_stride = 0
+def _backward_tables(table, dtable, table_start, dummy):
+    """The backward's tables in the kernels' layout (_shifted_copies): (table_copies,
+    table_rev_copies, dtable_copies, table_stride). The prior in base 2 for dQ's tiles, reversed
+    for dK/dV's transposed tiles, and the derivative tables (dQ); dummy where absent."""
+    table_copies = table_rev_copies = dtable_copies = dummy
+    table_stride = 0
     if table is not None:
-        table2 = table * math.log2(math.e)
-        tab, tab_stride = _shifted_copies(table2, table_start)
-        rtab, _ = _shifted_copies(table2.flip(-1), -(table_start + table.shape[-1] - 1))
-    if jtab is not None:
-        jtabs, _ = _shifted_copies(jtab, table_start)
-    return tab, rtab, jtabs, tab_stride
+        table_base2 = table * math.log2(math.e)
+        table_copies, table_stride = _shifted_copies(table_base2, table_start)
+        table_rev_start = -(table_start + table.shape[-1] - 1)
+        table_rev_copies, _ = _shifted_copies(table_base2.flip(-1), table_rev_start)
+    if dtable is not None:
+        dtable_copies, _ = _shifted_copies(dtable, table_start)
+    return table_copies, table_rev_copies, dtable_copies, table_stride
 
 
-def _launch_dkdv(q, k, v, do, lse, delta, doc, rs, rtab, tab_stride, q_offset, softmax_scale, cfg,
-                 flags, dummy_i, dummy):  # fmt: skip
+def _launch_dkdv(q, k, v, do, lse, delta, doc, row_scale, table_rev_copies, table_stride, q_offset,
+                 softmax_scale, cfg, flags, dummy_i, dummy):  # fmt: skip
     """dK, dV: one program per key block, looping over the query blocks that see it."""
     batch, H, Tq, _ = q.shape
     Tk = k.shape[2]
@@ -936,24 +982,27 @@ def _launch_dkdv(q, k, v, do, lse, delta, doc, rs, rtab, tab_stride, q_offset, s
     dv = torch.empty_like(v)
     bm, bn, warps, stages = cfg["dkdv"]
     n_kb = triton.cdiv(Tk, bn)
+
     q_end, q_clean = dummy_i, dummy_i
     if doc is not None:
         q_end, q_clean = _kv_ranges(doc[:, q_offset : q_offset + Tq], bm, bn, Tk)
     # fmt: off
     _attn_bwd_dkdv[(n_kb, batch * H)](
         q, k, v, do, dk, dv, lse, delta, doc if doc is not None else dummy_i,
-        rs if rs is not None else dummy, rtab, q_end, q_clean,
+        row_scale if row_scale is not None else dummy, table_rev_copies, q_end, q_clean,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
-        H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_kb,
+        doc.stride(0) if doc is not None else 0,
+        *(_strides(row_scale) if row_scale is not None else (0, 0, 0)),
+        H, Tq, Tk, q_offset, softmax_scale, table_stride, n_kb,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         num_stages=stages, **flags)
     # fmt: on
     return dk, dv
 
 
-def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad, need_rs, q_offset,
-               softmax_scale, cfg, flags, dummy_i, dummy):  # fmt: skip
+def _launch_dq(q, k, v, do, lse, delta, doc, row_scale, table_copies, dtable_copies, table_stride,
+               n_grad, need_row_scale_grad, q_offset, softmax_scale, cfg, flags, dummy_i,
+               dummy):  # fmt: skip
     """dQ, d row_scale and d theta: one program per query block, looping over its key blocks; the
     programs' partial sums of d theta reduced in a fixed order (no atomics)."""
     batch, H, Tq, _ = q.shape
@@ -962,7 +1011,10 @@ def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad,
     dq = torch.empty_like(q)
     bm, bn, warps, stages = cfg["dq"]
     n_qb = triton.cdiv(Tq, bm)
-    drs = torch.empty((batch, H, Tq), device=dev, dtype=torch.float32) if need_rs else dummy
+
+    drow_scale = dummy
+    if need_row_scale_grad:
+        drow_scale = torch.empty((batch, H, Tq), device=dev, dtype=torch.float32)
     part = dummy
     if n_grad:
         part = torch.empty((batch, H, n_qb, n_grad), device=dev, dtype=torch.float32)
@@ -970,37 +1022,49 @@ def _launch_dq(q, k, v, do, lse, delta, doc, rs, tab, jtabs, tab_stride, n_grad,
         raise ValueError(
             f"the gradient by diagonal needs BLOCK_M a multiple of BLOCK_N: {bm}, {bn}"
         )
+
     # fmt: off
     _attn_bwd_dq[(n_qb, batch * H)](
         q, k, v, do, dq, lse, delta, doc if doc is not None else dummy_i,
-        rs if rs is not None else dummy, tab, jtabs, drs, part,
+        row_scale if row_scale is not None else dummy, table_copies, dtable_copies, drow_scale,
+        part,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        doc.stride(0) if doc is not None else 0, *(_strides(rs) if rs is not None else (0, 0, 0)),
-        H, Tq, Tk, q_offset, softmax_scale, tab_stride, n_qb,
+        doc.stride(0) if doc is not None else 0,
+        *(_strides(row_scale) if row_scale is not None else (0, 0, 0)),
+        H, Tq, Tk, q_offset, softmax_scale, table_stride, n_qb,
         BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad,
-        NEED_RS_GRAD=need_rs, **_grad_path(n_grad), OWN_DELTA=_own_delta(n_grad, need_rs),
+        NEED_ROW_SCALE_GRAD=need_row_scale_grad, **_grad_path(n_grad),
+        OWN_DELTA=_own_delta(n_grad, need_row_scale_grad),
         STAGES=_dq_stages(cfg, n_grad), num_warps=warps, num_stages=stages, **flags)
     # fmt: on
+
     g = part.double().sum(dim=(0, 2)) if n_grad else q.new_empty(0, dtype=torch.float64)
-    return dq, g, drs if need_rs else q.new_empty(0, dtype=torch.float32)
+    if not need_row_scale_grad:
+        drow_scale = q.new_empty(0, dtype=torch.float32)
+    return dq, g, drow_scale
 
 
 @torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
 def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                doc_start: OptTensor, table: OptTensor, jtab: OptTensor, row_scale: OptTensor,
+                doc_start: OptTensor, table: OptTensor, dtable: OptTensor, row_scale: OptTensor,
                 scale_prior: bool, q_offset: int, softmax_scale: float, table_start: int,
-                need_rs: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """The backward kernels: (dQ, dK, dV, d theta (H, K) fp64 from the derivative tables jtab (H, K,
-    n), d row_scale (batch, H, Tq) fp32). The last two are empty without jtab / need_rs."""
+                need_row_scale_grad: bool,
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The backward kernels: (dQ, dK, dV, d theta (H, K) fp64 from the derivative tables dtable
+    (H, K, n), d row_scale (batch, H, Tq) fp32). The last two are empty without dtable /
+    need_row_scale_grad."""
     batch, H, Tq, D = q.shape
-    has_prior, has_doc, has_rs = table is not None, doc_start is not None, row_scale is not None
-    n_grad = jtab.shape[1] if jtab is not None else 0
+    has_prior = table is not None
+    has_doc = doc_start is not None
+    has_row_scale = row_scale is not None
+    n_grad = dtable.shape[1] if dtable is not None else 0
     with _device_of(q):
-        block_d, cfg, dot_prec, dummy, doc, rs = _launch_state(q, k, doc_start, row_scale)
+        block_d, cfg, dot_prec, dummy, doc, row_scale = _launch_state(q, k, doc_start, row_scale)
         dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
         do = do.contiguous() if do.stride(-1) != 1 else do
-        tab, rtab, jtabs, tab_stride = _backward_tables(table, jtab, table_start, dummy)
-        flags = _flags(q, has_doc, has_prior, has_rs, scale_prior, dot_prec, block_d)
+        tables = _backward_tables(table, dtable, table_start, dummy)
+        table_copies, table_rev_copies, dtable_copies, table_stride = tables
+        flags = _flags(q, has_doc, has_prior, has_row_scale, scale_prior, dot_prec, block_d)
 
         # preprocess: Delta = rowsum(O * dO)
         delta = torch.empty((batch, H, Tq), device=q.device, dtype=torch.float32)
@@ -1011,80 +1075,85 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pm, enable_fp_fusion=FP_FUSION)
         # fmt: on
 
-        common = (lse, delta, doc, rs)
-        dk, dv = _launch_dkdv(q, k, v, do, *common, rtab, tab_stride, q_offset, softmax_scale, cfg,
-                              flags, dummy_i, dummy)  # fmt: skip
-        dq, g, drs = _launch_dq(q, k, v, do, *common, tab, jtabs, tab_stride, n_grad, need_rs,
-                                q_offset, softmax_scale, cfg, flags, dummy_i, dummy)  # fmt: skip
-    return dq, dk, dv, g, drs
+        common = (lse, delta, doc, row_scale)
+        dk, dv = _launch_dkdv(q, k, v, do, *common, table_rev_copies, table_stride, q_offset,
+                              softmax_scale, cfg, flags, dummy_i, dummy)  # fmt: skip
+        dq, g, drow_scale = _launch_dq(q, k, v, do, *common, table_copies, dtable_copies,
+                                       table_stride, n_grad, need_row_scale_grad, q_offset,
+                                       softmax_scale, cfg, flags, dummy_i, dummy)  # fmt: skip
+    return dq, dk, dv, g, drow_scale
 
 
 # fmt: off
 @_triton_bwd.register_fake
-def _(do, q, k, v, o, lse, doc_start, table, jtab, row_scale, scale_prior, q_offset, softmax_scale,
-      table_start, need_rs):
-    g = q.new_empty(jtab.shape[:2] if jtab is not None else (0,), dtype=torch.float64)
-    drs = q.new_empty(q.shape[:3] if need_rs else (0,), dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g, drs
+def _(do, q, k, v, o, lse, doc_start, table, dtable, row_scale, scale_prior, q_offset,
+      softmax_scale, table_start, need_row_scale_grad):
+    g = q.new_empty(dtable.shape[:2] if dtable is not None else (0,), dtype=torch.float64)
+    drow_scale = q.new_empty(q.shape[:3] if need_row_scale_grad else (0,), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g, drow_scale
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, doc_start, table, jtab, theta, row_scale = inputs[:8]
-    scale_prior, q_offset, softmax_scale, start = inputs[8:]
-    ctx.save_for_backward(q, k, v, *output, doc_start, table, jtab, row_scale)
-    ctx.args = (scale_prior, q_offset, softmax_scale, start)
+    q, k, v, doc_start, table, dtable, theta, row_scale = inputs[:8]
+    scale_prior, q_offset, softmax_scale, table_start = inputs[8:]
+    ctx.save_for_backward(q, k, v, *output, doc_start, table, dtable, row_scale)
+    ctx.args = (scale_prior, q_offset, softmax_scale, table_start)
     ctx.theta_dtype = theta.dtype if theta is not None else None
     ctx.mark_non_differentiable(output[1])
 
 
 def _fwd_backward(ctx, do, _dlse):
-    q, k, v, o, lse, doc_start, table, jtab, row_scale = ctx.saved_tensors
+    q, k, v, o, lse, doc_start, table, dtable, row_scale = ctx.saved_tensors
     wanted = ctx.needs_input_grad
-    need_rs = row_scale is not None and wanted[7]
-    jtab = jtab if wanted[6] else None
-    dq, dk, dv, g, drs = _triton_bwd(do, q, k, v, o, lse, doc_start, table, jtab, row_scale,
-                                     *ctx.args, need_rs)
-    g_rs = None
-    if need_rs:  # row_scale may broadcast over the batch
-        g_rs = drs.sum_to_size(row_scale.shape).to(row_scale.dtype)
-    g_theta = g.to(ctx.theta_dtype) if wanted[6] else None
+    need_row_scale_grad = row_scale is not None and wanted[7]
+    dtable = dtable if wanted[6] else None
+    dq, dk, dv, g, drow_scale = _triton_bwd(do, q, k, v, o, lse, doc_start, table, dtable,
+                                            row_scale, *ctx.args, need_row_scale_grad)
+    # row_scale may broadcast over the batch
+    grad_row_scale = None
+    if need_row_scale_grad:
+        grad_row_scale = drow_scale.sum_to_size(row_scale.shape).to(row_scale.dtype)
+    grad_theta = g.to(ctx.theta_dtype) if wanted[6] else None
     return (dq if wanted[0] else None, dk if wanted[1] else None, dv if wanted[2] else None,
-            None, None, None, g_theta, g_rs, None, None, None, None)
+            None, None, None, grad_theta, grad_row_scale, None, None, None, None)
 # fmt: on
 
 
 _triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def attention_triton(q, k, v, *, doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale):
-    """The Triton implementation of attention() (attention.py), for every registered prior. Takes
-    the arguments as attention() passes them, checked and resolved (prior a BoundPrior or None,
-    q_offset an int, softmax_scale a float). Needs CUDA tensors, or TRITON_INTERPRET=1 set before
-    triton is first imported (then it runs, slowly, on CPU tensors)."""
+def attention_triton(q, k, v, args):
+    """The Triton implementation of attention() (impl "triton"), for every registered prior, for
+    attention.py's resolved AttentionArgs (prior a BoundPrior or None, q_offset an int,
+    softmax_scale a float). Needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first
+    imported (then it runs, slowly, on CPU tensors)."""
     H, Tq, D = q.shape[1:]
     Tk = k.shape[2]
+    # nothing to attend from (still connected to autograd)
     if Tq == 0:
-        return q * 0.0  # nothing to attend from (still connected to autograd)
+        return q * 0.0
 
     # unit stride along head_dim keeps the loads vectorised; other strides are passed as they are
     k, v = k.to(q.dtype), v.to(q.dtype)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
     tables = (None, None, None, 0)
-    if prior is not None:
-        tables = _prior_tables(prior, H, Tq, Tk, q_offset, _configs(_block_d(D), q.dtype), q.device)
-    table, jtab, theta, start = tables
+    if args.prior is not None:
+        cfg = _configs(_block_d(D), q.dtype)
+        tables = _prior_tables(args.prior, H, Tq, Tk, args.q_offset, cfg, q.device)
+    table, dtable, theta, table_start = tables
     out, _ = _triton_fwd(
         q,
         k,
         v,
-        doc_start,
+        args.doc_start,
         table,
-        jtab,
+        dtable,
         theta,
-        row_scale,
-        bool(scale_prior),
-        q_offset,
-        softmax_scale,
-        start,
+        args.row_scale,
+        args.scale_prior,
+        args.q_offset,
+        args.softmax_scale,
+        table_start,
     )
     return out

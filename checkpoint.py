@@ -15,8 +15,11 @@ from model import GPT, GPTConfig
 from priors import PRIORS
 
 CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
-# how to compute, not what: the caller's choice, never the checkpoint's
-RUNTIME_KEYS = ("attn_impl",)
+
+# Model settings that older checkpoints carry and that say nothing about the saved model: attn_impl
+# (which impl computed attention, a runtime choice) and ssmax_init (SSMax's s, trained, is in the
+# weights). They are dropped on load.
+RETIRED_KEYS = ("attn_impl", "ssmax_init")
 
 
 class CheckpointError(RuntimeError):
@@ -92,17 +95,18 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def checkpoint_model_args(ckpt):
-    """A checkpoint's GPTConfig as a dict, settings it predates and RUNTIME_KEYS at their defaults;
-    CheckpointError for settings this code does not know and for an unregistered prior."""
+    """A checkpoint's GPTConfig as a dict, settings it predates at their defaults and RETIRED_KEYS
+    dropped; CheckpointError for settings this code does not know and for an unregistered prior."""
     where = ckpt.get("path", "")
     defaults = {f.name: f.default for f in fields(GPTConfig)}
-    unknown = set(ckpt["model_args"]) - set(defaults)
+    saved = {k: v for k, v in ckpt["model_args"].items() if k not in RETIRED_KEYS}
+
+    unknown = set(saved) - set(defaults)
     if unknown:
         raise CheckpointError(
             f"checkpoint {where!r} has model settings this code does not know: {sorted(unknown)}"
         )
 
-    saved = {k: v for k, v in ckpt["model_args"].items() if k not in RUNTIME_KEYS}
     args = {**defaults, **saved}
     if args["pos_encoding"] == "bam" and args["prior"] not in PRIORS:
         raise CheckpointError(
@@ -119,11 +123,7 @@ def load_state(model, ckpt):
     raw_model = unwrap(model)
     theirs = checkpoint_model_args(ckpt)
     ours = asdict(raw_model.config)
-    diff = [
-        f"{k}: {theirs[k]!r} vs {ours[k]!r}"
-        for k in ours
-        if k not in RUNTIME_KEYS and theirs[k] != ours[k]
-    ]
+    diff = [f"{k}: {theirs[k]!r} vs {ours[k]!r}" for k in ours if theirs[k] != ours[k]]
     if diff:
         raise ValueError(
             f"checkpoint {where!r} is from another model (checkpoint vs this model):\n  "
@@ -141,7 +141,7 @@ def load_model(path, device="cpu", attn_impl="auto"):
     """(GPT in eval mode, checkpoint dict) from a checkpoint file or run directory, attention
     computed by attn_impl."""
     ckpt = load_checkpoint(path)
-    model_args = dict(checkpoint_model_args(ckpt), attn_impl=attn_impl or "auto")
-    model = GPT(GPTConfig(**model_args))
+    config = GPTConfig(**checkpoint_model_args(ckpt))
+    model = GPT(config, attn_impl=attn_impl or "auto")
     load_state(model, ckpt)
     return model.to(device).eval(), ckpt

@@ -83,6 +83,7 @@ def get_tokenizer(name: str) -> Tokenizer:
     character."""
     if name == "mistral":
         return _sentencepiece(name)
+
     import tiktoken
 
     if name == "gpt2":
@@ -174,11 +175,13 @@ def write_shard(path, tokens, tokenizer_name):
     tokens = np.asarray(tokens)
     if tokens.size == 0:
         raise ValueError(f"refusing to write an empty shard: {path}")
+
     if tokens.min() < 0 or tokens.max() >= 65536:
         raise ValueError(
             f"token ids must lie in [0, 65536) to be stored as uint16; got min {tokens.min()}, "
             f"max {tokens.max()} for {path}"
         )
+
     header = _HEADER.pack(MAGIC, VERSION, tokens.size, tokenizer_name.encode("ascii"))
     header = header.ljust(HEADER_BYTES, b"\0")
 
@@ -195,6 +198,7 @@ def _read_header(path):
     """(token count, tokenizer name) after checking magic, version and file size."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
+
     rerun = (
         "rerun the preparation script that wrote it "
         "(prepare_fineweb.py resumes and rewrites broken shards)"
@@ -203,15 +207,19 @@ def _read_header(path):
         raise DataError(
             f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {rerun}"
         )
+
     magic, version, count, name = _HEADER.unpack_from(raw)
+
     if magic != MAGIC:
         raise DataError(
             f"{path}: not a bam-gpt token shard (magic {magic:#x}, expected {MAGIC:#x})"
         )
+
     if version != VERSION:
         raise DataError(
             f"{path}: shard format version {version}, this code reads version {VERSION}; {rerun}"
         )
+
     size = os.path.getsize(path)
     expected = HEADER_BYTES + 2 * count
     if size != expected:
@@ -231,6 +239,7 @@ def open_shard(path, tokenizer=None):
             f"{path} was made with the {name!r} tokenizer, not {tokenizer!r}; "
             f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}"
         )
+
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
@@ -257,6 +266,7 @@ def shard_paths(data_dir, split):
     found.sort()
     if not found:
         raise FileNotFoundError(f"no {split} shards (*_{split}_NNNNNN.bin) in {data_dir}; {how}")
+
     prefixes = sorted({p for p, _ in found})
     if len(prefixes) > 1:  # two datasets in one directory would silently be mixed
         raise DataError(
@@ -280,12 +290,14 @@ def _split_extents(data_dir, split, tokenizer=None):
             count = min(count, budget - sum(n for _, n in extents))
         if count > 0:
             extents.append((path, count))
+
     if len(names) > 1:
         raise DataError(
             f"the shards in {data_dir} were made with different tokenizers: "
             + ", ".join(f"{n!r} ({os.path.basename(p)})" for n, p in names.items())
             + "; keep one dataset per directory"
         )
+
     name = next(iter(names))
     if tokenizer is not None and tokenizer != name:
         raise DataError(
@@ -305,6 +317,7 @@ def read_tokens(data_dir, split, n_tokens, offset=0):
             f"asked for tokens [{offset}, {offset + n_tokens}) of the {split} split in {data_dir}, "
             f"which has {total} tokens"
         )
+
     out = []
     shard_start = 0  # the shard's first token in the stream
     for path, n in extents:
@@ -355,6 +368,7 @@ class TokenLoader:
                 f"(the longest has {longest} tokens); prepare more data (prepare_fineweb.py "
                 "--max_tokens) or use a smaller block_size"
             )
+
         self.cum_windows = np.cumsum(windows)  # shard s holds windows [cum[s-1], cum[s])
 
     def __len__(self):
@@ -368,8 +382,10 @@ class TokenLoader:
     def get_batch(self, step, micro_step=0, grad_accum=1):
         """(x, y, doc_start), each an int64 CPU tensor of shape (batch_size, block_size)."""
         windows = self.window_indices(step, micro_step, grad_accum)
+
         shard_of = np.searchsorted(self.cum_windows, windows, side="right")
         first_window = np.concatenate([[0], self.cum_windows[:-1]])[shard_of]
+
         T = self.block_size
         rows = []  # (row of the batch, its T + 1 tokens)
         for shard in np.unique(shard_of):

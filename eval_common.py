@@ -35,10 +35,12 @@ def mmap_large_allocations():
     OS when freed (glibc only; elsewhere nothing). Long CPU evaluations need it: without it,
     multi-MiB tensors fragment the heap and stay resident (an l6 forward at 32K tokens: > 7 GiB RSS
     instead of ~2 GiB)."""
+    # not glibc (macOS, musl): nothing to set
     try:
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl)
+    except OSError:
         return
+
     m_mmap_threshold = -3
     libc.mallopt(m_mmap_threshold, 1 << 20)
 
@@ -54,7 +56,14 @@ def run_script(main, script):
 
 
 # ---- options -------------------------------------------------------------------------------------
+# An evaluation skips a length whose estimated peak exceeds this fraction of the free memory
+# (memory_shortfall): the 512x passkey run relies on it.
+MEMORY_FRACTION = 0.9
+
+
 def add_common_args(parser, default_out):
+    """The options every long-context evaluation takes: checkpoints, output folder, and the two
+    that a one-line error names as its remedy (--device cpu, --attn_impl torch)."""
     parser.add_argument(
         "--ckpt",
         action="append",
@@ -62,27 +71,13 @@ def add_common_args(parser, default_out):
         help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several",
     )
     parser.add_argument(
-        "--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="autocast precision; auto: bfloat16 on a GPU that has it natively (else float16), "
-        "float32 on CPU",
-    )
-    parser.add_argument(
-        "--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl"
-    )
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument(
         "--out", default=default_out, help="output directory for JSONL, JSON, CSV and PNG files"
     )
     parser.add_argument(
-        "--memory_fraction",
-        type=float,
-        default=0.9,
-        help="skip lengths whose estimated peak exceeds this fraction of free memory",
+        "--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
+    )
+    parser.add_argument(
+        "--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl"
     )
     return parser
 
@@ -93,20 +88,23 @@ def pick_device(name="auto"):
         device = resolve_device(name)
     except ValueError as e:
         raise EvalError(f"--device {name} {e}; use --device cpu") from None
+
     return str(device)
 
 
 def resolve_dtype(device, dtype="auto"):
-    """The precision of --dtype on this device: auto = bfloat16 on a GPU that has it natively,
+    """The autocast precision on this device: auto = bfloat16 on a GPU that has it natively,
     float16 on an older one, float32 on CPU (hardware.autocast takes it)."""
     if dtype != "auto":
         return dtype
+
     if torch.device(device).type != "cuda":
         return "float32"
     return "bfloat16" if native_bf16(device) else "float16"
 
 
-def model_device(model):  # CPU for a model without parameters
+def model_device(model):
+    """The device of the model's parameters (the CPU for a model without any)."""
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
@@ -135,8 +133,8 @@ def load_run(path, device, attn_impl="auto"):
     """One checkpoint as a run: a dict of label, model, ckpt_path (absolute), ckpt_step,
     ckpt_sha256, block_size, tokenizer, data_dir (or None)."""
     model, ckpt = load_model(path, device, attn_impl=attn_impl)
-    impl = model.config.attn_impl
-    why = impl_error(impl, model.config.prior_def, device, grad=False)
+    impl = model.attn_impl
+    why = impl_error(impl, model.config.prior_family, device, grad=False)
     if why:
         raise EvalError(f"{path}: --attn_impl {impl}: {why}")
 
@@ -180,7 +178,8 @@ def load_runs(paths, device, attn_impl="auto", dtype="float32"):
         )
 
     labels = [r["label"] for r in runs]
-    for i, r in enumerate(runs):  # two run directories with the same name: disambiguate by index
+    # two run directories with the same name: told apart by index
+    for i, r in enumerate(runs):
         if labels.count(r["label"]) > 1:
             r["label"] = f"{r['label']}#{i}"
     return runs, get_tokenizer(names.pop())
@@ -224,10 +223,10 @@ def free_memory_bytes(device):
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def memory_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False, extra_bytes=0):
-    """Why a no-grad forward over `length` tokens would not fit in `fraction` of the free memory, or
-    None. Its estimated peak: one block's fp32 activations, the reference's score chunk (<= 256 MiB
-    by construction), the weights, every layer's K/V with a KV cache, and extra_bytes."""
+def memory_shortfall(model, length, device, batch=1, kv_cache=False, extra_bytes=0):
+    """Why a no-grad forward over `length` tokens would not fit in MEMORY_FRACTION of the free
+    memory, or None. Its estimated peak: one block's fp32 activations, the reference's score chunk
+    (<= 256 MiB by construction), the weights, every layer's K/V with a KV cache, extra_bytes."""
     cfg = model.config
     # fp32 per token: residual + norm out, q/k/v/y, SwiGLU (w1, w3, product) at 2D
     per_token = 4 * cfg.n_embd * (2 + 4 + 3 * 2)
@@ -238,14 +237,15 @@ def memory_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=Fals
     peak = int(activations + score_chunk + weights + cache) + extra_bytes
 
     free = free_memory_bytes(device)
-    if peak > fraction * free:
+    if peak > MEMORY_FRACTION * free:
         return (
-            f"needs ~{fmt_bytes(peak)}, more than {fraction:.0%} of the {fmt_bytes(free)} free "
-            f"on {device}"
+            f"needs ~{fmt_bytes(peak)}, more than {MEMORY_FRACTION:.0%} of the {fmt_bytes(free)} "
+            f"free on {device}"
         )
 
 
-def reset_peak_memory(device):  # CUDA only: the CPU's peak RSS cannot be reset
+def reset_peak_memory(device):
+    """CUDA only: the CPU's peak RSS cannot be reset."""
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(torch.device(device))
 
@@ -314,7 +314,8 @@ class ResultLog:
         evaluated again."""
         digest_now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
 
-        def is_current(record):  # the records of a path not evaluated now are kept
+        # the records of a path not evaluated now are kept
+        def is_current(record):
             recorded = record.get("ckpt_sha256")
             return digest_now.get(record.get("ckpt"), recorded) == recorded
 
@@ -365,7 +366,8 @@ def check_settings(jsonl_path, settings):
     """Refuse to resume a JSONL made with other settings (kept in <jsonl>.settings.json), else
     (re)write them."""
     side = jsonl_path + ".settings.json"
-    settings = json.loads(json.dumps(settings))  # tuples -> lists, so that the comparison is exact
+    # tuples -> lists, so that the comparison is exact
+    settings = json.loads(json.dumps(settings))
 
     if os.path.exists(jsonl_path) and os.path.getsize(jsonl_path) > 0:
         stored = {}
@@ -406,7 +408,10 @@ def _plt():
     return plt
 
 
-SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")  # <variant>-s<seed>[ ...]
+# a line style and marker per seed
+LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]
+# <variant>-s<seed>[ ...]
+SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")
 
 
 def seed_split(name):
@@ -435,6 +440,7 @@ def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
     by_run = {seed_split(label): values for label, values in cells.items()}
     if all(seed is None for _, seed in by_run):
         return None
+
     mults = sorted({m for values in by_run.values() for m in values})
     rows = []
     body = []
@@ -467,6 +473,7 @@ def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
     write_table(rows, path_prefix)
     if figure is not None:
         plot_seed_table(by_run, path_prefix + ".png", **figure)
+
     text = markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\n{caption}\n"
     with open(path_prefix + ".md", "w") as f:
         f.write(text)
@@ -481,16 +488,18 @@ def plot_seed_table(by_run, path, ylabel, title, logy=False):
     variants = list(dict.fromkeys(v for v, _ in by_run))
     cmap = plt.get_cmap("tab10" if len(variants) <= 10 else "tab20")
     fig, ax = plt.subplots(figsize=(8.5, 4.8))
+
     for i, variant in enumerate(variants):
         runs = [values for (v, _), values in by_run.items() if v == variant]
         mults = sorted({m for values in runs for m in values})
         per_mult = [[values[m] for values in runs if m in values] for m in mults]
         style = dict(color=cmap(i % cmap.N), linestyle=LINE_STYLES[i // 10 % len(LINE_STYLES)][0])
         label = f"{variant} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
-        ax.plot(mults, [statistics.median(v) for v in per_mult], label=label, marker="o",
-                markersize=3, **style)  # fmt: skip
+        medians = [statistics.median(v) for v in per_mult]
+        ax.plot(mults, medians, label=label, marker="o", markersize=3, **style)
         if len(runs) > 1:
-            low, high = [min(v) for v in per_mult], [max(v) for v in per_mult]
+            low = [min(v) for v in per_mult]
+            high = [max(v) for v in per_mult]
             ax.fill_between(mults, low, high, color=style["color"], alpha=0.12, linewidth=0)
 
     ax.set(yscale="log" if logy else "linear", ylabel=ylabel, title=title)
@@ -501,9 +510,6 @@ def plot_seed_table(by_run, path, ylabel, title, logy=False):
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-
-
-LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]
 
 
 def curve_styles(names):

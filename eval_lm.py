@@ -1,21 +1,12 @@
 """
 Downstream tasks: every checkpoint as a model of EleutherAI's lm-evaluation-harness (lm-eval 0.4.x),
-registered as "bam-gpt", on the paper's MMLU, ARC and HellaSwag (arXiv 2505.22842) or on any local
-task YAML.
+registered as "bam-gpt", on the paper's MMLU, ARC and HellaSwag (arXiv 2505.22842) or a local task.
 
     python eval_lm.py --ckpt RUN [--ckpt RUN2 ...] --tasks arc_easy,arc_challenge,mmlu,hellaswag
-        [--num_fewshot N] [--limit N] [--batch_size N] [--max_length N] [--include_path DIR]
-        --out DIR
+        [--num_fewshot N] [--max_length N] [--include_path DIR] --out DIR
 
-Every request is one document, as in training: the tokenizer's document-start token, then the text.
---max_length (default: each checkpoint's training length) caps the tokens of one forward; a longer
-context loses its oldest tokens (left truncation, as the harness's own models do). The default keeps
-every model at the length it was trained on, so that positional encodings are compared on equal
-terms; a larger value measures extrapolation, the point of BAM. The harness downloads its tasks'
-datasets from the Hugging Face hub; a local task (--include_path, e.g. tests/lm_tasks) needs no
-network. Outputs in --out: <label>.json per checkpoint (lm-eval's results plus the checkpoint's
-identity) and lm_eval_summary.json/.csv (one row per checkpoint x task x metric) and .md (task x
-checkpoint).
+Every request is one document, as in training. Writes <label>.json per checkpoint (lm-eval's
+results and the checkpoint's identity) and lm_eval_summary (.json/.csv/.md) to --out.
 """
 
 import argparse
@@ -50,6 +41,8 @@ from hardware import autocast
 MAX_GEN_TOKS = 256
 # context tokens decoded with the generated ones, so the first word keeps its leading space
 STOP_TAIL = 8
+# loglikelihood requests per forward
+BATCH_SIZE = 8
 
 
 @register_model("bam-gpt")
@@ -62,11 +55,13 @@ class BamGPT(LM):
         self, ckpt, batch_size=1, max_length=None, device=None, dtype="auto", max_batch_size=None
     ):
         super().__init__()
+
         model = ckpt
         if isinstance(ckpt, str):
             device = pick_device(device or "auto")
             (run,), _ = load_runs([ckpt], device, dtype=resolve_dtype(device, dtype))
             model = run["model"]
+
         self.model = model.eval()
         self.tok = get_tokenizer(self.model.config.tokenizer)
         self._device = model_device(self.model)
@@ -88,6 +83,7 @@ class BamGPT(LM):
         if n_space:
             continuation = context[-n_space:] + continuation
             context = context[:-n_space]
+
         context_tokens = self.tok.encode_ordinary(context)
         whole = self.tok.encode_ordinary(context + continuation)
         return [self.tok.doc_start] + context_tokens, whole[len(context_tokens) :]
@@ -99,13 +95,15 @@ class BamGPT(LM):
         """Each text scored whole, in disjoint windows of max_length tokens after the document start
         (the harness's rolling windows): every token is predicted once, with the context of its
         window."""
+        # the windows, and the request of each
         pairs = []
-        owner = []  # the request of each window
+        owner = []
         for i, r in enumerate(requests):
             tokens = self.tok.encode_ordinary(r.args[0])
             for pair in get_rolling_token_windows(tokens, self.tok.doc_start, self.max_length, 1):
                 pairs.append(make_disjoint_window(pair))
                 owner.append(i)
+
         totals = [0.0] * len(requests)
         for i, (logp, _) in zip(owner, self._score(pairs, "loglikelihood_rolling")):
             totals[i] += logp
@@ -125,6 +123,7 @@ class BamGPT(LM):
         # longest first, so that similar lengths share a batch and a batch that does not fit
         # fails at once
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+
         out = [None] * len(pairs)
         with tqdm(total=len(pairs), desc=desc, unit="req", file=sys.stderr) as bar:
             for first in range(0, len(order), self.batch_size):
@@ -145,6 +144,7 @@ class BamGPT(LM):
         x = torch.zeros(len(seqs), T, dtype=torch.long)
         for row, seq in enumerate(seqs):
             x[row, : len(seq) - 1] = torch.tensor(seq[:-1])
+
         # the position predicting each sequence's first scored token
         first = [len(seq) - 1 - n for seq, n in zip(seqs, n_scored)]
         lo = min(first)
@@ -153,7 +153,9 @@ class BamGPT(LM):
             logits, _ = self.model(x.to(self._device), logits_at=positions)
 
         logp = torch.log_softmax(logits.float(), dim=-1)
-        vocab = self.model.config.vocab_size  # greedy decoding never picks a padded id
+        # greedy decoding never picks a padded id
+        vocab = self.model.config.vocab_size
+
         results = []
         for row, (seq, n, start) in enumerate(zip(seqs, n_scored, first)):
             target = torch.tensor(seq[len(seq) - n :], device=logp.device)
@@ -175,10 +177,12 @@ class BamGPT(LM):
         until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
         max_gen = int(gen_kwargs.get("max_gen_toks", MAX_GEN_TOKS))
-        temperature = 0.0  # greedy
+        # greedy, unless the task samples
+        temperature = 0.0
         if gen_kwargs.get("do_sample"):
             temperature = float(gen_kwargs.get("temperature", 1.0))
         top_k = gen_kwargs.get("top_k")
+
         room = self.max_length - max_gen
         if room < 1:
             raise EvalError(
@@ -203,6 +207,7 @@ class BamGPT(LM):
                 top_k=None if top_k is None else int(top_k),
                 stop=lambda new: any(u in text(new) for u in until),
             )
+
         if new and new[-1] == self.tok.eot_token:
             new = new[:-1]
         out = text(new)
@@ -248,14 +253,6 @@ def build_parser():
         help="few-shot examples (default: each task's own, or 0)",
     )
     p.add_argument(
-        "--limit",
-        type=float,
-        default=None,
-        help="at most this many documents per task (below 1: this fraction of them); "
-        "for quick looks",
-    )
-    p.add_argument("--batch_size", type=int, default=8, help="loglikelihood requests per forward")
-    p.add_argument(
         "--max_length",
         type=int,
         default=None,
@@ -277,12 +274,8 @@ def parse_args(argv=None):
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks:
         p.error("--tasks names no task")
-    if args.limit is not None:
-        if args.limit <= 0:
-            p.error(f"--limit must be positive, got {args.limit:g}")
-        args.limit = int(args.limit) if args.limit >= 1 else args.limit
-    if args.batch_size < 1 or (args.max_length is not None and args.max_length < 2):
-        p.error("--batch_size must be >= 1 and --max_length >= 2")
+    if args.max_length is not None and args.max_length < 2:
+        p.error("--max_length must be >= 2")
     return args
 
 
@@ -291,10 +284,12 @@ def task_manager(include_path, tasks):
     is done)."""
     if include_path and not os.path.isdir(include_path):
         raise EvalError(f"--include_path {include_path!r} is not a directory")
+
     # indexing lm-eval's own tasks takes seconds: only when the local ones do not suffice
     tm = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
     if tm is None or not set(tasks) <= set(tm.all_tasks):
         tm = TaskManager(include_path=include_path)
+
     known = set(tm.all_tasks)
     for name in tasks:
         if name not in known:
@@ -316,6 +311,7 @@ def summary_rows(run, results, max_length):
             metric, comma, filt = key.partition(",")
             if not comma or metric.endswith("_stderr"):
                 continue
+
             stderr = metrics.get(f"{metric}_stderr,{filt}")
             rows.append(
                 dict(
@@ -346,6 +342,7 @@ def markdown_summary(rows):
         if r["stderr"] is not None:
             cell += f" ± {r['stderr']:.4f}"
         cells.setdefault((r["task"], name), {})[r["label"]] = cell
+
     table = [
         [task, metric, *(by_label.get(label, "") for label in labels)]
         for (task, metric), by_label in cells.items()
@@ -361,38 +358,47 @@ def write_json(obj, path):
     os.replace(tmp, path)
 
 
+def evaluate(run, args, tm, device):
+    """lm-eval's results for one checkpoint on --tasks, written to <out>/<label>.json, and its
+    summary rows."""
+    lm = BamGPT(run["model"], batch_size=BATCH_SIZE, max_length=args.max_length)
+    print(
+        f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), "
+        f"max_length {lm.max_length} (trained at {run['block_size']})",
+        file=sys.stderr,
+    )
+
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=args.tasks,
+        num_fewshot=args.num_fewshot,
+        batch_size=BATCH_SIZE,
+        device=device,
+        task_manager=tm,
+        log_samples=False,
+    )
+    results["bam_gpt"] = dict(label=run["label"], **checkpoint_fields(run))
+    write_json(results, os.path.join(args.out, f"{run['label']}.json"))
+    return summary_rows(run, results, lm.max_length)
+
+
 def main(argv=None):
     args = parse_args(argv)
     tm = task_manager(args.include_path, args.tasks)
     device = pick_device("auto")
     runs, _ = load_runs(args.ckpt, device)
     os.makedirs(args.out, exist_ok=True)
+
     rows = []
     for run in runs:
-        lm = BamGPT(run["model"], batch_size=args.batch_size, max_length=args.max_length)
-        print(
-            f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), "
-            f"max_length {lm.max_length} (trained at {run['block_size']})",
-            file=sys.stderr,
-        )
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=args.tasks,
-            num_fewshot=args.num_fewshot,
-            limit=args.limit,
-            batch_size=args.batch_size,
-            device=device,
-            task_manager=tm,
-            log_samples=False,
-        )
-        results["bam_gpt"] = dict(label=run["label"], **checkpoint_fields(run))
-        write_json(results, os.path.join(args.out, f"{run['label']}.json"))
-        rows += summary_rows(run, results, lm.max_length)
+        rows += evaluate(run, args, tm, device)
+
     prefix = os.path.join(args.out, "lm_eval_summary")
     write_table(rows, prefix)
     table = markdown_summary(rows)
     with open(prefix + ".md", "w") as f:
         f.write(table + "\n")
+
     print(table)
     written = ", ".join(os.path.join(args.out, run["label"] + ".json") for run in runs)
     print(f"wrote {written}, {prefix}.csv, {prefix}.md")

@@ -4,12 +4,9 @@ Perplexity along the position axis (the paper's protocol): where a model stops e
     python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 [--window 1024]
         [--data val | hf:wikimedia/wikipedia:20231101.en] [--num_seqs 64]
 
-Each target of a sequence (seq_len + 1 tokens) gets its cross-entropy from one forward over the
-whole sequence; the curve pools each --window positions over all sequences, ppl = exp(mean CE).
-Writes to --out: ppl_samples.jsonl (per checkpoint x sequence; a rerun resumes it),
-ppl_summary.{json,csv} (per window, and "overall") and ppl_vs_position.png; for runs named
-<variant>-s<seed> (make demo-text SEEDS=N) also ppl_table.{md,csv,json,png}: the perplexity at 1, 2,
-4, ... times the training length per run, then the median and the worst seed per variant.
+Every target of a sequence is scored by one forward over the whole sequence; the curve pools each
+--window positions over all sequences. Writes ppl_samples.jsonl (a rerun resumes it), ppl_summary
+(.json/.csv) and ppl_vs_position.png to --out; with seeded run names also ppl_table.
 """
 
 import argparse
@@ -45,6 +42,7 @@ from eval_common import (
 from hardware import autocast
 
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
+KEY_FIELDS = ("ckpt", "ckpt_sha256", "data", "seq_len", "window", "dtype", "seq")
 
 
 # ---- Scoring: per-target cross-entropy of one sequence -------------------------------------------
@@ -53,6 +51,7 @@ def full_token_losses(model, seq):
     """The CE of each target of seq (seq_len + 1 tokens) from ONE forward over seq[:-1], (seq_len,)
     fp32."""
     seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
+
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
@@ -80,12 +79,14 @@ def val_sequences(data_dir, tokenizer_name, seq_len):
     tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, available))
     document_tokens = [DOC_START[tokenizer_name], DOC_END[tokenizer_name]]
     tokens = tokens[~np.isin(tokens, [t for t in document_tokens if t])]
+
     rows = len(tokens) // (seq_len + 1)
     if rows == 0:
         raise EvalError(
             f"{len(tokens)} validation tokens in {data_dir} do not make one sequence of "
             f"seq_len + 1 = {seq_len + 1} tokens; use a smaller --seq_len or more validation data"
         )
+
     sequences = tokens[: rows * (seq_len + 1)].reshape(rows, seq_len + 1)
     return sequences, f"val:{os.path.abspath(data_dir)}:no_eot"
 
@@ -116,6 +117,7 @@ def hf_texts(name, config):
         ) from e
     if first is None:
         return
+
     if "text" not in first:
         raise EvalError(f"{name!r} has no column 'text' (columns: {sorted(first)})")
     yield first["text"]
@@ -134,6 +136,7 @@ def hf_sequences(texts, tokenizer, seq_len, num_seqs):
             rows.append(np.asarray(tokens[: seq_len + 1], dtype=np.int64))
             if len(rows) == num_seqs:
                 break
+
     if not rows:
         raise EvalError(
             f"none of the {read} texts has seq_len + 1 = {seq_len + 1} tokens; "
@@ -155,6 +158,7 @@ def load_sequences(args, runs):
         tokenizer = get_tokenizer(tokenizer_name)
         rows, _ = hf_sequences(hf_texts(name, config), tokenizer, args.seq_len, wanted)
         desc = f"hf:{name}:{config}"
+
     if wanted is not None and len(rows) < wanted:
         print(
             f"note: asked for {wanted} sequences of {args.seq_len + 1} tokens, "
@@ -169,9 +173,7 @@ def memory_needed(args, run, device):
     # the loss head on top of the forward: fp32 logits, log-softmax, autocast copy over <= 8192
     # positions
     head_bytes = 3 * 4 * min(args.seq_len, 8192) * run["model"].config.padded_vocab_size
-    return memory_shortfall(
-        run["model"], args.seq_len, device, args.memory_fraction, extra_bytes=head_bytes
-    )
+    return memory_shortfall(run["model"], args.seq_len, device, extra_bytes=head_bytes)
 
 
 def evaluate(args, run, seqs, data_desc, dtype, device, log):
@@ -187,6 +189,7 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         dtype=dtype,
         train_length=run["block_size"],
     )
+
     why = memory_needed(args, run, device)
     if why:
         message = f"skipped: a forward over {args.seq_len} tokens {why}"
@@ -200,6 +203,7 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         window=args.window,
         dtype=dtype,
     )
+
     t0 = time.time()
     reset_peak_memory(device)
     records, resumed = score_all(args, run, seqs, key, device, dtype, log)
@@ -207,12 +211,14 @@ def evaluate(args, run, seqs, data_desc, dtype, device, log):
         print(f"{name}: {resumed} of {len(seqs)} sequences resumed from {log.path}")
 
     out = summarize(records, base)
+
     # compute time summed over every sitting; peak memory of this sitting (CPU: the process's
     # peak RSS)
     out[-1].update(
         seconds=round(sum(r["seconds"] for r in records), 3),
         peak_mem_bytes=peak_memory_bytes(device) if resumed < len(seqs) else None,
     )
+
     overall = out[-1]
     print(
         f"{name}: overall ppl {overall['ppl']:.4f} over {overall['n_tokens']} tokens "
@@ -228,8 +234,9 @@ def score_all(args, run, seqs, key, device, dtype, log):
     records = []
     resumed = 0
     for i in tqdm(range(len(seqs)), desc=run["label"], unit="seq"):
-        digest = hashlib.sha1(np.ascontiguousarray(seqs[i], dtype="<i8").tobytes()).hexdigest()
-        digest = digest[:16]
+        tokens = np.ascontiguousarray(seqs[i], dtype="<i8").tobytes()
+        digest = hashlib.sha1(tokens).hexdigest()[:16]
+
         rec = by_key.get(log.key(dict(key, seq=i)))
         if rec is None:
             rec = score_sequence(run["model"], seqs[i], args.window, device, dtype)
@@ -251,6 +258,7 @@ def score_sequence(model, seq, window, device, dtype):
     t0 = time.time()
     with autocast(device, dtype):
         losses = full_token_losses(model, seq)
+
     ends, sums, counts = window_sums(losses, window)
     return dict(window_ends=ends, loss_sums=sums, counts=counts, seconds=round(time.time() - t0, 3))
 
@@ -261,6 +269,7 @@ def summarize(records, base):
     ends = records[0]["window_ends"]
     sums = np.sum([r["loss_sums"] for r in records], axis=0)
     counts = np.sum([r["counts"] for r in records], axis=0)
+
     rows = [
         dict(
             base,
@@ -273,6 +282,7 @@ def summarize(records, base):
         )
         for k, end in enumerate(ends)
     ]
+
     loss = float(sums.sum() / counts.sum())
     return rows + [
         dict(
@@ -295,15 +305,19 @@ def ppl_seed_table(rows, args, data_desc, n_seqs):
     The cell at k x L pools every window that ends in (k L / 2, k L] (in (0, L] for k = 1): an
     octave of positions, as wide as the step to the next column on the log axis, and long ranges get
     the many tokens that a small --num_seqs leaves each window."""
-    pooled = {}  # (label, k) -> [sum of losses, tokens]
+    # (label, k) -> [sum of losses, tokens]
+    pooled = {}
     for r in rows:
         if r["scope"] != "window":
             continue
+
         k = 2 ** max(0, math.ceil(math.log2(r["window_end"] / r["train_length"])))
-        if k * r["train_length"] <= args.seq_len:  # whole octaves only
+        # whole octaves only
+        if k * r["train_length"] <= args.seq_len:
             cell = pooled.setdefault((r["label"], k), [0.0, 0])
             cell[0] += r["loss"] * r["n_tokens"]
             cell[1] += r["n_tokens"]
+
     cells = {}
     for (label, k), (loss_sum, n_tokens) in pooled.items():
         cells.setdefault(label, {})[k] = math.exp(loss_sum / n_tokens)
@@ -359,8 +373,9 @@ def build_parser():
 
 def report(args, runs, rows, data_desc, n_seqs):
     """Print the curves and the overall perplexity of every evaluated checkpoint, and draw them."""
-    series = {}  # label -> (window ends, ppl per window)
-    overall = {}  # label -> overall ppl
+    # label -> (window ends, ppl per window), and its overall ppl
+    series = {}
+    overall = {}
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = [r for r in rows if r["label"] == label]
         if mine[-1]["scope"] != "overall":
@@ -370,10 +385,12 @@ def report(args, runs, rows, data_desc, n_seqs):
     if not series:
         return None
 
-    ends = next(iter(series.values()))[0]  # the same windows for every checkpoint
+    # the same windows for every checkpoint
+    ends = next(iter(series.values()))[0]
     table = [[end, *(f"{ppl[k]:.4f}" for _, ppl in series.values())] for k, end in enumerate(ends)]
     table.append(["overall", *(f"{ppl:.4f}" for ppl in overall.values())])
     print(markdown_table(["window end", *series], table))
+
     figure = os.path.join(args.out, "ppl_vs_position.png")
     data_name = data_desc.split(":")[0]
     plot_curves(
@@ -397,15 +414,15 @@ def main(argv=None):
             p.error(f"--{name} must be at least 1, got {value}")
 
     device = pick_device(args.device)
-    dtype = resolve_dtype(device, args.dtype)
+    dtype = resolve_dtype(device)
     runs, _ = load_runs(args.ckpt, device, args.attn_impl, dtype)
     seqs, data_desc = load_sequences(args, runs)
     print(
         f"data: {data_desc}: {len(seqs)} sequences of {args.seq_len} targets; curve windows of "
         f"{args.window} tokens; device {device}, {dtype}"
     )
-    key_fields = ("ckpt", "ckpt_sha256", "data", "seq_len", "window", "dtype", "seq")
-    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), key_fields, runs)
+
+    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS, runs)
     rows = []
     for run in runs:
         rows += evaluate(args, run, seqs, data_desc, dtype, device, log)
@@ -415,6 +432,7 @@ def main(argv=None):
     table = ppl_seed_table(rows, args, data_desc, len(seqs))
     if table:
         print(table)
+
     figure = report(args, runs, rows, data_desc, len(seqs))
     if figure:
         print(f"wrote {prefix}.json, {prefix}.csv, {figure}")

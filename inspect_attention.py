@@ -2,15 +2,12 @@
 Which heads read the passkey needle, and how far each head looks, on eval_passkey.py's own prompts.
 
     python inspect_attention.py --ckpt out/demo/bam_ssmax-s1 [--ckpt out/demo/alibi-s1 ...]
-        --template demo --length 4096 [--lengths 64 256 1024 4096] [--samples 20]
-        [--out results/inspect]
+        --template demo --lengths 64 256 1024 4096 [--samples 20] [--out results/inspect]
 
-Per checkpoint, length, layer and head, at the query that predicts the first answer digit (--digit
-K: the K-th, the earlier ones given), means over the prompts: needle_mass (attention on the key's
-tokens), digit_mass (on the needle digit that the answer digit copies), mean_distance
-(sum_j p_j (i - j)) and entropy (nats), beside the head's prior. Writes to --out:
-attention_heads.{json,csv,png}, attention_summary.json (per checkpoint its top heads and those with
-needle mass >= 0.5 at --length, its best head at every length), attention_needle_vs_length.png.
+At the query that predicts the first answer digit (--digit K: the K-th), per layer and head, means
+over the prompts of the attention on the key's tokens and on the digit it copies, the mean distance
+and the entropy, beside the head's prior. Writes attention_heads (.json/.csv/.png),
+attention_summary.json and attention_needle_vs_length.png to --out.
 """
 
 import argparse
@@ -24,11 +21,22 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import eval_common as ec
-import eval_passkey as ep
-import passkey
 from attention import attention_probs
+from eval_common import (
+    EXPECTED_ERRORS,
+    _plt,
+    add_common_args,
+    load_runs,
+    memory_shortfall,
+    mmap_large_allocations,
+    pick_device,
+    plot_curves,
+    resolve_dtype,
+    write_table,
+)
+from eval_passkey import DEFAULT_SAMPLES, SEED
 from hardware import autocast
+from passkey import TEMPLATES, make_samples, min_prompt_length, template_hash
 from priors import get_prior
 
 READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens
@@ -38,18 +46,22 @@ READS = 0.5  # a head "reads the needle" when most of its attention lies on the 
 def key_positions(enc, tokens, info):
     """Positions of the needle's tokens that carry the key's digits (also merged ones, gpt2's
     " 123", "45.")."""
-    start, end = info["needle_start"], info["needle_end"]
+    start = info["needle_start"]
+    end = info["needle_end"]
     # byte offsets: the key's digits are ASCII
     token_bytes = [enc.token_bytes(t) for t in tokens[start:end]]
     text = b"".join(token_bytes)
     bounds = np.cumsum([0] + [len(b) for b in token_bytes]).tolist()
     spans = [m.span() for m in re.finditer(re.escape(str(info["key"]).encode()), text)]
+
     positions = []
     for t in range(end - start):
-        if any(
+        overlaps = [
             bounds[t] < span_end and span_start < bounds[t + 1] for span_start, span_end in spans
-        ):
+        ]
+        if any(overlaps):
             positions.append(start + t)
+
     if not positions:
         needle = text.decode(errors="replace")
         raise ValueError(f"the key {info['key']} does not occur in the needle {needle!r}")
@@ -62,6 +74,7 @@ def row_metrics(p, query_pos, key_pos):
     p = p.double()
     dist = query_pos - torch.arange(p.shape[-1], dtype=torch.float64, device=p.device)
     mass = p[..., list(key_pos)].sum(-1)
+
     return mass, (p * dist).sum(-1), -torch.special.xlogy(p, p).sum(-1)
 
 
@@ -76,10 +89,13 @@ def answer_row_probs(model, idx):
         x, rope, doc_start, log_n = args[:4]
         q, k, _ = attn.qkv(x, rope)
         kwargs = attn.attention_kwargs(doc_start, log_n)
-        if kwargs.get("row_scale") is not None:  # SSMax: the answer row's own scale
+        # SSMax: the answer row's own scale
+        if kwargs.get("row_scale") is not None:
             kwargs["row_scale"] = kwargs["row_scale"][..., -1:]
-        T = k.shape[2]
-        rows.append(attention_probs(q[:, :, -1:], k, q_offset=T - 1, **kwargs)[:, :, 0])
+
+        n_keys = k.shape[2]
+        probs = attention_probs(q[:, :, -1:], k, q_offset=n_keys - 1, **kwargs)
+        rows.append(probs[:, :, 0])
 
     handles = [block.attn.register_forward_pre_hook(hook) for block in model.blocks]
     try:
@@ -87,6 +103,7 @@ def answer_row_probs(model, idx):
     finally:
         for h in handles:
             h.remove()
+
     return torch.stack(rows), logits[:, -1]
 
 
@@ -95,11 +112,12 @@ def head_priors(model):
     theta_beta < 0), ssmax_s]}; layers without a prior give only ssmax_s, or nothing."""
     out = {}
     for row in model.prior_summary():
-        heads = [{} for _ in range(model.config.n_head)]
         prior = get_prior(row["prior"]) if "prior" in row else None
         marked = None
         if prior is not None and prior.highlight is not None:
             marked = prior.highlight(*(torch.tensor(row[n]) for n in prior.params)).tolist()
+
+        heads = [{} for _ in range(model.config.n_head)]
         for h, head in enumerate(heads):
             if prior is not None:
                 shape = row[prior.shape_param][h]
@@ -122,6 +140,7 @@ def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, di
     # the given answer tokens are read, then digit `digit` is predicted
     tokens = prompt + answer[:n_given]
     query = len(tokens) - 1
+
     keys = key_positions(enc, prompt, info)
     one_token_per_digit = len(keys) == template["digits"]
     if digit > 1 and not one_token_per_digit:
@@ -134,12 +153,15 @@ def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, di
         probs, logits = answer_row_probs(model, idx)
     correct = int(logits[0, : model.config.vocab_size].argmax()) == answer[n_given]
 
-    metrics = torch.stack(row_metrics(probs[:, 0], query, keys), -1).cpu()  # (n_layer, H, 3)
-    if one_token_per_digit:  # the mass on the needle's digit that this answer digit copies
+    # (n_layer, H, 3)
+    metrics = torch.stack(row_metrics(probs[:, 0], query, keys), -1).cpu()
+    # the mass on the needle's digit that this answer digit copies
+    if one_token_per_digit:
         digit_mass = probs[:, 0, :, keys[digit - 1]].double().cpu()[..., None]
     else:
         digit_mass = torch.full(metrics.shape[:2] + (1,), float("nan"), dtype=torch.float64)
     metrics = torch.cat([metrics, digit_mass], -1)
+
     prompt_stats = [len(tokens), query - float(np.mean(keys)), len(keys) / (query + 1)]
     return metrics, torch.tensor(prompt_stats, dtype=torch.float64), correct
 
@@ -148,13 +170,12 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
     """Rows (one per layer x head, means over the samples) and the accuracy of answer digit
     `digit` at one length, at the query that predicts it (the earlier digits given, as
     eval_passkey.py scores them)."""
-    model = run["model"]
     metric_sums = None
     stat_sums = None
     n_correct = 0
-    for prompt, answer, info in passkey.make_samples(enc, template, length, samples, seed):
+    for prompt, answer, info in make_samples(enc, template, length, samples, seed):
         metrics, stats, correct = inspect_prompt(
-            model, enc, template, prompt, answer, info, device, dtype, digit
+            run["model"], enc, template, prompt, answer, info, device, dtype, digit
         )
         metric_sums = metrics if metric_sums is None else metric_sums + metrics
         stat_sums = stats if stat_sums is None else stat_sums + stats
@@ -162,9 +183,15 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
         if bar is not None:
             bar.update(1)
 
-    metrics = metric_sums / samples
-    stats = stat_sums / samples
+    rows = head_rows(run, length, samples, digit, metric_sums / samples, stat_sums / samples)
+    return rows, n_correct / samples
+
+
+def head_rows(run, length, samples, digit, metrics, stats):
+    """One row per layer x head from the mean metrics (n_layer, H, 4) and prompt statistics."""
+    model = run["model"]
     priors = head_priors(model)
+
     rows = []
     for layer in range(metrics.shape[0]):
         for head in range(metrics.shape[1]):
@@ -190,14 +217,16 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
                     **(priors[layer][head] if layer in priors else {}),
                 )
             )
-    return rows, n_correct / samples
+    return rows
 
 
+# ---- Summary -------------------------------------------------------------------------------------
 def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
     """Per checkpoint: the top heads at `length`, those that read the needle (needle mass >=
     `reads`) and, at every length, the best head's and the largest needle mass, the uniform mass
     and the first-answer-token accuracy."""
     keep = ("layer", "head", "needle_mass", "mean_distance", "entropy", "shape_param", "shape")
+
     out = []
     for run in runs:
         mine = [x for x in rows if x["label"] == run["label"]]
@@ -207,27 +236,6 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
             continue
 
         best = ranked[0]
-        curve = []
-        for L in lengths:
-            cell = [x for x in mine if x["target_length"] == L]
-            if not cell:
-                continue
-            best_here = next(
-                x for x in cell if (x["layer"], x["head"]) == (best["layer"], best["head"])
-            )
-            top_here = max(cell, key=lambda x: x["needle_mass"])
-            curve.append(
-                dict(
-                    target_length=L,
-                    needle_mass=best_here["needle_mass"],
-                    mean_distance=best_here["mean_distance"],
-                    max_needle_mass=top_here["needle_mass"],
-                    max_head=[top_here["layer"], top_here["head"]],
-                    uniform_mass=best_here["uniform_mass"],
-                    first_token_accuracy=accuracy[(run["label"], L)],
-                )
-            )
-
         readers = [x for x in ranked if x["needle_mass"] >= reads]
         out.append(
             dict(
@@ -238,10 +246,35 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
                 chosen_at=length,
                 top_heads=[{k: x[k] for k in keep if k in x} for x in ranked[:top]],
                 readers=[{k: x[k] for k in keep if k in x} for x in readers],
-                curve=curve,
+                curve=best_head_curve(mine, best, lengths, accuracy, run["label"]),
             )
         )
     return out
+
+
+def best_head_curve(mine, best, lengths, accuracy, label):
+    """At every length with rows: the needle mass and distance of the head `best`, the largest
+    needle mass of any head, the uniform mass and the first-answer-token accuracy."""
+    curve = []
+    for L in lengths:
+        cell = [x for x in mine if x["target_length"] == L]
+        if not cell:
+            continue
+
+        here = next(x for x in cell if (x["layer"], x["head"]) == (best["layer"], best["head"]))
+        top_here = max(cell, key=lambda x: x["needle_mass"])
+        curve.append(
+            dict(
+                target_length=L,
+                needle_mass=here["needle_mass"],
+                mean_distance=here["mean_distance"],
+                max_needle_mass=top_here["needle_mass"],
+                max_head=[top_here["layer"], top_here["head"]],
+                uniform_mass=here["uniform_mass"],
+                first_token_accuracy=accuracy[(label, L)],
+            )
+        )
+    return curve
 
 
 # ---- Figures -------------------------------------------------------------------------------------
@@ -255,12 +288,13 @@ def head_label(row):
 def plot_heads(rows, runs, length, path):
     """Per checkpoint, layers x heads coloured by needle mass at `length`, labelled with shape
     parameter and mass; highlighted heads framed red."""
-    plt = ec._plt()
+    plt = _plt()
     panels = []
     for run in runs:
         cell = [x for x in rows if x["label"] == run["label"] and x["target_length"] == length]
         if cell:
             panels.append((run, cell))
+
     n_layer = max(x["layer"] for _, cell in panels for x in cell) + 1
     n_head = max(x["head"] for _, cell in panels for x in cell) + 1
     figsize = (1.6 + 0.85 * n_head, 0.9 + (0.55 * n_layer + 0.7) * len(panels))
@@ -317,16 +351,14 @@ def plot_needle_vs_length(summary, path):
         best = s["top_heads"][0]
         name = f"{s['label']} L{best['layer']}.h{best['head']}"
         label = " ".join(filter(None, [name, head_label(best)]))
-        series[label] = (
-            [c["target_length"] for c in s["curve"]],
-            [c["needle_mass"] for c in s["curve"]],
-        )
+        lengths = [c["target_length"] for c in s["curve"]]
+        series[label] = (lengths, [c["needle_mass"] for c in s["curve"]])
+
     longest = max(summary, key=lambda s: len(s["curve"]))["curve"]
-    series["uniform attention"] = (
-        [c["target_length"] for c in longest],
-        [c["uniform_mass"] for c in longest],
-    )
-    ec.plot_curves(
+    lengths = [c["target_length"] for c in longest]
+    series["uniform attention"] = (lengths, [c["uniform_mass"] for c in longest])
+
+    plot_curves(
         series,
         [s["train_length"] for s in summary],
         path,
@@ -342,24 +374,20 @@ def build_parser():
     ap = argparse.ArgumentParser(
         description="Per-head attention on the passkey needle: mass, distance, entropy."
     )
-    ec.add_common_args(ap, default_out="results/inspect")
-    ap.add_argument("--template", choices=sorted(passkey.TEMPLATES), default="paper")
-    ap.add_argument(
-        "--length",
-        type=int,
-        help="the heatmap's length, where the best head is chosen (default: max)",
-    )
+    add_common_args(ap, default_out="results/inspect")
+    ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument(
         "--lengths",
         type=int,
         nargs="+",
-        help="prompt lengths of the needle-vs-length curve "
-        "(default: training length x 1, 2, 4, ... up to --length)",
+        required=True,
+        help="prompt lengths of the needle-vs-length curve; the heatmap and the best head are "
+        "chosen at the largest",
     )
     ap.add_argument(
         "--samples",
         type=int,
-        default=ep.DEFAULT_SAMPLES,
+        default=DEFAULT_SAMPLES,
         help="prompts per length (equidistant depths)",
     )
     ap.add_argument(
@@ -373,33 +401,47 @@ def build_parser():
     return ap
 
 
-def choose_lengths(args, runs, enc, template, device):
-    """(the heatmap's length, every length inspected), each one that every checkpoint can take."""
-    if args.length is None and not args.lengths:
-        raise ValueError(
-            "give --length N (and optionally --lengths) to say which prompt lengths to inspect"
-        )
-    train_lengths = [run["block_size"] for run in runs]
-    lengths = set(args.lengths or ep.default_lengths(train_lengths, args.length))
-    length = args.length or max(lengths)
-    lengths = sorted(lengths | {length})
+def check_lengths(args, runs, enc, template, device):
+    """--lengths sorted, once each; a ValueError for one that a prompt or the memory cannot take."""
+    lengths = sorted(set(args.lengths))
 
-    shortest = passkey.min_prompt_length(enc, template)
+    shortest = min_prompt_length(enc, template)
     if lengths[0] < shortest:
         raise ValueError(
             f"length {lengths[0]} is shorter than the {args.template} prompt without filler "
             f"({shortest} tokens)"
         )
+
     for L in lengths:
         for run in runs:
-            why = ec.memory_shortfall(run["model"], L, device, args.memory_fraction)
+            why = memory_shortfall(run["model"], L, device)
             if why:
                 raise ValueError(f"{run['label']} at {L} tokens {why}; drop that length")
-    return length, lengths
+    return lengths
+
+
+def inspect_all(runs, enc, template, lengths, args, device, dtype):
+    """(rows of every checkpoint and length, {(label, length): first-answer-token accuracy})."""
+    total = len(runs) * len(lengths) * args.samples
+    bar = tqdm(
+        total=total, desc="inspect", unit="prompt", file=sys.stderr, disable=args.no_progress
+    )
+
+    rows = []
+    accuracy = {}
+    for run in runs:
+        for L in lengths:
+            bar.set_description(f"inspect {run['label']} L={L}")
+            cell, accuracy[(run["label"], L)] = inspect_length(
+                run, enc, template, L, args.samples, SEED, device, dtype, bar, args.digit
+            )
+            rows += cell
+    bar.close()
+    return rows, accuracy
 
 
 def run(args):
-    template = passkey.TEMPLATES[args.template]
+    template = TEMPLATES[args.template]
     if args.samples < 1:
         raise ValueError("--samples must be positive")
     if not 1 <= args.digit <= template["digits"]:
@@ -408,34 +450,19 @@ def run(args):
         )
 
     t0 = time.perf_counter()
-    device = ec.pick_device(args.device)
-    dtype = ec.resolve_dtype(device, args.dtype)
-    runs, enc = ec.load_runs(args.ckpt, device, args.attn_impl, dtype)
-    length, lengths = choose_lengths(args, runs, enc, template, device)
-    rows = []
-    accuracy = {}
-    bar = tqdm(
-        total=len(runs) * len(lengths) * args.samples,
-        desc="inspect",
-        unit="prompt",
-        file=sys.stderr,
-        disable=args.no_progress,
-        dynamic_ncols=True,
-    )
-    for run in runs:
-        for L in lengths:
-            bar.set_description(f"inspect {run['label']} L={L}")
-            cell, accuracy[(run["label"], L)] = inspect_length(
-                run, enc, template, L, args.samples, args.seed, device, dtype, bar, args.digit
-            )
-            rows += cell
-    bar.close()
+    device = pick_device(args.device)
+    dtype = resolve_dtype(device)
+    runs, enc = load_runs(args.ckpt, device, args.attn_impl, dtype)
+    lengths = check_lengths(args, runs, enc, template, device)
+    length = lengths[-1]
+
+    rows, accuracy = inspect_all(runs, enc, template, lengths, args, device, dtype)
     summary = summarize(rows, accuracy, runs, lengths, length)
 
     settings = dict(
         template=args.template,
-        template_hash=passkey.template_hash(template),
-        seed=args.seed,
+        template_hash=template_hash(template),
+        seed=SEED,
         samples=args.samples,
         digit=args.digit,
         depths="equidistant",
@@ -451,13 +478,15 @@ def run(args):
 
 def write_outputs(args, rows, summary, runs, settings, t0):
     """attention_heads.{json,csv,png}, attention_needle_vs_length.png, attention_summary.json."""
-    ec.write_table(rows, os.path.join(args.out, "attention_heads"))
+    write_table(rows, os.path.join(args.out, "attention_heads"))
+
     figures = [
         os.path.join(args.out, "attention_heads.png"),
         os.path.join(args.out, "attention_needle_vs_length.png"),
     ]
     plot_heads(rows, runs, settings["length"], figures[0])
     plot_needle_vs_length(summary, figures[1])
+
     written = dict(
         settings=settings,
         checkpoints=summary,
@@ -468,7 +497,7 @@ def write_outputs(args, rows, summary, runs, settings, t0):
         json.dump(written, f, indent=1)
 
 
-def _heads(heads):
+def describe_heads(heads):
     """'L1.h2 0.604 (θbeta=-0.07), ...' or 'none'."""
     described = []
     for head in heads:
@@ -483,17 +512,20 @@ def report(summary):
     by length."""
     for s in summary:
         curve = " ".join(f"{c['target_length']}:{c['needle_mass']:.3f}" for c in s["curve"])
-        print(f"{s['label']}: top heads at {s['chosen_at']}: {_heads(s['top_heads'])}")
-        print(f"  heads with needle mass >= {READS}: {_heads(s['readers'])}")
+        print(f"{s['label']}: top heads at {s['chosen_at']}: {describe_heads(s['top_heads'])}")
+        print(f"  heads with needle mass >= {READS}: {describe_heads(s['readers'])}")
         print(f"  best head's needle mass by length: {curve}")
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+
+    # library code raises ValueError and RuntimeError too: an expected failure here, one line
     try:
         rows, summary = run(args)
-    except (*ec.EXPECTED_ERRORS, ValueError, RuntimeError, OSError) as e:
-        sys.exit(f"inspect_attention.py: error: {e}")  # an expected failure: one line
+    except (*EXPECTED_ERRORS, ValueError, RuntimeError, OSError) as e:
+        sys.exit(f"inspect_attention.py: error: {e}")
+
     report(summary)
     print(
         "wrote attention_heads.{json,csv,png}, attention_needle_vs_length.png and "
@@ -503,5 +535,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    ec.mmap_large_allocations()
+    mmap_large_allocations()
     main()

@@ -14,11 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import IMPLS as ATTN_IMPLS
-from attention import attention, check_kernel, impl_error, ssmax_log_n
+from attention import IMPLS, attention, check_kernel, impl_error, ssmax_log_n
 from priors import BoundPrior, get_prior, ggd_mu
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
+
+# SSMax's s starts at 1 in every head, as in the authors' code (seq_scale)
+SSMAX_INIT = 1.0
 
 # (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM); l12 is the paper's
 # "120M", l24 its "1.1B"
@@ -44,10 +46,8 @@ class GPTConfig:
     block_size: int = 512  # the training context. Nothing at inference depends on it.
     pos_encoding: str = "bam"  # nope | sinusoidal | rope | alibi | bam
     ssmax: bool = True  # Scalable-Softmax: each query row's logits times s_h * log(n_i)
-    ssmax_init: float = 1.0  # s starts at 1.0 in the authors' code (seq_scale)
     # bam + ssmax: scale the content score AND the log-prior, (q.k/sqrt(d) + prior) * s log n (the
-    # authors' default); attention() takes it as scale_prior. A prior with no trained parameter
-    # (sandwich) cannot learn its scale back: it is added after the scaling, as ALiBi's is.
+    # authors' default), for priors that can learn their scale back (Prior.scaled_by_ssmax)
     ssmax_prior: bool = True
     # the name of bam's learned prior in priors.py: ggd | cauchy | kerple_log | kerple_power |
     # t5_bucket | sandwich | mlp | yours
@@ -56,7 +56,6 @@ class GPTConfig:
     # default: the prior's own default (the paper's init where it has one)
     bam_init: str = "zero"
     train_mu: bool = False  # ggd: train theta_mu too (the paper keeps it frozen at 0, mu = 0)
-    attn_impl: str = "auto"  # auto | torch | sdpa | triton (attention.py); no weights
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     tokenizer: str = "gpt2"  # stored so that no script pairs a model with the wrong tokenizer
@@ -70,11 +69,9 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.n_embd // self.n_head}")
-        # unknown names only: what an impl can compute depends on the call
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(impl_error(self.attn_impl, None, "cpu", False))
 
-        learned = get_prior(self.prior)  # an unregistered name fails here, naming the known ones
+        # an unregistered name fails here, naming the known ones
+        learned = get_prior(self.prior)
         if self.pos_encoding == "bam":
             try:  # fail early on a malformed init string (without touching the seeded RNG)
                 with torch.random.fork_rng(devices=[]):
@@ -88,7 +85,7 @@ class GPTConfig:
             raise ValueError(f"train_mu=True, but the prior {learned.name!r} has no theta_mu")
 
     @property
-    def prior_def(self):
+    def prior_family(self):
         """The registered Prior that this encoding adds to the logits: bam's learned one (named by
         `prior`), alibi's fixed slopes, or None for the encodings without a prior."""
         if self.pos_encoding == "bam":
@@ -111,9 +108,11 @@ def sinusoidal_embedding(pos, dim):
     authors' code uses (2k+1)/D for the cosine; this is the standard form (README, "Where this repo
     departs")."""
     exponents = torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim
+
     inv_freq = 10000.0 ** (-exponents)
     angles = pos.double()[:, None] * inv_freq[None, :]
     # interleaved: sin, cos, sin, cos, ...
+
     pe = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)
     return pe[:, :dim].float()
 
@@ -170,12 +169,13 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_idx: int):
+    def __init__(self, cfg: GPTConfig, layer_idx: int, attn_impl: str):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.config = cfg
+        self.attn_impl = attn_impl
         self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
@@ -183,25 +183,29 @@ class Attention(nn.Module):
 
         # bam learns a prior per layer, a value of each parameter per head; alibi's fixed slopes are
         # buffers, not saved (they follow from n_head)
-        self.prior_def = cfg.prior_def
-        if self.prior_def is not None:
-            trainable = set(self.prior_def.trainable) | ({"theta_mu"} if cfg.train_mu else set())
-            values = self.prior_def.initial(cfg.bam_init, cfg.n_head)
-            for name, value in zip(self.prior_def.params, values):
+        self.prior_family = cfg.prior_family
+        if self.prior_family is not None:
+            trainable = set(self.prior_family.trainable)
+            if cfg.train_mu:
+                trainable.add("theta_mu")
+            values = self.prior_family.initial(cfg.bam_init, cfg.n_head)
+            for name, value in zip(self.prior_family.params, values):
                 if cfg.pos_encoding == "bam":
                     setattr(self, name, nn.Parameter(value, requires_grad=name in trainable))
                 else:
                     self.register_buffer(name, value, persistent=False)
 
         if cfg.ssmax:
-            self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), float(cfg.ssmax_init)))
+            self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), SSMAX_INIT))
 
     def bound_prior(self):
         """This layer's prior with its parameters (a BoundPrior), or None without a positional
         prior."""
-        if self.prior_def is None:
+        if self.prior_family is None:
             return None
-        return BoundPrior(self.prior_def, tuple(getattr(self, n) for n in self.prior_def.params))
+
+        params = tuple(getattr(self, name) for name in self.prior_family.params)
+        return BoundPrior(self.prior_family, params)
 
     def qkv(self, x, rope):
         """Queries, keys and values (B, H, T, D) of x (B, T, C), rotated if rope = (cos, sin) is
@@ -211,6 +215,7 @@ class Attention(nn.Module):
             w(x).view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
+
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
@@ -222,15 +227,17 @@ class Attention(nn.Module):
         return (
             self.config.pos_encoding == "bam"
             and self.config.ssmax_prior
-            and bool(self.prior_def.trainable)
+            and self.prior_family.scaled_by_ssmax
         )
 
     def attention_kwargs(self, doc_start, log_n):
         """The keyword arguments of attention() for this layer: doc_start, prior, row_scale,
         scale_prior."""
+        # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
         row_scale = None
-        if log_n is not None:  # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
+        if log_n is not None:
             row_scale = self.ssmax_s[None, :, None] * log_n[:, None, :]
+
         return dict(
             doc_start=doc_start,
             prior=self.bound_prior(),
@@ -243,11 +250,13 @@ class Attention(nn.Module):
         (training: with documents and gradients, as train.py calls it; else as an evaluation):
         the line to print, or None where the layer's attention does not resolve to the kernel."""
         trained = ()
-        if self.prior_def is not None and training:
-            trained = tuple(n for n in self.prior_def.params if getattr(self, n).requires_grad)
+        if self.prior_family is not None and training:
+            params = self.prior_family.params
+            trained = tuple(name for name in params if getattr(self, name).requires_grad)
+
         return check_kernel(
-            impl=self.config.attn_impl,
-            prior=self.prior_def,
+            impl=self.attn_impl,
+            family=self.prior_family,
             trained=trained,
             head_dim=self.head_dim,
             dtype=dtype,
@@ -264,9 +273,8 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
 
-        y = attention(
-            q, k, v, **self.attention_kwargs(doc_start, log_n), impl=self.config.attn_impl
-        )
+        kwargs = self.attention_kwargs(doc_start, log_n)
+        y = attention(q, k, v, **kwargs, impl=self.attn_impl)
         return self.wo(y.transpose(1, 2).reshape(batch, seq_len, n_embd))
 
 
@@ -283,10 +291,10 @@ class MLP(nn.Module):  # SwiGLU, hidden 2*D (the authors' ffn_dim_multiplier 2)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_idx: int):
+    def __init__(self, cfg: GPTConfig, layer_idx: int, attn_impl: str):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.attn = Attention(cfg, layer_idx)
+        self.attn = Attention(cfg, layer_idx, attn_impl)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -297,13 +305,20 @@ class Block(nn.Module):
 
 # ---- The model -----------------------------------------------------------------------------------
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """The model of a GPTConfig. attn_impl (attention.py's impl) is a runtime choice: it changes no
+    weight, so it is not part of the config, and a checkpoint loads under any impl."""
+
+    def __init__(self, cfg: GPTConfig, attn_impl: str = "auto"):
         super().__init__()
+        if attn_impl not in IMPLS:
+            raise ValueError(impl_error(attn_impl, None, "cpu", False))
+
         self.config = cfg
+        self.attn_impl = attn_impl
         V = cfg.padded_vocab_size
         # PyTorch's default init everywhere, as the authors: no custom init
         self.wte = nn.Embedding(V, cfg.n_embd)
-        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
+        self.blocks = nn.ModuleList([Block(cfg, i, attn_impl) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)  # untied from wte
 
@@ -335,9 +350,11 @@ class GPT(nn.Module):
         x = self.wte(idx)
         if cfg.pos_encoding == "sinusoidal":
             x = x + sinusoidal_embedding(pos, cfg.n_embd).to(x.dtype)
+
         rope = None
         if cfg.pos_encoding == "rope":
             rope = rope_cos_sin(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta)
+
         log_n = None
         if cfg.ssmax:
             log_n = ssmax_log_n(pos, doc_start)
@@ -346,6 +363,7 @@ class GPT(nn.Module):
             x = block(x, rope, doc_start, log_n, kv_cache)
         if kv_cache is not None:
             kv_cache.length += seq_len
+
         x = self.norm(x)
 
         if targets is not None and reduction == "none":
@@ -376,6 +394,7 @@ class GPT(nn.Module):
         strings). Returns the new tokens (a list)."""
         cache = KVCache(self.config.n_layer, idx.shape[1] + max_new_tokens)
         logits, _ = self(idx, kv_cache=cache, logits_at=1)
+
         new_tokens = []
         for _ in range(max_new_tokens):
             logits = logits[:, -1, : self.config.vocab_size].float()  # the padded ids are no tokens
@@ -399,9 +418,10 @@ class GPT(nn.Module):
         """The four optimizer groups of the authors' train.py: weight-decayed matrices, norms,
         prior, SSMax."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
+
         prior_params = set()
         for block in self.blocks:
-            if block.attn.prior_def is not None:
+            if block.attn.prior_family is not None:
                 prior_params |= {id(p) for p in block.attn.bound_prior().params}
 
         for name, p in self.named_parameters():
@@ -430,6 +450,7 @@ class GPT(nn.Module):
             (params["prior"], 0.0, prior_lr or learning_rate),
             (params["ssmax"], 0.0, ssmax_lr or learning_rate),
         ]
+
         groups = [
             {"params": ps, "weight_decay": wd, "lr": lr, "base_lr": lr}
             for ps, wd, lr in specs
@@ -451,14 +472,16 @@ class GPT(nn.Module):
         rows = []
         for i, block in enumerate(self.blocks):
             attn = block.attn
+            family = attn.prior_family
             row = {"layer": i}
-            bound = attn.bound_prior()
-            if bound is not None:
-                row["prior"] = bound.prior.name
-                for name, value in zip(bound.prior.params, bound.params):
-                    row[name] = value.float().tolist()
-                if bound.prior.name == "ggd":
+
+            if family is not None:
+                row["prior"] = family.name
+                for name in family.params:
+                    row[name] = getattr(attn, name).float().tolist()
+                if family.name == "ggd":
                     row["mu"] = ggd_mu(attn.theta_mu.float()).tolist()
+
             if hasattr(attn, "ssmax_s"):
                 row["ssmax_s"] = attn.ssmax_s.float().tolist()
             if len(row) > 1:

@@ -53,6 +53,7 @@ def separator(enc, template):
     encoded text with a word boundary, tiktoken does not: with gpt2 and byte it is a space."""
     if "sep" in template:
         return template["sep"]
+
     return "" if enc.word_boundary else " "
 
 
@@ -61,6 +62,7 @@ def pieces(enc, template):
     template opens like a document), filler and question (each after the separator)."""
     sep = separator(enc, template)
     opening = [enc.doc_start] if template.get("document") else []
+
     return dict(
         task=opening + enc.encode_ordinary(template["task"]),
         filler=enc.encode_ordinary(sep + template["filler"]),
@@ -89,6 +91,7 @@ def answer_tokens(enc, key, given_digits=0):
     "45"), so all its answer tokens are scored."""
     answer = enc.encode_ordinary(" " + str(key))
     given = str(key)[:given_digits]
+
     n_given = 0
     while n_given < len(answer) - 1 and given.startswith(enc.decode(answer[: n_given + 1]).strip()):
         n_given += 1
@@ -106,6 +109,7 @@ def min_prompt_length(enc, template):
     built."""
     parts = pieces(enc, template)
     widest = needle_tokens(enc, template, widest_key(template))
+
     return len(parts["task"]) + len(widest) + len(parts["question"])
 
 
@@ -133,6 +137,7 @@ def build_prompt(enc, template, target_length, key, k):
             f"({fixed} tokens)"
         )
 
+    # a key longer than the widest: drop filler units after the needle, then before
     unit = len(parts["filler"])
     after = filler_units(enc, template, target_length) - k
     while fixed + (k + after) * unit > target_length:
@@ -143,6 +148,7 @@ def build_prompt(enc, template, target_length, key, k):
 
     tokens = join(parts, parts["filler"] * k, needle, parts["filler"] * after)
     answer, n_given = answer_tokens(enc, key, template.get("given_digits", 0))
+
     needle_start = len(parts["task"]) + k * unit
     info = dict(
         target_length=int(target_length),
@@ -166,6 +172,7 @@ def make_samples(enc, template, target_length, samples, seed=1234):
     keys = random_keys(np.random.default_rng([seed, target_length]), template, samples)
     n_filler = filler_units(enc, template, target_length)
     units_before = torch.linspace(0, n_filler, samples).long().tolist()
+
     return [
         build_prompt(enc, template, target_length, int(key), k)
         for key, k in zip(keys, units_before)

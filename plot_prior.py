@@ -1,14 +1,12 @@
 """
 The learned positional prior of a checkpoint: per layer (a panel) and head (a line), the log-prior
-B_h(d) the model adds to the logits against the distance |d| on a log axis, computed by the
-registered prior (priors.py).
+B_h(d) that the registered prior (priors.py) adds to the logits, against the distance |d| on a log
+axis, out to 64 times the training length. bam and alibi only.
 
     python plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png]
-        [--max_distance 4096]
 
-Heads the prior's highlight rule picks (GGD: theta_beta < 0, the anti-local heads that retrieve
-beyond the training context) are drawn thick and warm; SSMax's s_h is in the legend. Writes the PNG
-and <out>.json with the same numbers. bam and alibi only.
+Heads the prior's highlight rule picks (GGD: theta_beta < 0, anti-local) are drawn thick and warm;
+SSMax's s_h is in the legend. Writes the PNG and <out>.json with the same numbers.
 """
 
 import argparse
@@ -22,10 +20,14 @@ import torch
 from checkpoint import load_model
 from eval_common import _plt, run_script
 
+# the curves reach this multiple of the training length
+MAX_DISTANCE_MULTIPLE = 64
+
 
 def distances(max_distance, per_octave=8):
     """1 .. max_distance, log-spaced (integers, unique, both ends included)."""
     n = max(2, int(np.ceil(np.log2(max(max_distance, 2)) * per_octave)) + 1)
+
     return sorted({int(round(x)) for x in np.geomspace(1, max_distance, n)})
 
 
@@ -34,27 +36,30 @@ def prior_tables(model, dist):
     """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0,
     bias}]}] per layer with a prior; bias[k] = B(d = -dist[k])."""
     summary = {row["layer"]: row for row in model.prior_summary()}
-    offsets = -torch.tensor([0] + list(dist), dtype=torch.float64)  # d = j - i <= 0
+    # d = j - i <= 0
+    offsets = -torch.tensor([0] + list(dist), dtype=torch.float64)
+
     layers = []
     for i, block in enumerate(model.blocks):
         bound = block.attn.bound_prior()
         if bound is None:
             continue
 
-        # the registered formula itself, without the floor attention applies to it
-        table = bound.prior.fn(offsets, *bound.params).double()  # (H, 1 + len(dist))
-        rule = bound.prior.highlight
+        # the registered formula itself, without the floor attention applies: (H, 1 + len(dist))
+        table = bound.family.fn(offsets, *bound.params).double()
+        rule = bound.family.highlight
         if rule is None:
             highlighted = [False] * table.shape[0]
         else:
             highlighted = rule(*bound.params).tolist()
-        row = summary[i]
+
         # the parameters, mu (ggd), ssmax_s
+        row = summary[i]
         per_head = [k for k in row if k not in ("layer", "prior")]
         heads = [
             dict(
                 head=h,
-                **{k: row[k][h] for k in per_head if k not in bound.prior.shared},
+                **{k: row[k][h] for k in per_head if k not in bound.family.shared},
                 highlighted=bool(highlighted[h]),
                 bias_at_0=table[h, 0].item(),
                 bias=table[h, 1:].tolist(),
@@ -69,6 +74,7 @@ def shape_of(h, prior):
     """What orders a head's curve in the legend: its shape parameter where that is one number per
     head, else (a vector, T5's buckets) the log-prior at the farthest distance."""
     value = h.get(prior.shape_param)
+
     return value if isinstance(value, float) else h["bias"][-1]
 
 
@@ -81,15 +87,18 @@ def head_label(h, prior):
     ]
     if h.get("ssmax_s") is not None:
         parts.append(f"s={h['ssmax_s']:.2f}")
+
     return f"h{h['head']}: " + ", ".join(parts)
 
 
 def plot(layers, dist, block_size, prior, title, path):
+    """A panel per layer, a curve per head: highlighted heads thick and warm, the others dashed."""
     plt = _plt()
     n_layers = len(layers)
     fig, axes = plt.subplots(1, n_layers, figsize=(4.6 * n_layers, 4.4), squeeze=False, sharey=True)
     warm = plt.get_cmap("autumn")
     cool = plt.get_cmap("winter")
+
     for ax, layer in zip(axes[0], layers):
         heads = layer["heads"]
         hot = [h for h in heads if h["highlighted"]]
@@ -119,6 +128,7 @@ def plot(layers, dist, block_size, prior, title, path):
         ax.set_title(title_of_panel, fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, loc="lower left")
+
     axes[0][0].set_ylabel("log-prior B(d) added to the logits (symlog)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -137,9 +147,6 @@ def build_parser():
         "--out",
         help="PNG path (default: prior.png in the run directory), its numbers beside in .json",
     )
-    ap.add_argument(
-        "--max_distance", type=int, help="largest distance shown (default 64 x the training length)"
-    )
     return ap
 
 
@@ -152,21 +159,18 @@ def main(argv=None):
             f"plot_prior.py: error: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, "
             "which has no positional prior to plot (bam and alibi do)"
         )
-    out = args.out or os.path.join(os.path.dirname(ckpt["path"]), "prior.png")
-    max_distance = args.max_distance or 64 * cfg.block_size
-    if max_distance < 2:
-        sys.exit("plot_prior.py: error: --max_distance must be at least 2")
 
-    dist = distances(max_distance)
+    out = args.out or os.path.join(os.path.dirname(ckpt["path"]), "prior.png")
+    dist = distances(MAX_DISTANCE_MULTIPLE * cfg.block_size)
     layers = prior_tables(model, dist)
-    prior = model.blocks[0].attn.prior_def
-    run = os.path.basename(os.path.dirname(os.path.abspath(ckpt["path"])))
-    name = cfg.pos_encoding + ("+ssmax" if cfg.ssmax else "")
+    prior = model.blocks[0].attn.prior_family
     n_hot = sum(h["highlighted"] for layer in layers for h in layer["heads"])
     n_all = sum(len(layer["heads"]) for layer in layers)
     hot = f"{n_hot}/{n_all} heads with {prior.highlight_label}" if prior.highlight else ""
-    step = ckpt.get("step", "?")
-    title = f"{run} ({name}, step {step}): {prior.name} prior {prior.formula}"
+
+    run = os.path.basename(os.path.dirname(os.path.abspath(ckpt["path"])))
+    name = cfg.pos_encoding + ("+ssmax" if cfg.ssmax else "")
+    title = f"{run} ({name}, step {ckpt.get('step', '?')}): {prior.name} prior {prior.formula}"
     if hot:
         title += f"\n{hot}"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -45,17 +45,21 @@ def is_walk(text, closed=False):
     pairs = list(zip(text, text[1:]))
     if closed and text:
         pairs.append((text[-1], text[0]))
+
     return all(a in CHAIN and b in CHAIN[a] for a, b in pairs)
 
 
 def random_walks(rng, n, length):
     """n independent walks of `length` letters (byte values), each from a uniformly random start:
     (n, length)."""
-    successors = np.array([[LETTERS.index(b) for b in CHAIN[a]] for a in LETTERS])  # (20, 3)
+    # (20, 3): the index of each letter's successors
+    successors = np.array([[LETTERS.index(b) for b in CHAIN[a]] for a in LETTERS])
     cumulative_p = np.cumsum(SUCCESSOR_P)
     state = rng.integers(len(LETTERS), size=n)
+
     walks = np.empty((n, length), dtype=np.int64)
     uniform = rng.random((n, length))
+
     for t in range(length):
         walks[:, t] = state
         choice = np.searchsorted(cumulative_p, uniform[:, t], side="right")
@@ -71,6 +75,7 @@ def min_document_length():
     the widest key)."""
     enc = get_tokenizer(TOKENIZER)
     template = passkey.TEMPLATES[TEMPLATE]
+
     answer, _ = passkey.answer_tokens(enc, passkey.widest_key(template))
     return passkey.min_prompt_length(enc, template) + len(answer)
 
@@ -83,6 +88,7 @@ def make_documents(rng, lengths):
     enc = get_tokenizer(TOKENIZER)
     template = passkey.TEMPLATES[TEMPLATE]
     parts = passkey.pieces(enc, template)
+
     lengths = np.asarray(lengths, dtype=np.int64)
     n_fill = lengths - min_document_length()
     if len(lengths) and n_fill.min() < 0:
@@ -93,7 +99,8 @@ def make_documents(rng, lengths):
 
     # the draws' order (keys, needle places, walks) is part of the corpus' definition
     keys = passkey.random_keys(rng, template, len(lengths))
-    letters_before = rng.integers(0, n_fill + 1)  # uniform over 0 .. n_fill
+    # uniform over 0 .. n_fill
+    letters_before = rng.integers(0, n_fill + 1)
     walks = random_walks(rng, len(lengths), int(n_fill.max(initial=0)))
 
     docs = []
@@ -101,9 +108,11 @@ def make_documents(rng, lengths):
         key = int(keys[i])
         before = walks[i, : letters_before[i]].tolist()
         after = walks[i, letters_before[i] : n_fill[i]].tolist()
+
         needle = passkey.needle_tokens(enc, template, key)
         answer, _ = passkey.answer_tokens(enc, key)
         doc = passkey.join(parts, before, needle, after) + answer
+
         assert len(doc) == lengths[i], "every piece has a fixed length"
         docs.append(doc)
     return docs
@@ -120,6 +129,7 @@ def window_layouts(rng, n_windows, block_size, min_len, docs_per_window):
 
     probs = probs[:most_docs] / probs[:most_docs].sum()
     docs_in_window = rng.choice(np.arange(1, most_docs + 1), size=n_windows, p=probs)
+
     layouts = []
     for k in docs_in_window:
         # the tokens beyond the minimum, shared out by k - 1 uniform cut points
@@ -134,10 +144,12 @@ def make_stream(rng, n_windows, block_size, min_len, docs_per_window):
     """n_windows * block_size + 1 tokens: windows of whole documents (TokenLoader's windows
     exactly), then a final end-of-text so that the last window has its next-token target."""
     layouts = window_layouts(rng, n_windows, block_size, min_len, docs_per_window)
+
     docs = make_documents(rng, [length for layout in layouts for length in layout])
     tokens = np.fromiter(
         (token for doc in docs for token in doc), dtype=np.int64, count=n_windows * block_size
     )
+
     return np.concatenate([tokens, [EOT[TOKENIZER]]])
 
 
@@ -196,16 +208,20 @@ def parse_args(argv=None):
         ap.error(f"--min_doc_len must be > {shortest} (the template's pieces)")
     if args.block_size < args.min_doc_len:
         ap.error("--block_size must be at least --min_doc_len")
+
     return args, docs_per_window
 
 
 def main(argv=None):
     args, docs_per_window = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
+
     written = {}
     for split, index, n_windows in (("val", 0, args.val_windows), ("train", 1, args.train_windows)):
-        rng = np.random.default_rng([args.seed, index])  # independent streams per split
+        # independent streams per split
+        rng = np.random.default_rng([args.seed, index])
         tokens = make_stream(rng, n_windows, args.block_size, args.min_doc_len, docs_per_window)
+
         path = os.path.join(args.out_dir, shard_name("demo", split, index))
         write_shard(path, tokens, TOKENIZER)
         written[split] = dict(

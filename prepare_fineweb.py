@@ -110,10 +110,12 @@ def parse_args(argv=None):
     ):
         if getattr(args, k) is not None and getattr(args, k) < least:
             p.error(f"--{k} must be at least {least}, got {getattr(args, k)}")
+
     if args.max_tokens is None and not args.local_files:
         args.max_tokens = FINEWEB_MAX_TOKENS
     if args.local_files:
         args.files = expand_files(args.local_files)
+
     if args.prefix is None:
         stem = (
             os.path.basename(args.files[0]).split(".")[0]
@@ -121,6 +123,7 @@ def parse_args(argv=None):
             else args.dataset.split("/")[-1]
         )
         args.prefix = re.sub(r"[^a-z0-9]+", "", stem.lower()) or "data"
+
     if args.out_dir is None:
         fineweb = not args.local_files and args.dataset == "HuggingFaceFW/fineweb"
         args.out_dir = (
@@ -210,13 +213,16 @@ def reusable_shards(args, settings, meta_path):
                 "this script's to resume; delete them or choose another --out_dir"
             )
         return [], None
+
     with open(meta_path) as f:
         meta = json.load(f)
     old = meta["settings"]
+
     differ = {}  # setting -> (there, now)
     for name, value in settings.items():
         if name != "max_tokens" and old.get(name) != value:
             differ[name] = (old.get(name), value)
+
     if differ:
         listed = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
         raise DataError(
@@ -273,6 +279,7 @@ class ShardWriter:
         name = shard_name(args.prefix, "val" if self.index == 0 else "train", self.index)
         tokens = self.buf[: self.fill]
         write_shard(os.path.join(args.out_dir, name), tokens, args.tokenizer)
+
         self.meta["shards"].append(
             dict(
                 file=name,
@@ -282,9 +289,23 @@ class ShardWriter:
                 next_offset=next_offset,
             )
         )
+
         write_json(self.meta_path, self.meta)
         self.index += 1
         self._new_shard()
+
+
+def tokenized_documents(args, start_doc):
+    """(the tokens of each source row from start_doc on, the worker pool or None). The source is
+    opened here, so that a missing column fails before the progress bar."""
+    rows = itertools.islice(source_rows(args), start_doc, None)
+    first = next(rows, StopIteration)
+    rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
+
+    work = functools.partial(tokenize, args.tokenizer)
+    pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
+    documents = pool.imap(work, rows, chunksize=16) if pool else map(work, rows)
+    return documents, pool
 
 
 def tokenize_into(args, writer, start_doc, start_offset, done):
@@ -293,14 +314,9 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
     documents read)."""
     total = done
     docs = 0
-    resume_at = (start_doc, start_offset)  # where the stream continues after the last shard
-    rows = itertools.islice(source_rows(args), start_doc, None)
-    # opens the source: a missing column fails here, before the progress bar
-    first = next(rows, StopIteration)
-    rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
-    work = functools.partial(tokenize, args.tokenizer)
-    pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
-    documents = pool.imap(work, rows, chunksize=16) if pool else map(work, rows)
+    # where the stream continues after the last shard
+    resume_at = (start_doc, start_offset)
+    documents, pool = tokenized_documents(args, start_doc)
     bar = tqdm(
         total=args.max_tokens,
         initial=done,
@@ -308,29 +324,37 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
         unit_scale=True,
         desc=f"tokenizing -> {args.out_dir}",
     )
+
     try:
         for row, tokens in enumerate(documents, start=start_doc):
             if total == args.max_tokens:
                 break
+
+            # the part of the first document that the kept shards do not hold
             if row == start_doc:
-                tokens = tokens[start_offset:]  # the part of this document not in the kept shards
+                tokens = tokens[start_offset:]
             if len(tokens) == 0:
                 continue
+
             docs += 1
             pos = 0
             while pos < len(tokens) and total != args.max_tokens:
-                if writer.skip:  # the gap between validation and training, in no split
+                # the gap between validation and training, in no split
+                if writer.skip:
                     skipped = min(len(tokens) - pos, writer.skip)
                     pos += skipped
                     writer.skip -= skipped
                     continue
+
                 taken = writer.add(tokens[pos:], (args.max_tokens or np.inf) - total)
                 pos += taken
                 total += taken
                 bar.update(taken)
+
                 resume_at = (row, pos) if pos < len(tokens) else (row + 1, 0)
                 if writer.fill == len(writer.buf):
                     writer.flush(*resume_at)
+
             if docs % 1000 == 0:
                 bar.set_postfix(docs=f"{docs:,}", refresh=False)
     finally:
@@ -338,8 +362,9 @@ def tokenize_into(args, writer, start_doc, start_offset, done):
         if pool:
             pool.terminate()
 
+    # the source ended (or --max_tokens was reached) inside this shard
     if writer.fill:
-        writer.flush(*resume_at)  # the source ended (or --max_tokens was reached) inside this shard
+        writer.flush(*resume_at)
     return total, docs
 
 
@@ -349,6 +374,7 @@ def settings_of(args):
         source = {"local_files": [os.path.abspath(f) for f in args.files]}
     else:
         source = {"dataset": args.dataset, "name": args.name, "split": args.split}
+
     return dict(
         source=source,
         text_column=args.text_column,
@@ -364,6 +390,7 @@ def settings_of(args):
 def remove_leftovers(args, shards):
     """An interrupted write's temporary files, and shards of a longer earlier preparation."""
     ours = {s["file"] for s in shards}
+
     for name in os.listdir(args.out_dir):
         if not name.startswith(args.prefix + "_"):
             continue
@@ -380,6 +407,7 @@ def report(args, meta, new, docs, seconds):
         f"{args.out_dir} now holds {len(shards)} shards, {meta['tokens']:,} tokens "
         f"({meta['val_tokens']:,} val)"
     )
+
     if len(shards) == 1:
         print(
             "note: the data ended inside the validation split, so there are no training shards; "
@@ -387,12 +415,29 @@ def report(args, meta, new, docs, seconds):
         )
 
 
+def finish(meta_path, meta, total):
+    """Mark the ledger complete, with the totals of its shards."""
+    shards = meta["shards"]
+    meta.update(
+        complete=True,
+        tokens=total,
+        val_tokens=shards[0]["tokens"],
+        train_tokens=total - shards[0]["tokens"],
+        documents=sum(e["documents"] for e in shards),
+        source_rows=shards[-1]["next_doc"],
+    )
+    write_json(meta_path, meta)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    get_tokenizer(args.tokenizer)  # fail now, not in a worker after the download started
+    # fail now, not in a worker after the download started
+    get_tokenizer(args.tokenizer)
+
     os.makedirs(args.out_dir, exist_ok=True)
     settings = settings_of(args)
     meta_path = os.path.join(args.out_dir, "meta.json")
+
     shards, old_meta = reusable_shards(args, settings, meta_path)
     finished = old_meta and old_meta["complete"] and len(shards) == len(old_meta["shards"])
     if finished and old_meta["settings"]["max_tokens"] == args.max_tokens:
@@ -414,6 +459,7 @@ def main(argv=None):
     )
     # first, so that shards never exist without the ledger that vouches for them
     write_json(meta_path, meta)
+
     done = sum(e["tokens"] for e in shards)
     start_doc = shards[-1]["next_doc"] if shards else 0
     start_offset = shards[-1]["next_offset"] if shards else 0
@@ -425,24 +471,19 @@ def main(argv=None):
 
     t0 = time.time()
     writer = ShardWriter(args, meta, meta_path)
+
     total, docs = tokenize_into(args, writer, start_doc, start_offset, done)
+
     if not shards:
         raise DataError(
             f"the source has no text: no tokens were written ({settings['source']}); check the "
             "input and --text_column"
         )
+
     remove_leftovers(args, shards)
     seconds = time.time() - t0
     new = total - done
-    meta.update(
-        complete=True,
-        tokens=total,
-        val_tokens=shards[0]["tokens"],
-        train_tokens=total - shards[0]["tokens"],
-        documents=sum(e["documents"] for e in shards),
-        source_rows=shards[-1]["next_doc"],
-    )
-    write_json(meta_path, meta)
+    finish(meta_path, meta, total)
 
     report(args, meta, new, docs, seconds)
     return meta
@@ -452,4 +493,5 @@ if __name__ == "__main__":
     try:
         main()
     except (DataError, FileNotFoundError, FileExistsError) as e:
-        sys.exit(f"prepare_fineweb.py: error: {e}")  # an expected failure: one line, no traceback
+        # an expected failure: one line, no traceback
+        sys.exit(f"prepare_fineweb.py: error: {e}")

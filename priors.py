@@ -1,22 +1,12 @@
 """
-The positional priors of bam-gpt: the one place that says what a prior is. Open this file first to
-try your own.
+The positional priors of bam-gpt: what a prior is, and the ones shipped. Open this file to try your
+own.
 
-A prior is a log-prior B_h(d) over the signed distance d = j - i from query i to key j (d <= 0 under
-the causal mask), one curve per head h, added to the attention logits: softmax(q.k/sqrt(D) + B) is
-the posterior over which key to read. A Prior is registered under its name with
-    fn(d, *params) -> (H, len(d)) float32   the log-prior; d 1-D distances
-    params, init(spec, H), trainable        parameter names, their bam_init values
-A parameter is a tensor whose first dimension is the head: (H,) for one value per head (GGD's
-theta_beta), (H, n) for a vector per head (T5's buckets); head h's curve depends on row h only. A
-parameter named in `shared` has any shape and serves every head (the MLP's hidden layer). What a
-prior cannot depend on: anything but d and its parameters (not the query's position, as FIRE's
-normalisation by it, nor the content), because every impl builds it as one table by distance.
-Optionally, for figures and logs: formula, shape_param (labels a head; default the first trainable)
-and highlight(*params) -> (H,) bool with its highlight_label. Shipped: ggd (the paper's), alibi,
-cauchy, and the published biases kerple_log, kerple_power, t5_bucket, sandwich and mlp. Names: a
-prior's name is a string (GPTConfig.prior), a Prior is the registered family, a BoundPrior is a
-Prior with one layer's parameters.
+A prior is a log-prior B_h(d) of the signed distance d = j - i from query i to key j, one curve per
+head h, added to the attention logits. A `Prior`, the registered family, is a function of d and its
+parameters plus one record (below); a `BoundPrior` is a family bound to one layer's parameters, what
+attention() receives as `prior`. Shipped: ggd (the paper's), alibi, cauchy, and the published biases
+kerple_log, kerple_power, t5_bucket, sandwich and mlp.
 """
 
 import math
@@ -39,6 +29,17 @@ LOG_PRIOR_FLOOR = -1e4
 
 @dataclass(frozen=True)
 class Prior:
+    """A registered family of log-priors, under its name (GPTConfig.prior):
+        fn(d, *params) -> (H, len(d)) float32   the log-prior at 1-D distances d (d <= 0 is seen)
+        params, init(spec, H), trainable        parameter names, bam_init values, those trained
+    A parameter's first dimension is the head: (H,) for one value per head (GGD's theta_beta),
+    (H, n) for a vector per head (T5's buckets); head h's curve depends on row h only. A parameter
+    named in `shared` has any shape and serves every head (the MLP's hidden layer). A prior depends
+    on d and its parameters only (not on the query's position, as FIRE's normalisation, nor on the
+    content): every impl builds it as one table by distance. For figures and logs: formula,
+    shape_param (labels a head; default the first trainable) and highlight(*params) -> (H,) bool
+    with its highlight_label."""
+
     name: str
     fn: Callable
     params: tuple
@@ -56,44 +57,54 @@ class Prior:
         default_init, anything else goes to init."""
         return self.init(self.default_init if spec == "default" else spec, n_head)
 
+    @property
+    def scaled_by_ssmax(self):
+        """Whether SSMax's row scale multiplies this prior (attention's scale_prior) in a model with
+        SSMax: a prior with trained parameters learns its scale back, while a fixed one (alibi,
+        sandwich) is added after the scaling, so that it keeps the scale it was designed with."""
+        return bool(self.trainable)
+
     # the figure fields' defaults, so that the five required fields make a full prior
     def __post_init__(self):
         if not self.formula:
             formula = f"B(d) = {self.fn.__name__}(d, {', '.join(self.params)})"
             object.__setattr__(self, "formula", formula)
+
         if not self.shape_param:
             candidates = tuple(self.trainable) + tuple(self.params) + ("",)
             object.__setattr__(self, "shape_param", candidates[0])
 
 
 class BoundPrior(NamedTuple):
-    """A prior with one layer's parameters: what attention() receives as `prior`."""
+    """A registered family with one layer's parameters: what attention() receives as `prior`."""
 
-    prior: Prior
+    family: Prior
     params: tuple
 
     def table(self, d):
         """The log-prior at distances d (1-D) as attention uses it, floored at LOG_PRIOR_FLOOR:
         (H, len(d)) float32."""
-        return self.prior.fn(d, *self.params).clamp_min(LOG_PRIOR_FLOOR)
+        return self.family.fn(d, *self.params).clamp_min(LOG_PRIOR_FLOOR)
 
 
 PRIORS = {}
 
 
-def register(prior):
-    """Add a prior to the registry (under prior.name) and return it."""
-    if PRIORS.get(prior.name, prior) is not prior:
-        raise ValueError(f"a different prior is already registered as {prior.name!r}")
-    named = set(prior.trainable) | {prior.shape_param} | set(prior.shared)
-    if not named <= set(prior.params):
+def register(family):
+    """Add a Prior to the registry (under family.name) and return it."""
+    if PRIORS.get(family.name, family) is not family:
+        raise ValueError(f"a different prior is already registered as {family.name!r}")
+
+    named = set(family.trainable) | {family.shape_param} | set(family.shared)
+    if not named <= set(family.params):
         raise ValueError(
-            f"prior {prior.name!r}: trainable {prior.trainable}, shape_param "
-            f"{prior.shape_param!r} and shared {prior.shared} must be among its params "
-            f"{prior.params}"
+            f"prior {family.name!r}: trainable {family.trainable}, shape_param "
+            f"{family.shape_param!r} and shared {family.shared} must be among its params "
+            f"{family.params}"
         )
-    PRIORS[prior.name] = prior
-    return prior
+
+    PRIORS[family.name] = family
+    return family
 
 
 def get_prior(name):
@@ -108,6 +119,7 @@ def bind(prior):
     tensors is GGD."""
     if prior is None or isinstance(prior, BoundPrior):
         return prior
+
     is_triple = isinstance(prior, (tuple, list)) and len(prior) == 3
     if is_triple and all(torch.is_tensor(t) for t in prior):
         return BoundPrior(PRIORS["ggd"], tuple(prior))
@@ -117,7 +129,8 @@ def bind(prior):
     )
 
 
-def _per_head(*params):  # (H,) parameters as (H, 1) columns against the distances
+def _per_head(*params):
+    # (H,) parameters as (H, 1) columns against the distances
     return (t.float()[:, None] for t in params)
 
 
@@ -127,6 +140,7 @@ def _two_floats(spec, n_head, names, options):
         first, second = (float(x) for x in spec.split(","))
     except ValueError:
         raise ValueError(f"must be {options} or '{names}' (two floats), got {spec!r}") from None
+
     return torch.full((n_head,), first), torch.full((n_head,), second)
 
 
@@ -155,17 +169,20 @@ def ggd_init(spec, n_head):
     (theta_beta spread over [0, 1] across heads) or 'A,B' (theta_alpha=A, theta_beta=B for every
     head); theta_mu starts at 0."""
     theta_mu = torch.zeros(n_head)
+
     if spec == "zero":
         return torch.zeros(n_head), torch.zeros(n_head), theta_mu
-    if spec == "alibi":  # exp(theta_alpha) = the slope, theta_beta = 1: ALiBi's -m|d|
+    # exp(theta_alpha) = the slope, theta_beta = 1: ALiBi's -m|d|
+    if spec == "alibi":
         return alibi_slopes(n_head).log(), torch.ones(n_head), theta_mu
     if spec == "linear":
         return torch.zeros(n_head), torch.linspace(0.0, 1.0, n_head), theta_mu
+
     theta_alpha, theta_beta = _two_floats(spec, n_head, "ALPHA,BETA", "'zero', 'alibi', 'linear'")
     return theta_alpha, theta_beta, theta_mu
 
 
-GGD = register(
+register(
     Prior(
         name="ggd",
         fn=ggd_prior,
@@ -185,7 +202,8 @@ def alibi_slopes(n_head):
     """ALiBi's per-head slopes (Press et al.); n_head not a power of two as in the ALiBi reference
     code: the slopes of the power of two below it, then every other slope of the one above."""
 
-    def geometric(n):  # 2^(-8/n), 2^(-16/n), ..., 2^(-8)
+    # 2^(-8/n), 2^(-16/n), ..., 2^(-8)
+    def geometric(n):
         return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]
 
     below = 2 ** int(math.floor(math.log2(n_head)))
@@ -200,7 +218,7 @@ def alibi_prior(d, slope):
     return -m * d.float().abs()[None, :]
 
 
-ALIBI = register(
+register(
     Prior(
         name="alibi",
         fn=alibi_prior,
@@ -229,7 +247,7 @@ def cauchy_init(spec, n_head):
     return _two_floats(spec, n_head, "A,S", "'zero'")
 
 
-CAUCHY = register(
+register(
     Prior(
         name="cauchy",
         fn=cauchy_prior,
@@ -250,7 +268,8 @@ CAUCHY = register(
 KERPLE_EPS = 1e-2  # KERPLE's lower bound on its parameters (its code clamps at it)
 
 
-def _softplus_inverse(r):  # log(exp(r) - 1), stable for small r
+def _softplus_inverse(r):
+    # log(exp(r) - 1), stable for small r
     return r + torch.log(-torch.expm1(-r))
 
 
@@ -261,6 +280,7 @@ def _kerple_init(spec, n_head, r1_high, r2_high):
         r1 = (torch.rand(n_head) * r1_high).clamp_min(KERPLE_EPS)
         r2 = (torch.rand(n_head) * r2_high).clamp_min(KERPLE_EPS)
         return r1, r2
+
     r1, r2 = _two_floats(spec, n_head, "R1,R2", "'paper'")
     if (r1 <= 0).any() or (r2 <= 0).any():
         raise ValueError(f"needs R1 > 0 and R2 > 0, got {spec!r}")
@@ -281,7 +301,7 @@ def kerple_log_init(spec, n_head):
     return _softplus_inverse(r1), _softplus_inverse(r2)
 
 
-KERPLE_LOG = register(
+register(
     Prior(
         name="kerple_log",
         fn=kerple_log_prior,
@@ -299,6 +319,7 @@ def kerple_power_prior(d, theta_r1, theta_r2):
     0 < r2 < 2 as 2 sigmoid(theta) (KERPLE clamps r2 to [eps, 2]); r2 = 1 is ALiBi."""
     r1 = F.softplus(theta_r1.float())[:, None]
     r2 = 2.0 * torch.sigmoid(theta_r2.float())[:, None]
+
     dist = d.float().abs()[None, :]
     # |d|^r2 is 0 at d = 0, where its derivative in r2 (|d|^r2 log|d|) is 0 too, not NaN
     power = torch.where(dist > 0, dist.clamp_min(1.0) ** r2, 0.0)
@@ -311,11 +332,12 @@ def kerple_power_init(spec, n_head):
     r1, r2 = _kerple_init(spec, n_head, 1.0, 2.0)
     if (r2 >= 2).any():
         raise ValueError(f"needs R2 < 2, got {spec!r}")
+
     half = (r2 / 2).clamp(max=1 - KERPLE_EPS / 2)
     return _softplus_inverse(r1), torch.logit(half)
 
 
-KERPLE_POWER = register(
+register(
     Prior(
         name="kerple_power",
         fn=kerple_power_prior,
@@ -361,7 +383,7 @@ def t5_bucket_init(spec, n_head):
     return (torch.zeros(n_head, T5_BUCKETS),)
 
 
-T5_BUCKET = register(
+register(
     Prior(
         name="t5_bucket",
         fn=t5_bucket_prior,
@@ -393,7 +415,7 @@ def sandwich_scales(n_head):
     return torch.arange(1, n_head + 1, dtype=torch.float32) * 8.0 / n_head
 
 
-SANDWICH = register(
+register(
     Prior(
         name="sandwich",
         fn=sandwich_prior,
@@ -415,7 +437,8 @@ def mlp_prior(d, w1, b1, w2):
     one set of features of the distance, fitted by every head's gradient. No output bias: a
     constant per head cancels in the softmax."""
     u = torch.log1p(d.float().abs())[:, None]
-    hidden = F.silu(u * w1.float()[None, :] + b1.float()[None, :])  # (len(d), width)
+    # (len(d), width)
+    hidden = F.silu(u * w1.float()[None, :] + b1.float()[None, :])
     return w2.float() @ hidden.T
 
 
@@ -424,6 +447,7 @@ def mlp_init(spec, n_head):
     (w2 = 0: a flat start)."""
     if spec not in ("paper", "zero"):
         raise ValueError(f"must be 'paper' or 'zero', got {spec!r}")
+
     w1 = torch.rand(MLP_WIDTH) * 2 - 1
     b1 = torch.rand(MLP_WIDTH) * 2 - 1
     bound = 1 / math.sqrt(MLP_WIDTH)
@@ -433,7 +457,7 @@ def mlp_init(spec, n_head):
     return w1, b1, w2
 
 
-MLP = register(
+register(
     Prior(
         name="mlp",
         fn=mlp_prior,

@@ -25,6 +25,7 @@ SEPARATOR = "---------------"
 
 
 def build_parser():
+    """nanoGPT's sample.py options: the prompt, how many samples, how long, how random."""
     p = argparse.ArgumentParser(description="Sample text from a bam-gpt checkpoint.")
     p.add_argument(
         "--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)"
@@ -52,8 +53,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.top_k < 1:
         p.error("--num_samples, --max_new_tokens and --top_k must be at least 1")
+
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature:g}")
+
     return args
 
 
@@ -65,6 +68,23 @@ def read_start(start):
     return start
 
 
+def generate(model, tok, prompt, args, device, dtype):
+    """One continuation of the prompt's tokens, as text (the document-start token is not text)."""
+    x = torch.tensor([prompt], device=device)
+    with autocast(device, dtype):
+        new = model.generate(
+            x,
+            args.max_new_tokens,
+            stop_tokens=(tok.eot_token,),
+            temperature=args.temperature,
+            top_k=args.top_k,
+        )
+
+    if new and new[-1] == tok.eot_token:
+        new = new[:-1]
+    return tok.decode(prompt[1:] + new)
+
+
 def main(argv=None):
     args = parse_args(argv)
     prompt_text = read_start(args.start)
@@ -72,24 +92,14 @@ def main(argv=None):
     dtype = resolve_dtype(device)
     model, _ = load_model(args.ckpt, device)
     check_kernel(model, args.ckpt, dtype)
+
     tok = get_tokenizer(model.config.tokenizer)
     prompt = [tok.doc_start] + tok.encode_ordinary(prompt_text)
-    x = torch.tensor([prompt], device=device)
 
     torch.manual_seed(args.seed)
     samples = []
     for _ in range(args.num_samples):
-        with autocast(device, dtype):
-            new = model.generate(
-                x,
-                args.max_new_tokens,
-                stop_tokens=(tok.eot_token,),
-                temperature=args.temperature,
-                top_k=args.top_k,
-            )
-        if new and new[-1] == tok.eot_token:
-            new = new[:-1]
-        samples.append(tok.decode(prompt[1:] + new))  # the document-start token is not text
+        samples.append(generate(model, tok, prompt, args, device, dtype))
         print(samples[-1])
         print(SEPARATOR, flush=True)
     return samples

@@ -5,12 +5,10 @@ Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or ma
     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py  # one node, 8 GPUs
     ... --resume=True                                                     # continue a run
 
-Settings are the variables below (the paper's recipe) and the model's (model.GPTConfig),
-overridden by a config file and --key=value arguments (configurator.py). out_dir/ holds config.json
-(the resolved settings), env.json (versions, GPUs, git commit and command line of every launch),
-metrics.jsonl (a record per logged step: train_loss, lr, grad_norm, tokens_per_s, ms_per_step, mfu
-on CUDA; val_loss and the learned prior at evaluations) and ckpt_{step:07d}.pt. "Step N" is "after
-N optimizer updates": ckpt_0000100.pt and the record of step 100 hold the model after update 100.
+Every setting is a variable below; a config file and --key=value arguments override them
+(configurator.py). out_dir/ holds config.json (the resolved settings), env.json (versions, GPUs,
+git commit, command line), metrics.jsonl (a record per logged step) and ckpt_{step:07d}.pt, the
+model after that many optimizer updates.
 """
 
 import importlib.util
@@ -19,12 +17,11 @@ import math
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from types import SimpleNamespace
 from typing import Callable, Optional
 
@@ -66,13 +63,20 @@ gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (ea
 tokens_per_step = 589824  # > 0 overrides the above: accumulation = this / (batch x block x world)
 allow_data_repeat = False  # let the run read its training data more than once (else it refuses)
 
-# model: every field of model.GPTConfig is a setting here, with the model's default (model.py says
-# what each does), e.g. --pos_encoding=rope --ssmax=False; vocab_size and tokenizer come from the
-# data. model_size "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES) sets n_layer, n_embd
-# and n_head.
-model_size = ""
-MODEL_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer"))
-globals().update({f.name: f.default for f in fields(GPTConfig) if f.name in MODEL_KEYS})
+# model (model.GPTConfig; vocab_size and tokenizer come from the data)
+model_size = ""  # "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES): sets the next three
+n_layer = 12
+n_head = 16
+n_embd = 768
+block_size = 512  # the training context
+pos_encoding = "bam"  # nope | sinusoidal | rope | alibi | bam
+ssmax = True  # Scalable-Softmax: each query row's logits times s_h * log(n_i)
+ssmax_prior = True  # bam + ssmax: s log n scales the prior too (the paper's placement)
+prior = "ggd"  # bam's learned prior (priors.py): ggd | cauchy | kerple_log | t5_bucket | ...
+bam_init = "zero"  # the prior's init; ggd: zero (starts as NoPE) | alibi | linear | "A,B"
+train_mu = False  # ggd: train theta_mu too (the paper keeps mu = 0)
+rope_theta = 500000.0
+norm_eps = 1e-5
 
 # optimizer: RAdam, decoupled weight decay on >= 2-D weights; one schedule scales each group's lr
 learning_rate = 1e-3  # peak learning rate
@@ -90,6 +94,7 @@ ssmax_lr = 0.0  # learning rate of the SSMax s parameters (0 = learning_rate)
 device = "auto"  # auto (cuda if there is one, else cpu) | cpu | cuda | cuda:1; torchrun: a GPU each
 dtype = "bfloat16"  # bfloat16 | float16 (CUDA, with a GradScaler) | float32: the autocast precision
 compile = True  # torch.compile the model for training (evaluation uses the plain module)
+attn_impl = "auto"  # auto | torch | sdpa | triton: what computes attention (attention.py)
 seed = 42  # process r seeds torch with seed + r
 config_keys = [
     k
@@ -115,10 +120,11 @@ def get_lr(step, cfg):
     return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
 
 
-def model_args(cfg, vocab_size, tokenizer):
-    """The GPTConfig of the settings as a dict; vocab_size and tokenizer come from the data."""
-    settings = {k: getattr(cfg, k) for k in MODEL_KEYS}
-    return dict(settings, vocab_size=vocab_size, tokenizer=tokenizer)
+def model_config(cfg):
+    """The model's settings as a GPTConfig, which checks them (head_dim, rope, prior, bam_init).
+    vocab_size and tokenizer keep their defaults until open_data reads them from the data."""
+    names = [f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")]
+    return GPTConfig(**{name: getattr(cfg, name) for name in names})
 
 
 # ---- Guards: every setting is checked before any data or model is touched -----------------------
@@ -170,30 +176,30 @@ def setting_errors(cfg, world_size):
 
 
 def resolve_config(settings, world_size):
-    """The settings (a dict) as a namespace with the derived ones filled in: model_size's n_layer,
-    n_embd, n_head and tokens_per_step's accumulation. A ConfigError names every problem found."""
+    """(settings, model config): the settings (a dict) as a namespace with the derived ones filled
+    in (model_size's n_layer, n_embd, n_head and tokens_per_step's accumulation), and the model's
+    GPTConfig. A ConfigError names every problem found."""
     cfg = SimpleNamespace(**settings)
     if cfg.model_size in MODEL_SIZES:
         cfg.n_layer, cfg.n_embd, cfg.n_head = MODEL_SIZES[cfg.model_size]
 
     errors = setting_errors(cfg, world_size)
-    if not errors and cfg.tokens_per_step > 0:
-        cfg.gradient_accumulation_steps = cfg.tokens_per_step // (cfg.batch_size * cfg.block_size)
-    if not errors:
-        # the model's own checks (head_dim, rope, prior, bam_init); the vocabulary comes later
-        try:
-            GPTConfig(**model_args(cfg, vocab_size=1, tokenizer=""))
-        except ValueError as e:
-            errors.append(str(e))
-
     if errors:
         raise ConfigError("invalid settings: " + "; ".join(errors))
-    return cfg
+
+    if cfg.tokens_per_step > 0:
+        cfg.gradient_accumulation_steps = cfg.tokens_per_step // (cfg.batch_size * cfg.block_size)
+
+    try:
+        config = model_config(cfg)
+    except ValueError as e:
+        raise ConfigError(f"invalid settings: {e}") from None
+    return cfg, config
 
 
-def check_device(cfg, ddp):
+def check_device(cfg, prior_family, ddp):
     """The device the settings ask for (auto resolved), checked with the precision and the attention
-    impl against the hardware (a ConfigError says what does not fit)."""
+    impl (for the model's prior) against the hardware (a ConfigError says what does not fit)."""
     try:  # first, so that a driver too old for this torch is named as the reason
         device = resolve_device(cfg.device)
     except ValueError as e:
@@ -217,16 +223,15 @@ def check_device(cfg, ddp):
             "use bfloat16 or float32"
         )
 
-    prior_def = GPTConfig(**model_args(cfg, vocab_size=1, tokenizer="")).prior_def
-    error = impl_error(cfg.attn_impl, prior_def, device, grad=True)
+    error = impl_error(cfg.attn_impl, prior_family, device, grad=True)
     if error:
         raise ConfigError(f"invalid settings: attn_impl={cfg.attn_impl!r}: {error}")
     return device
 
 
-def open_data(cfg, rank, world_size, tokens_per_update, log):
-    """(train loader, val loader, val batches per evaluation); sets cfg's tokenizer, vocab_size and
-    world_size."""
+def open_data(cfg, config, rank, world_size, tokens_per_update, log):
+    """(train loader, val loader, val batches per evaluation); sets the model config's tokenizer and
+    vocab_size, and cfg's world_size."""
     try:
         train_loader = TokenLoader(
             cfg.data_dir, "train", cfg.block_size, cfg.batch_size, rank, world_size
@@ -244,14 +249,14 @@ def open_data(cfg, rank, world_size, tokens_per_update, log):
             f"eval_iters {cfg.eval_iters} -> {eval_iters}"
         )
 
-    cfg.tokenizer = train_loader.tokenizer
-    cfg.vocab_size = train_loader.vocab_size
+    config.tokenizer = train_loader.tokenizer
+    config.vocab_size = train_loader.vocab_size
     cfg.world_size = world_size
-    check_data_budget(cfg, len(train_loader), tokens_per_update)
+    check_data_budget(cfg, config.tokenizer, len(train_loader), tokens_per_update)
     return train_loader, val_loader, eval_iters
 
 
-def check_data_budget(cfg, train_windows, tokens_per_update):
+def check_data_budget(cfg, tokenizer, train_windows, tokens_per_update):
     """Refuse a run that would wrap around its training data (the loader repeats it), unless
     allow_data_repeat."""
     needed = cfg.max_iters * tokens_per_update
@@ -265,7 +270,7 @@ def check_data_budget(cfg, train_windows, tokens_per_update):
         f"the run reads {needed:,} training tokens ({cfg.max_iters} steps x {tokens_per_update:,}) "
         f"but {cfg.data_dir} holds {have:,} in whole {cfg.block_size}-token windows: "
         f"{needed - have:,} missing, so data would repeat. Get them with "
-        f"`python prepare_fineweb.py --name sample-100BT --tokenizer {cfg.tokenizer} "
+        f"`python prepare_fineweb.py --name sample-100BT --tokenizer {tokenizer} "
         f"--max_tokens {int(total)} "
         f"--out_dir {cfg.data_dir}` (resumes and extends), lower max_iters, or pass "
         "--allow_data_repeat=True"
@@ -374,11 +379,12 @@ def restore(run, path, rank, world_size):
 def describe(run):
     """Three lines for the log: the model, its parameters, the batch."""
     cfg = run.cfg
-    encoding = cfg.pos_encoding + ("+ssmax" if cfg.ssmax else "")
-    prior = f" ({cfg.prior} prior)" if cfg.pos_encoding == "bam" else ""
+    config = run.raw_model.config
+    encoding = config.pos_encoding + ("+ssmax" if config.ssmax else "")
+    prior = f" ({config.prior} prior)" if config.pos_encoding == "bam" else ""
     run.log(
-        f"model: {encoding}{prior}, {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, "
-        f"vocab {cfg.vocab_size} ({cfg.tokenizer})"
+        f"model: {encoding}{prior}, {config.n_layer} layers, {config.n_head} heads, "
+        f"n_embd {config.n_embd}, vocab {config.vocab_size} ({config.tokenizer})"
     )
 
     group_sizes = {k: sum(p.numel() for p in ps) for k, ps in run.raw_model.param_groups().items()}
@@ -406,12 +412,11 @@ def git(*args):
 
 
 def environment(argv, world_size):
-    """What env.json records of a launch: time, host, versions, GPUs, git commit, command line."""
+    """What env.json records to reproduce a run: package versions, the GPUs, the git commit, the
+    command line."""
     triton = importlib.import_module("triton") if importlib.util.find_spec("triton") else None
     cuda = torch.cuda.is_available()
     return dict(
-        time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        hostname=socket.gethostname(),
         python=platform.python_version(),
         torch=torch.__version__,
         triton=triton and triton.__version__,
@@ -430,33 +435,31 @@ def write_json(path, obj):
         json.dump(obj, f, indent=2)
 
 
-def write_run_files(cfg, tokens_per_update, argv, start_step):
-    """config.json, env.json (with a resumed run's earlier launches) and metrics.jsonl cut back to
-    start_step. Returns the path of metrics.jsonl."""
+def write_run_files(run, argv):
+    """config.json (the settings and the model's), env.json (of this launch) and metrics.jsonl, cut
+    back to the step the run starts from. Returns the path of metrics.jsonl."""
+    cfg = run.cfg
     os.makedirs(cfg.out_dir, exist_ok=True)
-    env_path = os.path.join(cfg.out_dir, "env.json")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
 
-    earlier = []
-    if cfg.resume and os.path.exists(env_path):
-        with open(env_path) as f:
-            previous = json.load(f)
-        earlier = previous.pop("earlier_launches", []) + [previous]
+    # a resumed run keeps the records up to its checkpoint; a line cut short by a crash has no
+    # newline
     kept = []
     if cfg.resume and os.path.exists(metrics_path):
-        with open(metrics_path) as f:  # a last line cut short by the crash has no newline
-            kept = [
-                line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start_step
-            ]
+        with open(metrics_path) as f:
+            lines = [line for line in f if line.endswith("\n")]
+        kept = [line for line in lines if json.loads(line)["step"] <= run.step]
 
     config = dict(
         vars(cfg),
-        model_args=model_args(cfg, cfg.vocab_size, cfg.tokenizer),
-        tokens_per_step_actual=tokens_per_update,
+        model_args=asdict(run.raw_model.config),
+        tokens_per_step_actual=run.tokens_per_update,
     )
     write_json(os.path.join(cfg.out_dir, "config.json"), config)
-    env = dict(environment(argv, cfg.world_size), start_step=start_step, earlier_launches=earlier)
-    write_json(env_path, env)
+
+    env = dict(environment(argv, cfg.world_size), start_step=run.step)
+    write_json(os.path.join(cfg.out_dir, "env.json"), env)
+
     with open(metrics_path, "w") as f:
         f.writelines(kept)
     return metrics_path
@@ -573,20 +576,21 @@ def eval_and_log(run, loader, eval_iters, record):
     message = f"step {run.step}: val loss {run.val_loss:.4f}"
 
     if run.raw_model.config.pos_encoding == "bam":
-        prior_def = run.raw_model.config.prior_def
-        bound = [block.attn.bound_prior() for block in run.raw_model.blocks]
-        shape_index = prior_def.params.index(prior_def.shape_param)
-        shape = [b.params[shape_index].detach().float().cpu() for b in bound]
+        family = run.raw_model.config.prior_family
+        priors = [block.attn.bound_prior() for block in run.raw_model.blocks]
+        shape_index = family.params.index(family.shape_param)
+        shape = [prior.params[shape_index].detach().float().cpu() for prior in priors]
         quantiles = [[x.min().item(), x.quantile(0.5).item(), x.max().item()] for x in shape]
-        record["prior"] = {prior_def.shape_param: [[round(q, 4) for q in row] for row in quantiles]}
+        rounded = [[round(q, 4) for q in row] for row in quantiles]
+        record["prior"] = {family.shape_param: rounded}
         medians = [round(x.quantile(0.5).item(), 4) for x in shape]
-        message += f" | {prior_def.shape_param} median per layer {medians}"
+        message += f" | {family.shape_param} median per layer {medians}"
 
-        if prior_def.highlight is not None:
-            picked = int(sum(prior_def.highlight(*b.params).sum() for b in bound))
+        if family.highlight is not None:
+            picked = int(sum(family.highlight(*prior.params).sum() for prior in priors))
             record["prior"]["heads_highlighted"] = picked
             heads = sum(x.numel() for x in shape)
-            message += f" | heads with {prior_def.highlight_label}: {picked}/{heads}"
+            message += f" | heads with {family.highlight_label}: {picked}/{heads}"
     run.log(message)
 
 
@@ -688,9 +692,9 @@ def train_loop(run, train_loader, val_loader, eval_iters, write):
     return train_loss
 
 
-def build_run(cfg, device, accum, tokens_per_update, log, master):
-    """The model on its device, its optimizer and loss scaler, in a Run at step 0."""
-    raw_model = GPT(GPTConfig(**model_args(cfg, cfg.vocab_size, cfg.tokenizer))).to(device)
+def build_run(cfg, config, device, accum, tokens_per_update, log, master):
+    """The model of config on its device, its optimizer and loss scaler, in a Run at step 0."""
+    raw_model = GPT(config, attn_impl=cfg.attn_impl).to(device)
     betas = (cfg.beta1, cfg.beta2)
     optimizer = raw_model.configure_optimizers(
         cfg.weight_decay, cfg.learning_rate, betas, prior_lr=cfg.prior_lr, ssmax_lr=cfg.ssmax_lr
@@ -745,25 +749,30 @@ def train(settings, argv=()):
     master = rank == 0
     log = print if master else (lambda *args, **kwargs: None)
 
-    cfg = resolve_config(settings, world_size)
-    device = check_device(cfg, ddp)
+    cfg, config = resolve_config(settings, world_size)
+    device = check_device(cfg, config.prior_family, ddp)
     device = setup_device(cfg, device, ddp, local_rank, log)
-    accum = cfg.gradient_accumulation_steps // world_size  # micro-batches per process per step
+
+    # micro-batches per process per step, and the tokens of a step over all processes
+    accum = cfg.gradient_accumulation_steps // world_size
     tokens_per_update = cfg.batch_size * cfg.block_size * accum * world_size
     torch.manual_seed(cfg.seed + rank)
     existing = check_run_dir(cfg.out_dir, cfg.resume)
-    train_loader, val_loader, eval_iters = open_data(cfg, rank, world_size, tokens_per_update, log)
+    loaders = open_data(cfg, config, rank, world_size, tokens_per_update, log)
+    train_loader, val_loader, eval_iters = loaders
 
-    run = build_run(cfg, device, accum, tokens_per_update, log, master)
+    run = build_run(cfg, config, device, accum, tokens_per_update, log, master)
     describe(run)
     check_kernel(run)
     if cfg.resume:
         restore(run, existing[-1][1], rank, world_size)
+
     if cfg.compile:
         run.model = torch.compile(run.raw_model)
     if ddp:
         run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
-    metrics_path = write_run_files(cfg, tokens_per_update, argv, run.step) if master else None
+
+    metrics_path = write_run_files(run, argv) if master else None
     write = metrics_writer(cfg, metrics_path)
     measure_mfu(run, device, world_size)
 

@@ -20,7 +20,6 @@ n_head = 8
 n_embd = 64
 pos_encoding = "bam"
 ssmax = True
-ssmax_init = 1.0  # the authors' default (1 / log 64 also works, but failed one seed of five at 16x)
 ssmax_prior = True  # the paper's placement: (q.k/sqrt(d) + prior) * s log n
 bam_init = "zero"  # theta_alpha = theta_beta = 0: a flat prior (NoPE), the authors' current default
 train_mu = False

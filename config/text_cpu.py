@@ -19,7 +19,6 @@ n_head = 8
 n_embd = 64
 pos_encoding = "bam"
 ssmax = True
-ssmax_init = 1.0
 ssmax_prior = True
 bam_init = "zero"  # a flat prior (NoPE) to start, as the authors do
 train_mu = False

@@ -3,7 +3,7 @@ Training-step time of BAM+SSMax relative to NoPE (the cost of the prior and SSMa
 tokens.
 
     python dev/bench.py                       # CPU: a tiny model; CUDA: l12 with the Triton kernel
-    python dev/bench.py --all --out b.json    # all 10 variants, and the results as JSON
+    python dev/bench.py --all --out b.json    # the five encodings, each with or without SSMax; JSON
     python dev/bench.py --model_size=l12 --batch_size=16 --compile
     python dev/bench.py --long_forward=131072 # one l12 BAM+SSMax forward, 131K tokens: time, memory
 
@@ -25,11 +25,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from attention import impl_error  # noqa: E402
+from attention import IMPLS, impl_error  # noqa: E402
 from data import doc_starts  # noqa: E402
 from eval_common import peak_memory_bytes, reset_peak_memory  # noqa: E402
 from hardware import autocast, peak_flops, resolve_device  # noqa: E402
-from model import ATTN_IMPLS, GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
+from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
@@ -68,7 +68,7 @@ def build_parser():
     p.add_argument(
         "--attn_impl",
         default="auto",
-        choices=list(ATTN_IMPLS),
+        choices=list(IMPLS),
         help="attention implementation (attention.py), for both variants alike",
     )
     p.add_argument(
@@ -84,7 +84,9 @@ def build_parser():
     )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     p.add_argument(
-        "--all", action="store_true", help="time all 10 variants, not just nope and bam+ssmax"
+        "--all",
+        action="store_true",
+        help="the five encodings, each with or without SSMax, not just nope and bam+ssmax",
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--out", default=None, help="write the results to this JSON file")
@@ -252,8 +254,8 @@ def build_runs(args, variants, device, V, T, size):
                 pos_encoding=pe,
                 ssmax=ss,
                 tokenizer="bench",
-                attn_impl=args.attn_impl,
-            )
+            ),
+            attn_impl=args.attn_impl,
         ).to(device)
         runs[name(pe, ss)] = {
             "model": model,

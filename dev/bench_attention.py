@@ -113,8 +113,8 @@ def make_problem(B, H, T, D, dtype, device, prior="ggd", seed=0, grad=True):
     do = torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g)
     bound = prior_params(prior, H)
     params = tuple(
-        t.to(device).requires_grad_(grad and n in bound.prior.trainable)
-        for n, t in zip(bound.prior.params, bound.params)
+        t.to(device).requires_grad_(grad and n in bound.family.trainable)
+        for n, t in zip(bound.family.params, bound.params)
     )
     ssmax_s = torch.full((H,), 1.0, device=device, requires_grad=grad)
     log_n = torch.arange(1, T + 1, device=device, dtype=torch.float32).log()
@@ -642,7 +642,7 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
         )
         kw["prior"] = bound._replace(params=pr)
         if "prior" not in frozen:
-            named.update(zip(bound.prior.params, pr))
+            named.update(zip(bound.family.params, pr))
     if "row_scale" in kw:
         kw["row_scale"] = kw["row_scale"].detach().clone().to(device).requires_grad_(True)
         named["row_scale"] = kw["row_scale"]
@@ -656,9 +656,10 @@ def _run_once(fn, tensors, kw, frozen, dtype, device):
 def _check_case(name, B, H, Tq, Tk, D, dtype, opt, device, prior):
     """One check: the kernel against the fp32 reference on the same (rounded) inputs; in half
     precision also twice, bitwise (its backward is deterministic)."""
-    from attention import attention, attention_torch
+    from attention import attention
 
     attention_triton = functools.partial(attention, impl="triton")
+    attention_torch = functools.partial(attention, impl="torch")
     tensors, kw, frozen = _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, prior=prior)
     o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
     ref_t = tuple(t.to(dtype).float() if i < 3 else t for i, t in enumerate(tensors))

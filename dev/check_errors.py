@@ -19,16 +19,17 @@ import attention  # noqa: E402
 from priors import PRIORS  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PLACEMENTS = ((False, False), (True, False), (True, True))  # (SSMax, scaling the prior)
+# (SSMax, scaling the prior)
+PLACEMENTS = ((False, False), (True, False), (True, True))
 
 
-def errors_of(prior, head_dim, dtype, ssmax, scale_prior, seed, device):
+def errors_of(family, head_dim, dtype, ssmax, scale_prior, seed, device):
     """check_kernel's errors {name: error} on its problem drawn from `seed`, with gradients."""
-    inputs = attention._check_inputs(prior, head_dim, dtype, ssmax, True, seed=seed)
-    run = (prior, prior.trainable, scale_prior and bool(prior.trainable), device, True)
+    inputs = attention._check_inputs(family, head_dim, dtype, ssmax, True, seed=seed)
+    run = (family, family.trainable, scale_prior and family.scaled_by_ssmax, device, True)
     kernel = attention._check_run("triton", inputs, *run)
     reference = attention._check_run("torch", inputs, *run)
-    return attention._check_errors(kernel, reference, prior)
+    return attention._check_errors(kernel, reference, family)
 
 
 def main():
@@ -40,14 +41,14 @@ def main():
 
     for dtype in DTYPES:
         worst = {}
-        for prior in PRIORS.values():
+        for family in PRIORS.values():
             for ssmax, scale_prior in PLACEMENTS:
                 for seed in range(args.seeds):
                     errors = errors_of(
-                        prior, args.head_dim, dtype, ssmax, scale_prior, seed, device
+                        family, args.head_dim, dtype, ssmax, scale_prior, seed, device
                     )
                     text = " ".join(f"{name} {error:.1e}" for name, error in errors.items())
-                    print(f"{dtype} {prior.name} ssmax={ssmax} scale_prior={scale_prior} {text}")
+                    print(f"{dtype} {family.name} ssmax={ssmax} scale_prior={scale_prior} {text}")
                     for name, error in errors.items():
                         kind = attention.check_kind(name)
                         worst[kind] = max(worst.get(kind, 0.0), error)

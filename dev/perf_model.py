@@ -92,8 +92,8 @@ def load_kernel_module(rev=None):
 def _signature(fn, constexprs):
     """Triton signature of a kernel from the file's naming convention: upper-case arguments but H
     are pointers (q, k, v, o and their gradients bf16; doc_start and block tables int32; the rest
-    fp32), strides along head_dim (s..d) are 1 (Triton specialises them so at launch), sm_scale is
-    fp32, other scalars int32."""
+    fp32), strides along head_dim (s..d) are 1 (Triton specialises them so at launch), the softmax
+    scale is fp32, other scalars int32 (older revisions' names too: tab_stride, sm_scale)."""
     sig, const, attrs = {}, dict(constexprs), {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -103,14 +103,13 @@ def _signature(fn, constexprs):
             int32 = name in ("DS", "DOC", "QEND", "QCLEAN")
             sig[name] = "*bf16" if bf16 else "*i32" if int32 else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif (
-            name == "tab_stride"
-        ):  # the tables' copy stride: a multiple of 16, which Triton specialises on
+        elif name in ("table_stride", "tab_stride"):
+            # the tables' copy stride: a multiple of 16, which Triton specialises on
             sig[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.startswith("s") and name.endswith("d") and len(name) <= 5:
             sig[name], const[name] = "constexpr", 1
-        elif name == "sm_scale":
+        elif name in ("softmax_scale", "sm_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -166,8 +165,10 @@ def kernel_launches(ak, variant, head_dim):
         BLOCK_D=block_d,
         HAS_DOC=False,
         HAS_PRIOR=prior is not None,
-        HAS_RS=ssmax,
+        HAS_ROW_SCALE=ssmax,
         SCALE_PRIOR=ssmax,
+        # older revisions' names for the row scale's flags
+        HAS_RS=ssmax,
         FUSE_RS=prior is not None and ssmax,
         EPS=1e-5,
         DOT_PREC="tf32",
@@ -177,6 +178,7 @@ def kernel_launches(ak, variant, head_dim):
     # before them
     dq_flags = dict(
         N_GRAD=K,
+        NEED_ROW_SCALE_GRAD=ssmax,
         NEED_RS_GRAD=ssmax,
         ACC_DPP=K > 0 or ssmax,
         NEED_PRIOR_GRAD=K > 0,

@@ -114,14 +114,15 @@ def test_plot_prior_draws_the_model_prior(tmp_path):
         model.blocks[1].attn.theta_alpha[0] = 1.5
     save_checkpoint(str(tmp_path / "run" / "ckpt_0000001.pt"), model, step=1)
     out = tmp_path / "fig" / "prior.png"
-    plot_prior.main(["--ckpt", str(tmp_path / "run"), "--out", str(out), "--max_distance", "1000"])
+    plot_prior.main(["--ckpt", str(tmp_path / "run"), "--out", str(out)])
     assert out.stat().st_size > 10_000
     info = json.loads((tmp_path / "fig" / "prior.json").read_text())
     assert info["heads"] == 8 and info["heads_highlighted"] == 1 and info["prior"] == "ggd"
     assert [h["head"] for layer in info["layers"] for h in layer["heads"] if h["highlighted"]] == [
         0
     ]
-    assert info["distances"][0] == 1 and info["distances"][-1] == 1000
+    # to 64 training contexts
+    assert info["distances"][0] == 1 and info["distances"][-1] == 64 * 32
     head = info["layers"][1]["heads"][0]
     assert head["theta_beta"] == pytest.approx(-0.7) and head["theta_alpha"] == pytest.approx(1.5)
     d = np.array(info["distances"], dtype=np.float64)

@@ -239,7 +239,9 @@ def test_end_to_end(tmp_path, ckpts, capsys):
     argv = [a for c in ckpts for a in ("--ckpt", c)] + [
         "--template",
         "demo",
-        "--length",
+        "--lengths",
+        "32",
+        "64",
         "128",
         "--samples",
         "2",
@@ -283,15 +285,17 @@ def test_end_to_end(tmp_path, ckpts, capsys):
     assert "bam_ssmax: top heads at 128:" in capsys.readouterr().out
 
 
-def test_errors_are_one_line(tmp_path, ckpts):
+def test_errors_are_one_line(tmp_path, ckpts, capsys):
+    argv = ["--ckpt", ckpts[0], "--template", "demo", "--lengths", "4", "--out", str(tmp_path)]
     with pytest.raises(
         SystemExit, match=r"^inspect_attention.py: error: length 4 is shorter than the demo prompt"
     ):
-        ia.main(["--ckpt", ckpts[0], "--template", "demo", "--length", "4", "--out", str(tmp_path)])
+        ia.main(argv)
     with pytest.raises(SystemExit, match=r"\.py: error: no checkpoint at"):
-        ia.main(["--ckpt", str(tmp_path / "missing"), "--length", "64", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match=r"^inspect_attention.py: error: give --length"):
+        ia.main(["--ckpt", str(tmp_path / "missing"), "--lengths", "64", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
         ia.main(["--ckpt", ckpts[0], "--out", str(tmp_path)])
+    assert "the following arguments are required: --lengths" in capsys.readouterr().err
 
 
 def test_a_prior_with_only_the_required_fields_works_in_plot_prior_and_inspect(tmp_path, capsys):
@@ -324,14 +328,14 @@ def test_a_prior_with_only_the_required_fields_works_in_plot_prior_and_inspect(t
     )
     save_checkpoint(str(tmp_path / "power" / "ckpt_1.pt"), GPT(cfg), step=1)
     ckpt = str(tmp_path / "power")
-    plot_prior.main(["--ckpt", ckpt, "--out", str(tmp_path / "prior.png"), "--max_distance", "64"])
+    plot_prior.main(["--ckpt", ckpt, "--out", str(tmp_path / "prior.png")])
     info = json.loads((tmp_path / "prior.json").read_text())
     assert info["prior"] == "test_power" and info["formula"] == "B(d) = power(d, theta_w)"
     assert info["heads"] == 2 and info["heads_highlighted"] == 0
     head = info["layers"][0]["heads"][1]
     np.testing.assert_allclose(head["bias"], -math.e * np.sqrt(info["distances"]), rtol=1e-5)
     assert (tmp_path / "prior.png").stat().st_size > 10_000
-    argv = ["--ckpt", ckpt, "--template", "demo", "--length", "64", "--samples", "2"]
+    argv = ["--ckpt", ckpt, "--template", "demo", "--lengths", "64", "--samples", "2"]
     rows, summary = ia.main(argv + ["--out", str(tmp_path / "inspect"), "--no_progress"])
     assert {(r["shape_param"], r["prior"]) for r in rows} == {("theta_w", "test_power")}
     assert [r["shape"] for r in rows if r["target_length"] == 64] == pytest.approx([-1.0, 1.0])

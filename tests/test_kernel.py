@@ -17,19 +17,14 @@ import torch
 
 import attention as attention_mod
 import attention_kernel as ak
-from attention import (
-    KernelMismatch,
-    attention,
-    attention_torch,
-    check_kernel,
-    dense_attention,
-    impl_error,
-)
+from attention import KernelMismatch, attention, check_kernel, dense_attention, impl_error
 from priors import BoundPrior, Prior, alibi_slopes, get_prior, register
 
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if (torch.cuda.is_available() and not ak.interpreting()) else "cpu"
+# the reference implementation, that the kernel is held to
+reference = functools.partial(attention, impl="torch")
 if DEVICE == "cpu" and not ak.interpreting():
     pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
@@ -114,7 +109,7 @@ def check_against_reference(
         ak.INTERPRET_BLOCKS = old
     if dtype is not None:  # reference in fp32 on the same (rounded) inputs
         q, k, v = (t.to(dtype).float() for t in (q, k, v))
-    o_r, g_r = run(attention_torch, q, k, v, dout, **kw)
+    o_r, g_r = run(reference, q, k, v, dout, **kw)
     assert torch.isfinite(o_k).all()
     errs = {"out": rel_err(o_k, o_r)}
     assert errs["out"] <= out_tol, errs
@@ -425,11 +420,11 @@ def test_self_check_passes_on_the_gpu_tiles(monkeypatch, dtype, head_dim, name, 
     """The self-check a GPU run makes before it trusts the kernel (attention.check_kernel), with the
     GPU's own tiles (INTERPRET_BLOCKS = None), so that a CPU test executes each of them."""
     monkeypatch.setattr(ak, "INTERPRET_BLOCKS", None)
-    prior = get_prior(name)
+    family = get_prior(name)
     line = check_kernel(
         impl="triton",
-        prior=prior,
-        trained=prior.trainable,
+        family=family,
+        trained=family.trainable,
         head_dim=head_dim,
         dtype=dtype,
         device=DEVICE,
@@ -441,25 +436,25 @@ def test_self_check_passes_on_the_gpu_tiles(monkeypatch, dtype, head_dim, name, 
     assert f"{ak.check_length(head_dim, dtype)} tokens" in line and ": ok in " in line, line
 
 
-@pytest.mark.parametrize("dtype,misread", [(torch.float32, "table"), (torch.bfloat16, "jtab")])
+@pytest.mark.parametrize("dtype,misread", [(torch.float32, "table"), (torch.bfloat16, "dtable")])
 def test_self_check_catches_a_misread_table(monkeypatch, dtype, misread):
     """A kernel made wrong on purpose, reading its tables one distance off: the prior's (values and
     gradients wrong), or only its derivative tables' (only d theta wrong)."""
     right = ak._prior_tables
 
     def misreading(*args):
-        table, jtab, theta, start = right(*args)
+        table, dtable, theta, table_start = right(*args)
         if misread == "table":
-            return table.roll(1, -1), jtab, theta, start
-        return table, jtab.roll(1, -1), theta, start
+            return table.roll(1, -1), dtable, theta, table_start
+        return table, dtable.roll(1, -1), theta, table_start
 
     monkeypatch.setattr(ak, "_prior_tables", misreading)
-    prior = get_prior("ggd")
+    family = get_prior("ggd")
     with pytest.raises(KernelMismatch, match="disagrees with the reference"):
         check_kernel(
             impl="triton",
-            prior=prior,
-            trained=prior.trainable,
+            family=family,
+            trained=family.trainable,
             head_dim=32,
             dtype=dtype,
             device=DEVICE,
@@ -524,7 +519,7 @@ def test_kernel_rows_without_visible_keys_give_zero():
     assert all(torch.isfinite(t).all() for t in g.values())
     assert torch.equal(g["q"][:, :, [12, 35]], torch.zeros(1, 2, 2, 32))
     # the other rows match the reference (whose rows 12 and 35 are NaN)
-    ref = attention_torch(q, k, v, prior=prior, doc_start=ds, row_scale=rs, scale_prior=True)
+    ref = reference(q, k, v, prior=prior, doc_start=ds, row_scale=rs, scale_prior=True)
     assert torch.isnan(ref[:, :, [12, 35]]).all()
     keep = [i for i in range(40) if i not in (12, 35)]
     assert rel_err(out[:, :, keep], ref[:, :, keep]) < 1e-4
@@ -555,7 +550,7 @@ def test_kernel_skips_tiles_it_must_not_load():
         o_k, g_k = run(functools.partial(attention, impl="triton"), q, k, v, dout, **kw)
     finally:
         ak.INTERPRET_BLOCKS = old
-    o_r, g_r = run(attention_torch, q, k, v, dout, **kw)
+    o_r, g_r = run(reference, q, k, v, dout, **kw)
     assert torch.isfinite(o_k).all() and rel_err(o_k, o_r) < 1e-4
     for name in ("q", "theta_alpha", "theta_beta", "theta_mu", "row_scale"):
         assert torch.isfinite(g_k[name]).all() and rel_err(g_k[name], g_r[name]) < 1e-3, name
@@ -582,12 +577,12 @@ def test_kernel_optional_inputs_and_no_grad_inputs():
     out = attention(q, k, v, prior=prior, row_scale=rs, impl="triton")
     out.square().sum().backward()
     q_ref = q.detach().clone().requires_grad_(True)
-    attention_torch(q_ref, k, v, prior=prior, row_scale=rs).square().sum().backward()
+    reference(q_ref, k, v, prior=prior, row_scale=rs).square().sum().backward()
     assert k.grad is None and v.grad is None and rs.grad is None and prior[0].grad is None
     assert rel_err(q.grad, q_ref.grad) < 1e-4
     with torch.no_grad():
         out = attention(q, k, v, impl="triton")
-    assert rel_err(out, attention_torch(q, k, v)) < 1e-5
+    assert rel_err(out, reference(q, k, v)) < 1e-5
 
 
 def test_kernel_dispatch(monkeypatch):
@@ -851,8 +846,8 @@ def test_kernel_minimal_prior_trains_like_reference(monkeypatch):
                 n_embd=32,
                 block_size=32,
                 prior=MINIMAL.name,
-                attn_impl=impl,
-            )
+            ),
+            attn_impl=impl,
         ).to(DEVICE)
         opt = torch.optim.SGD(net.parameters(), lr=0.5)
         losses = []

@@ -30,10 +30,9 @@ def tiny_gpt(attn_impl):
         pos_encoding="bam",
         ssmax=True,
         train_mu=True,
-        attn_impl=attn_impl,
     )
     torch.manual_seed(0)
-    net = model_mod.GPT(cfg).to(DEVICE)
+    net = model_mod.GPT(cfg, attn_impl=attn_impl).to(DEVICE)
     with torch.no_grad():
         for blk in net.blocks:
             blk.attn.theta_alpha.copy_(torch.tensor([0.3, -0.5]))
@@ -96,7 +95,7 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
     params = tuple(
         torch.tensor(x, device=DEVICE, requires_grad=True) for x in ([1.0, -0.5], [0.0, 1.2])
     )
-    table, jtab, theta, d0 = ak._prior_tables(
+    table, dtable, theta, table_start = ak._prior_tables(
         BoundPrior(get_prior("cauchy"), params),
         H,
         T,
@@ -105,14 +104,14 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
         ak._configs(ak._block_d(D), q.dtype),
         DEVICE,
     )
-    assert jtab.shape == (H, 2, table.shape[1]) and theta.requires_grad
-    rs = (torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE).requires_grad_()
-    fwd_args = (q, k, v, ds, table, jtab, theta, rs, True, 0, 0.25, d0)
+    assert dtable.shape == (H, 2, table.shape[1]) and theta.requires_grad
+    row_scale = (torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE).requires_grad_()
+    fwd_args = (q, k, v, ds, table, dtable, theta, row_scale, True, 0, 0.25, table_start)
     torch.library.opcheck(torch.ops.bam.triton_attention_fwd.default, fwd_args)
     detached = [t.detach() if torch.is_tensor(t) else t for t in fwd_args]
     o, lse = torch.ops.bam.triton_attention_fwd(*detached)
-    q, k, v, ds, table, jtab, theta, rs, *flags = detached
+    q, k, v, ds, table, dtable, theta, row_scale, *flags = detached
     torch.library.opcheck(
         torch.ops.bam.triton_attention_bwd.default,
-        (torch.randn_like(o), q, k, v, o, lse, ds, table, jtab, rs, *flags, True),
+        (torch.randn_like(o), q, k, v, o, lse, ds, table, dtable, row_scale, *flags, True),
     )

@@ -6,13 +6,24 @@ import math
 import pytest
 import torch
 
-from attention import attention, attention_sdpa, attention_torch, dense_attention
+from attention import (
+    AttentionArgs,
+    attention,
+    attention_sdpa,
+    attention_torch,
+    dense_attention,
+)
 from checkpoint import load_model, load_state, save_checkpoint
 from configurator import ConfigError, configure
 from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
+
+
+def resolved(qkv, keywords):
+    """The AttentionArgs that attention() hands its implementations, for q, k, v and keywords."""
+    return AttentionArgs(**keywords).resolve(*qkv[:3])
 
 
 def tiny(pe="bam", ssmax=True, **kw):
@@ -172,9 +183,9 @@ def test_reference_gradients_match_dense_formula_for_every_chunking(scale_prior,
     q, dout = (torch.randn(B, H, Tq, D, generator=gen) for _ in range(2))
     k, v = (torch.randn(B, H, Tk, D, generator=gen) for _ in range(2))
     doc_start = random_doc_start(B, Tk, gen)
-    prior_def = get_prior(prior_name)
-    params = [torch.randn(H, generator=gen) * 0.7 for _ in prior_def.params]
-    names = ["out", "q", "k", "v", *prior_def.params, "row_scale"]
+    family = get_prior(prior_name)
+    params = [torch.randn(H, generator=gen) * 0.7 for _ in family.params]
+    names = ["out", "q", "k", "v", *family.params, "row_scale"]
     for rs_batch in (B, 1):
         row_scale = torch.rand(rs_batch, H, Tq, generator=gen) * 2 - 0.2
         row_scale[:, :, 3] = 0.0
@@ -183,7 +194,7 @@ def test_reference_gradients_match_dense_formula_for_every_chunking(scale_prior,
             leaves = [t.clone().requires_grad_() for t in (q, k, v, *params, row_scale)]
             kw = dict(
                 doc_start=doc_start,
-                prior=BoundPrior(prior_def, tuple(leaves[3:-1])),
+                prior=BoundPrior(family, tuple(leaves[3:-1])),
                 row_scale=leaves[-1],
                 scale_prior=scale_prior,
                 q_offset=6,
@@ -191,7 +202,7 @@ def test_reference_gradients_match_dense_formula_for_every_chunking(scale_prior,
             out = (
                 dense_attention(*leaves[:3], **kw)
                 if chunk == "dense"
-                else attention_torch(*leaves[:3], chunk_size=chunk, **kw)
+                else attention_torch(*leaves[:3], resolved(leaves, kw), chunk_size=chunk)
             )
             results[chunk] = [out] + list(torch.autograd.grad((out * dout).sum(), leaves))
         for chunk, got in results.items():
@@ -214,7 +225,7 @@ def test_reference_in_bfloat16_computes_in_fp32():
     grads = []
     for dtype in (torch.float32, torch.bfloat16):
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        out = attention_torch(*leaves, doc_start=doc_start)
+        out = attention_torch(*leaves, resolved(leaves, dict(doc_start=doc_start)))
         assert out.dtype == dtype
         grads.append([out] + list(torch.autograd.grad(out.float().sum(), leaves)))
     for a, b in zip(*grads):
@@ -243,13 +254,17 @@ def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
         doc_start=doc_start, prior=prior, row_scale=row_scale, scale_prior=scale_prior, q_offset=6
     )
     with torch.no_grad():
-        ref = attention_torch(q, k, v, **kw)
+        ref = attention_torch(q, k, v, resolved((q, k, v), kw))
         for chunk in (Tq, 7, 1):
             torch.testing.assert_close(
-                attention_sdpa(q, k, v, chunk_size=chunk, **kw), ref, atol=1e-5, rtol=1e-4
+                attention_sdpa(q, k, v, resolved((q, k, v), kw), chunk_size=chunk),
+                ref,
+                atol=1e-5,
+                rtol=1e-4,
             )
+        offset_6 = resolved((q, k, v), dict(q_offset=6))
         torch.testing.assert_close(
-            attention_sdpa(q, k, v, q_offset=6), attention_torch(q, k, v, q_offset=6)
+            attention_sdpa(q, k, v, offset_6), attention_torch(q, k, v, offset_6)
         )
         # any registered prior: the mask comes from the prior's own fn
         kw["prior"] = BoundPrior(
@@ -257,8 +272,8 @@ def test_sdpa_path_matches_reference_for_every_chunking(scale_prior):
             (torch.tensor([0.0, 0.5, -1.0, 1.0]), torch.tensor([0.0, 1.0, 2.0, -1.0])),
         )
         torch.testing.assert_close(
-            attention_sdpa(q, k, v, chunk_size=7, **kw),
-            attention_torch(q, k, v, **kw),
+            attention_sdpa(q, k, v, resolved((q, k, v), kw), chunk_size=7),
+            attention_torch(q, k, v, resolved((q, k, v), kw)),
             atol=1e-5,
             rtol=1e-4,
         )
@@ -541,12 +556,14 @@ def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
     idx = torch.randint(0, 257, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0])
-    # how attention is computed is the caller's choice, never the checkpoint's (whatever impl the
-    # run used)
+    # how attention is computed is the caller's choice, never the checkpoint's; checkpoints written
+    # before that was so still load, whatever impl their run used
+    assert "attn_impl" not in ckpt["model_args"]
     ckpt["model_args"]["attn_impl"] = "an impl of another version"
+    ckpt["model_args"]["ssmax_init"] = 0.25
     torch.save(ckpt, path)
-    assert load_model(path, attn_impl="torch")[0].config.attn_impl == "torch"
-    assert load_model(path)[0].config.attn_impl == "auto"
+    assert load_model(path, attn_impl="torch")[0].attn_impl == "torch"
+    assert load_model(path)[0].attn_impl == "auto"
     other = GPT(tiny("rope", False))
     with pytest.raises(ValueError, match="pos_encoding: 'bam' vs 'rope'"):
         load_state(other, ckpt)

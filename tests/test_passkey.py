@@ -445,8 +445,8 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
     assert oracle_forward.samples == 10
 
     # other prompts: refuse to mix them into these results
-    with pytest.raises(eval_common.EvalError, match="seed"):
-        run_main(out, ckpts, *args, "--seed", "7")
+    with pytest.raises(eval_common.EvalError, match="samples"):
+        run_main(out, ckpts, *args, "--samples", "6")
 
 
 def test_seed_table_per_run_then_median_and_minimum(tmp_path):
@@ -539,20 +539,22 @@ def test_attn_impl_is_checked_by_the_kernels_decision_point(tmp_path, ckpts, mon
     )["summary"]
 
 
-def test_same_seed_same_numbers(tmp_path, ckpts):
-    args = ("--lengths", "500", "--samples", "3", "--seed", "11")
+def test_same_seed_same_numbers(tmp_path, ckpts, monkeypatch):
+    args = ("--lengths", "500", "--samples", "3")
     a = run_main(tmp_path / "a", ckpts[:1], *args)
     b = run_main(tmp_path / "b", ckpts[:1], *args)
     assert strip_timing(a["records"]) == strip_timing(b["records"])
     assert strip_timing(a["summary"]) == strip_timing(b["summary"])
-    c = run_main(tmp_path / "c", ckpts[:1], "--lengths", "500", "--samples", "3", "--seed", "12")
+    monkeypatch.setattr(ep, "SEED", ep.SEED + 1)
+    c = run_main(tmp_path / "c", ckpts[:1], *args)
     assert [r["key"] for r in c["records"]] != [r["key"] for r in a["records"]]
 
 
-def test_batched_equals_one_by_one(tmp_path, ckpts):
+def test_batched_equals_one_by_one(tmp_path, ckpts, monkeypatch):
     args = ("--lengths", "600", "--samples", "4")
     batched = run_main(tmp_path / "a", ckpts[:1], *args)
-    single = run_main(tmp_path / "b", ckpts[:1], *args, "--batch_tokens", "1")
+    monkeypatch.setattr(ep, "BATCH_TOKENS", 1)
+    single = run_main(tmp_path / "b", ckpts[:1], *args)
     assert {r["batch"] for r in batched["records"]} == {4} and {
         r["batch"] for r in single["records"]
     } == {1}
@@ -562,10 +564,14 @@ def test_batched_equals_one_by_one(tmp_path, ckpts):
 def test_lengths_that_cannot_run_are_skipped(tmp_path, ckpts, monkeypatch, capsys):
     real = eval_common.memory_shortfall
 
-    def fake_shortfall(model, length, device, fraction=0.9, batch=1, kv_cache=False):
-        return None if length * batch < 1000 else real(model, length, device, fraction=0.0)
+    def fake_shortfall(model, length, device, batch=1):
+        if length * batch < 1000:
+            return None
+        # the real message, as if no memory were free
+        monkeypatch.setattr(eval_common, "MEMORY_FRACTION", 0.0)
+        return real(model, length, device)
 
-    monkeypatch.setattr(eval_common, "memory_shortfall", fake_shortfall)
+    monkeypatch.setattr(ep, "memory_shortfall", fake_shortfall)
     res = run_main(tmp_path / "res", ckpts[:1], "--lengths", "100", "500", "2000", "--samples", "2")
     err = capsys.readouterr().err
     assert "skipping length 100" in err and "shorter than the prompt" in err

@@ -16,6 +16,7 @@ import eval_passkey
 import priors
 from attention import attention, attention_probs, dense_attention, impl_error, pick_impl
 from checkpoint import CheckpointError, load_model, save_checkpoint
+from eval_common import EXPECTED_ERRORS
 from model import GPT, GPTConfig
 from priors import (
     LOG_PRIOR_FLOOR,
@@ -191,7 +192,7 @@ def test_registry_names_and_errors():
         and Prior("x", tanh_prior, ("a",), TANH.init, ()).shape_param == "a"
     )
     triple = tuple(torch.zeros(2) for _ in range(3))
-    assert bind(triple).prior.name == "ggd" and bind(None) is None
+    assert bind(triple).family.name == "ggd" and bind(None) is None
     with pytest.raises(TypeError):
         bind((torch.zeros(2), torch.zeros(2)))
 
@@ -273,8 +274,8 @@ def tiny(**kw):
 
 
 def test_old_checkpoint_without_prior_loads_as_ggd(tmp_path):
-    """Checkpoints written before the registry have no `prior` / `attn_impl`: they are GGD (and
-    ALiBi's slopes were never saved), and load to the same outputs."""
+    """Checkpoints written before the registry have no `prior`: they are GGD (and ALiBi's slopes
+    were never saved), and load to the same outputs."""
     x = torch.randint(0, 257, (1, 12))
     for pos in ("bam", "alibi"):
         torch.manual_seed(0)
@@ -282,10 +283,10 @@ def test_old_checkpoint_without_prior_loads_as_ggd(tmp_path):
         save_checkpoint(str(tmp_path / pos / "ckpt_0000001.pt"), model, step=1)
         path = tmp_path / pos / "ckpt_0000001.pt"
         ckpt = torch.load(path, weights_only=True)
-        del ckpt["model_args"]["prior"], ckpt["model_args"]["attn_impl"]
+        del ckpt["model_args"]["prior"]
         torch.save(ckpt, path)
         loaded, _ = load_model(str(path))
-        assert loaded.config.prior == "ggd" and loaded.config.attn_impl == "auto"
+        assert loaded.config.prior == "ggd" and loaded.attn_impl == "auto"
         with torch.no_grad():
             torch.testing.assert_close(loaded(x)[0], model(x)[0])
     assert set(loaded.state_dict()) == set(ckpt["model"])  # alibi: still nothing positional saved
@@ -294,19 +295,18 @@ def test_old_checkpoint_without_prior_loads_as_ggd(tmp_path):
 
 def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, capsys):
     torch.manual_seed(0)
-    model = GPT(tiny(prior="test_tanh", attn_impl="torch"))
+    model = GPT(tiny(prior="test_tanh"), attn_impl="torch")
     save_checkpoint(str(tmp_path / "run" / "ckpt_0000001.pt"), model, step=1)
     loaded, ckpt = load_model(str(tmp_path / "run"), attn_impl="auto")
-    assert ckpt["model_args"]["prior"] == "test_tanh" and loaded.config.attn_impl == "auto"
-    assert loaded.blocks[1].attn.bound_prior().prior is TANH
+    assert ckpt["model_args"]["prior"] == "test_tanh" and loaded.attn_impl == "auto"
+    assert loaded.blocks[1].attn.bound_prior().family is TANH
     ckpt = torch.load(tmp_path / "run" / "ckpt_0000001.pt", weights_only=True)
     ckpt["model_args"]["prior"] = "my_unregistered_prior"
     torch.save(ckpt, tmp_path / "run" / "ckpt_0000001.pt")
     with pytest.raises(CheckpointError, match="'my_unregistered_prior', which is not registered"):
         load_model(str(tmp_path / "run"))
-    with pytest.raises(
-        eval_passkey.ec.EXPECTED_ERRORS
-    ) as e:  # what the script prints as one line `error: ...`
+    # what the script prints as one line `error: ...`
+    with pytest.raises(EXPECTED_ERRORS) as e:
         eval_passkey.main(
             ["--ckpt", str(tmp_path / "run"), "--template", "demo", "--out", str(tmp_path / "pk")]
         )

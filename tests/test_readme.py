@@ -4,7 +4,7 @@ a script, config, file or make target that exists, and its options parse (argpar
 their build_parser(), train.py through the configurator). The cheap ones, the demo's evaluation
 steps, run as written on tiny stand-in checkpoints (with a model forward that costs nothing);
 commands marked GPU or internet are parsed, never run. Every relative link and image points to a
-file that exists."""
+file that exists, and no line of a README's prose is over 120 characters."""
 
 import importlib
 import importlib.util
@@ -199,6 +199,23 @@ def test_links_point_to_files(path):
         if not re.match(r"[a-z]+:", t) and not os.path.exists(os.path.join(ROOT, here, t))
     ]
     assert not missing, f"{path} links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", [p for p in markdown_files() if p.endswith("README.md")])
+def test_prose_lines_fit(path):
+    """No line of a README's prose is over 120 characters (code blocks aside, and tables but
+    README.md's; the other markdown files are tables that the evaluations write)."""
+    long_lines = []
+    in_code = False
+    for n, line in enumerate(open(os.path.join(ROOT, path), encoding="utf-8"), 1):
+        line = line.rstrip("\n")
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        is_table = line.lstrip().startswith("|")
+        if not in_code and len(line) > 120 and (path == "README.md" or not is_table):
+            long_lines.append(f"{path}:{n}: {len(line)} characters")
+    assert not long_lines, "lines over 120 characters: " + ", ".join(long_lines)
 
 
 def test_code_cites_readme_sections_that_exist():

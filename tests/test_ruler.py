@@ -71,7 +71,7 @@ _SENTS = [
 ESSAY_TEXT = "\n\n".join(" ".join(random.Random(i).sample(_SENTS, 7)) for i in range(60))
 ESSAY = R.Essay(ESSAY_TEXT, "essay:test")
 NUM = re.compile(r"^\d{7}$")
-WORDS = R.words()
+ADJS, NOUNS = R.word_lists()
 UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
@@ -81,7 +81,8 @@ def check_type(value, kind):
     elif kind == "uuids":
         assert UUID4.match(value) and str(uuid.UUID(value)) == value, value
     else:
-        assert value in WORDS, value
+        hyphens = [i for i, c in enumerate(value) if c == "-"]
+        assert any(value[:i] in ADJS and value[i + 1 :] in NOUNS for i in hyphens), value
 
 
 def context_of(sample, cfg):
@@ -245,9 +246,7 @@ def test_essay_context_with_empty_sentence_runs():
 def test_keys_are_distinct_and_distractors_avoid_them(monkeypatch):
     """With a small word list a distractor could repeat the queried key; keys are redrawn until they
     differ."""
-    monkeypatch.setattr(
-        R, "words", lambda: ["red-fox", "tall-tree", "cold-lake", "odd-cat", "big-owl"]
-    )
+    monkeypatch.setattr(R, "word_lists", lambda: (["big", "cold", "odd", "red", "tall"], ["owl"]))
     for seed in range(5):
         s = R.build_input("niah_multikey_2", 60, random.Random(seed))
         lines = s["input_text"].split("\n")[1:-1]
@@ -258,38 +257,35 @@ def test_keys_are_distinct_and_distractors_avoid_them(monkeypatch):
         assert len(set(s["keys"])) == 4
 
 
-def test_key_list_is_rulers_sorted_set_of_pairs():
-    """PairList indexes sorted(set(f"{a}-{n}")) without building it, also when one adjective + "-"
-    starts another ("blue", "blue-eyed"), when keys coincide ("blue" + "eyed-cat" = "blue-eyed" +
-    "cat") and with duplicate, spaced or hyphenated words, as in wonderwords' lists."""
-    adjs = [
-        "blue",
-        "red",
-        "blue-eyed",
-        "ad hoc",
-        "a",
-        "blue",
-        "x-rated",
-        "blue-eyed-ish",
-        "bluer",
-        "a-b",
-    ]
-    nouns = ["cat", "eyed-cat", "b c", "arm-rest", "ATM", "zoo", "ish-dog", "b"]
-    pairs = R.PairList(adjs, nouns)
-    ref = sorted({f"{a}-{n}" for a in adjs for n in nouns})
-    assert len(pairs) == len(ref) and list(pairs) == ref
-    assert all(k in pairs for k in ref) and "blue-dog" not in pairs and "zzz" not in pairs
-    # the same draws as RULER's list
-    assert random.Random(3).choice(pairs) == random.Random(3).choice(ref)
-    adjs, nouns = R.wonderwords_lists()
-    assert (len(adjs), len(set(adjs)), len(nouns), len(WORDS)) == (912, 910, 6782, 910 * 6782)
+def test_word_keys_are_an_adjective_then_a_noun():
+    """A word key is drawn as an adjective, then a noun, from wonderwords' lists sorted and without
+    repeats (912 adjectives, 2 of them twice), so every key of RULER's list is equally likely."""
+    from wonderwords import random_word
+
+    raw_adjs = random_word._get_words_from_text_file("adjectivelist.txt")
+    raw_nouns = random_word._get_words_from_text_file("nounlist.txt")
+    assert (len(raw_adjs), len(raw_nouns)) == (912, 6782)
+    assert (ADJS, NOUNS) == (sorted(set(raw_adjs)), sorted(set(raw_nouns)))
+    rng = random.Random(3)
+    expected = f"{rng.choice(ADJS)}-{rng.choice(NOUNS)}"
+    assert R.random_value("words", random.Random(3)) == expected
+    keys = [R.random_value("words", random.Random(i)) for i in range(200)]
+    assert len(set(keys)) > 190
+    for key in keys:
+        check_type(key, "words")
 
 
 @pytest.mark.slow
-def test_key_list_equals_rulers_on_the_real_lists():
-    adjs, nouns = R.wonderwords_lists()
-    ref = sorted(list(set([f"{adj}-{noun}" for adj in adjs for noun in nouns])))  # RULER's niah.py
-    assert len(ref) == len(WORDS) and all(WORDS[i] == w for i, w in enumerate(ref))
+def test_word_keys_are_rulers_keys_each_once():
+    """Every adjective-noun pair is a distinct key, and together they are RULER's list."""
+    from wonderwords import random_word
+
+    adjs = random_word._get_words_from_text_file("adjectivelist.txt")
+    nouns = random_word._get_words_from_text_file("nounlist.txt")
+    # RULER's niah.py
+    ref = sorted(list(set([f"{adj}-{noun}" for adj in adjs for noun in nouns])))
+    pairs = sorted(f"{adj}-{noun}" for adj in ADJS for noun in NOUNS)
+    assert len(ref) == len(ADJS) * len(NOUNS) == 6_171_620 and pairs == ref
 
 
 def test_paper_preset(tmp_path):
@@ -307,11 +303,7 @@ def test_paper_preset(tmp_path):
     )
     assert "download_paulgraham_essay.py" in r.stderr and "--haystack_file" in r.stderr
     args = R.parse_args(["--ckpt", "x", "--preset", "paper", "--haystack_file", "pg.json"])
-    assert (
-        args.no_newline_stop
-        and args.samples == 500
-        and args.lengths == [4096, 8192, 16384, 32768, 65536, 131072]
-    )
+    assert args.samples == 500 and args.lengths == [4096, 8192, 16384, 32768, 65536, 131072]
     # no essay task
     args = R.parse_args(["--ckpt", "x", "--preset", "paper", "--tasks", "niah_single_1"])
     assert args.lengths[-1] == 131072
@@ -378,16 +370,25 @@ def test_sentence_splitter():
         'Mr. Brown met Dr. Grey in the U.S. yesterday. It rained!  Did it?\n"Yes." Wait... '
         "and then nothing... Then it stopped. prices rose 3.5 percent. (See Fig. 2.) The end"
     )
+    # initials ("U.S.") hold a sentence together; an abbreviation ("Mr.", "Fig.") ends one, where
+    # punkt would read on
     assert split_sentences(text) == [
-        "Mr. Brown met Dr. Grey in the U.S. yesterday.",
+        "Mr.",
+        "Brown met Dr.",
+        "Grey in the U.S. yesterday.",
         "It rained!",
         "Did it?",
         '"Yes."',
         "Wait... and then nothing...",
         "Then it stopped.",
         "prices rose 3.5 percent.",
-        "(See Fig. 2.)",
+        "(See Fig.",
+        "2.)",
         "The end",
+    ]
+    assert split_sentences("J. R. R. Tolkien wrote it, e.g. here. Next") == [
+        "J. R. R. Tolkien wrote it, e.g. here.",
+        "Next",
     ]
     assert split_sentences("") == [] and split_sentences("   no period here ") == ["no period here"]
 
@@ -515,7 +516,7 @@ def test_end_to_end(tmp_path):
     R.main(argv)
     assert len(open(out / "ruler_samples.jsonl").readlines()) == len(recs)
     with pytest.raises(EvalError, match="other settings"):
-        R.main(argv + ["--seed", "7"])
+        R.main(argv + ["--preset", "paper"])
 
 
 def check_summary(out, rows, recs):
@@ -590,3 +591,8 @@ def test_scores_with_an_oracle_model(tmp_path, monkeypatch):
     assert scores["average"] == round((6 * 100 + 25 + 25) / 8, 2)
     recs = [json.loads(line) for line in open(tmp_path / "first" / "ruler_samples.jsonl")]
     assert all(r["stop"] == "newline" and "0000000" not in r["output"] for r in recs)
+
+    # --preset paper reads on past the newline, as RULER does
+    rows = R.main(base + ["--preset", "paper", "--out", str(tmp_path / "paper")])
+    recs = [json.loads(line) for line in open(tmp_path / "paper" / "ruler_samples.jsonl")]
+    assert all(r["stop_rule"] == "eot" and "0000000" in r["output"] for r in recs)

@@ -1,6 +1,6 @@
 """The repo speaks of what it is, not of how it was made: its markdown, its Python outside tests/
 (comments, docstrings, messages and names), its scripts and its committed results hold none of the
-wording below; and the README stays short enough to read (<= 20,000 bytes)."""
+wording below."""
 
 import os
 import re
@@ -9,7 +9,6 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README_MAX_BYTES = 22_000
 
 # (pattern, why it does not belong). Case-insensitive unless the pattern says (?-i:...).
 WORDING = [
@@ -93,13 +92,6 @@ def test_no_wording_of_how_the_repo_was_made(path):
 def test_the_files_are_found():
     assert "README.md" in FILES and any(f.endswith(".py") for f in FILES)
     assert not [f for f in FILES if f.startswith("tests/") and f.endswith(".py")]
-
-
-def test_readme_size():
-    size = os.path.getsize(os.path.join(ROOT, "README.md"))
-    assert size <= README_MAX_BYTES, (
-        f"README.md is {size:,} bytes; move detail beside the code it describes"
-    )
 
 
 @pytest.mark.parametrize(
