@@ -21,12 +21,13 @@ $(STAMP): requirements.txt
 deps: $(STAMP)
 
 # the formatter and the linter first (pyproject.toml's settings), so that CI keeps the layout; then
-# the tests in TEST_JOBS processes (pytest-xdist), one a core
+# the tests in TEST_JOBS processes (pytest-xdist), one a core; an idle process takes tests queued
+# for a busy one (worksteal), so that a few long tests do not leave a core waiting at the end
 TEST_JOBS ?= 2
 test: deps
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q -n $(TEST_JOBS) -m "not slow" tests/
+	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist worksteal -m "not slow" tests/
 
 test-all: deps
 	$(PYTHON) -m pytest -q -n $(TEST_JOBS) tests/

@@ -11,6 +11,7 @@ from dataclasses import asdict, fields
 
 import torch
 
+from data import atomic_file, disk_full, free_bytes
 from model import GPT, GPTConfig
 from priors import PRIORS
 
@@ -23,8 +24,8 @@ RETIRED_KEYS = ("attn_impl", "ssmax_init")
 
 
 class CheckpointError(RuntimeError):
-    """A file that is not a readable bam-gpt checkpoint, or one that does not fit the model asked
-    for."""
+    """A file that is not a readable bam-gpt checkpoint, one that does not fit the model asked for,
+    or a checkpoint that could not be written."""
 
 
 def unwrap(model):
@@ -35,15 +36,37 @@ def unwrap(model):
 
 
 def save_checkpoint(path, model, **extra):
-    """Atomic: write to a temporary file in the same directory, then rename over the target, so that
-    a crash mid-write never leaves a truncated checkpoint under the real name."""
+    """Write a checkpoint with atomic_file: a crash or a full disk mid-write never leaves a
+    truncated checkpoint under the real name, nor a temporary file. CheckpointError says why a
+    write failed."""
     raw_model = unwrap(model)  # saved keys carry no "_orig_mod." / "module." prefixes
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    tmp = f"{path}.tmp.{os.getpid()}"
     state = {"model_args": asdict(raw_model.config), "model": raw_model.state_dict(), **extra}
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with atomic_file(path) as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as e:
+        failure = os_error_in(e)
+        if failure is None:
+            raise
+        raise CheckpointError(write_error(path, failure)) from e
+
+
+def os_error_in(error):
+    """The OSError behind an exception, if any: torch's zip writer reports a failed write (a full
+    disk) as a RuntimeError whose context is the OSError."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def write_error(path, error):
+    """What an OSError from writing path means, in words: a full disk says so, with what is free."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if disk_full(error):
+        return f"no space left for the checkpoint in {folder} ({free_bytes(folder):,} bytes free)"
+    return f"could not write the checkpoint {path}: {error.strerror or error}"
 
 
 def checkpoint_name(step):

@@ -1,24 +1,37 @@
 """
 What every evaluation (eval_passkey.py, eval_ruler.py, eval_ppl.py, inspect_attention.py) shares:
-command-line options, device and precision, loading checkpoints with their tokenizer, a memory check
-before long contexts, resumable per-sample JSONL, summary JSON/CSV, and the figures.
+command-line options, the output folder held for one evaluation at a time, device and precision,
+loading checkpoints with their tokenizer, a memory check before long contexts, resumable per-sample
+JSONL, summary JSON/CSV, and the figures.
 """
 
+import contextlib
 import csv
 import ctypes
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
+import shlex
+import socket
 import statistics
 import sys
+import time
 
 import torch
 
 from attention import IMPLS, KernelMismatch, impl_error
 from checkpoint import CheckpointError, load_model
-from data import DataError, get_tokenizer
+from data import (
+    DataError,
+    atomic_file,
+    disk_full,
+    get_tokenizer,
+    no_space_left,
+    remove_stale_temporaries,
+)
 from hardware import native_bf16, resolve_device
 
 
@@ -47,12 +60,67 @@ def mmap_large_allocations():
 
 def run_script(main, script):
     """An evaluation's entry point: large allocations mmapped (mmap_large_allocations), and an
-    expected failure ends in one line and exit status 1, no traceback."""
+    expected failure or a full disk ends in one line and exit status 1, no traceback."""
     mmap_large_allocations()
     try:
         main()
     except EXPECTED_ERRORS as e:
         sys.exit(f"{script}: error: {e}")
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        sys.exit(f"{script}: error: {full_disk_line(e)}")
+
+
+def full_disk_line(error):
+    """What an evaluation says when its disk fills: nothing written is partial (atomic_file; a cut
+    JSONL line is dropped), so a rerun resumes."""
+    return f"{no_space_left(error)}; free some and run it again: it resumes where it stopped"
+
+
+# ---- the output folder ---------------------------------------------------------------------------
+# Held (flock) by the evaluation writing the folder; it holds "pid N on HOST: command line". The
+# file stays: removing a lock file races with the next evaluation taking it.
+LOCK_NAME = ".eval.lock"
+
+
+@contextlib.contextmanager
+def claim_out(out):
+    """Hold the output folder for one evaluation. A second evaluation into it refuses (EvalError,
+    naming the holder): two writers would each rewrite the summary from their own checkpoints'
+    rows, and one's would be lost. Temporary files of dead writers are removed first."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, LOCK_NAME), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EvalError(
+                f"{out} is in use by another evaluation ({lock_holder(lock)}); wait for it to "
+                "end, or give this one another --out"
+            ) from None
+
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}: {shlex.join(sys.argv)}")
+        lock.flush()
+        for name in remove_stale_temporaries(out):
+            print(f"removed {name}, left in {out} by a writer that has ended", file=sys.stderr)
+
+        try:
+            yield
+        finally:
+            # the next holder writes its own line; until then, none
+            lock.truncate(0)
+
+
+def lock_holder(lock):
+    """The holder's line in a held lock file; it writes it just after taking the lock."""
+    for _ in range(20):
+        lock.seek(0)
+        holder = lock.read().strip()
+        if holder:
+            return holder
+        time.sleep(0.05)
+    return "a process that has not written its pid yet"
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -304,10 +372,8 @@ class ResultLog:
             self.drop_stale(runs)
 
     def _rewrite(self, lines):
-        tmp = f"{self.path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
+        with atomic_file(self.path, "w") as f:
             f.writelines(lines)
-        os.replace(tmp, self.path)
 
     def drop_stale(self, runs):
         """Remove (with a note) the records of a path that now holds another checkpoint: it is
@@ -339,8 +405,18 @@ class ResultLog:
         return tuple(record[k] for k in self.key_fields)
 
     def add(self, record):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            # A rerun would drop a cut line (read_whole_lines); cut it now, so that the file only
+            # ever holds whole records.
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, size)
+            e.filename = e.filename or self.path
+            raise
+
         self.records.append(record)
         self.done.add(self.key(record))
 
@@ -349,13 +425,13 @@ def write_table(rows, path_prefix):
     """Write a list of flat dicts as <prefix>.json and <prefix>.csv (a list in a CSV cell is written
     as JSON)."""
     os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
-    with open(path_prefix + ".json", "w") as f:
+    with atomic_file(path_prefix + ".json", "w") as f:
         json.dump(rows, f, indent=1)
     if not rows:
         return
 
     fieldnames = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path_prefix + ".csv", "w", newline="") as f:
+    with atomic_file(path_prefix + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         for r in rows:
@@ -387,7 +463,7 @@ def check_settings(jsonl_path, settings):
         return
 
     os.makedirs(os.path.dirname(os.path.abspath(side)), exist_ok=True)
-    with open(side, "w") as f:
+    with atomic_file(side, "w") as f:
         json.dump(settings, f, indent=1)
 
 
@@ -406,6 +482,15 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path, **savefig_args):
+    """fig.savefig through atomic_file (the format from path's extension), then close it."""
+    try:
+        with atomic_file(path) as f:
+            fig.savefig(f, format=os.path.splitext(path)[1][1:] or None, **savefig_args)
+    finally:
+        _plt().close(fig)
 
 
 # a line style and marker per seed
@@ -475,7 +560,7 @@ def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
         plot_seed_table(by_run, path_prefix + ".png", **figure)
 
     text = markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\n{caption}\n"
-    with open(path_prefix + ".md", "w") as f:
+    with atomic_file(path_prefix + ".md", "w") as f:
         f.write(text)
     return text
 
@@ -508,8 +593,7 @@ def plot_seed_table(by_run, path, ylabel, title, logy=False):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
 def curve_styles(names):
@@ -557,8 +641,7 @@ def plot_curves(series, train_lengths, path, xlabel, ylabel, title, logy=False, 
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
 
 
 def plot_heatmap(matrix, row_labels, col_labels, path, title, xlabel, ylabel, train_col=None):
@@ -579,8 +662,7 @@ def plot_heatmap(matrix, row_labels, col_labels, path, title, xlabel, ylabel, tr
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def fmt_bytes(n):

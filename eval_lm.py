@@ -23,10 +23,11 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 from tqdm import tqdm
 
-from data import get_tokenizer
+from data import atomic_file, get_tokenizer
 from eval_common import (
     EvalError,
     checkpoint_fields,
+    claim_out,
     load_runs,
     markdown_table,
     model_device,
@@ -351,11 +352,9 @@ def markdown_summary(rows):
 
 
 def write_json(obj, path):
-    """Atomic, so that an interrupted run never leaves half a results file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
+    """With atomic_file, so that an interrupted run never leaves half a results file."""
+    with atomic_file(path, "w") as f:
         json.dump(obj, f, indent=1, default=handle_non_serializable)
-    os.replace(tmp, path)
 
 
 def evaluate(run, args, tm, device):
@@ -387,22 +386,22 @@ def main(argv=None):
     tm = task_manager(args.include_path, args.tasks)
     device = pick_device("auto")
     runs, _ = load_runs(args.ckpt, device)
-    os.makedirs(args.out, exist_ok=True)
 
-    rows = []
-    for run in runs:
-        rows += evaluate(run, args, tm, device)
+    with claim_out(args.out):
+        rows = []
+        for run in runs:
+            rows += evaluate(run, args, tm, device)
 
-    prefix = os.path.join(args.out, "lm_eval_summary")
-    write_table(rows, prefix)
-    table = markdown_summary(rows)
-    with open(prefix + ".md", "w") as f:
-        f.write(table + "\n")
+        prefix = os.path.join(args.out, "lm_eval_summary")
+        write_table(rows, prefix)
+        table = markdown_summary(rows)
+        with atomic_file(prefix + ".md", "w") as f:
+            f.write(table + "\n")
 
-    print(table)
-    written = ", ".join(os.path.join(args.out, run["label"] + ".json") for run in runs)
-    print(f"wrote {written}, {prefix}.csv, {prefix}.md")
-    return rows
+        print(table)
+        written = ", ".join(os.path.join(args.out, run["label"] + ".json") for run in runs)
+        print(f"wrote {written}, {prefix}.csv, {prefix}.md")
+        return rows
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from data import atomic_file
 from eval_common import (
     EvalError,
     ResultLog,
     add_common_args,
     check_settings,
     checkpoint_fields,
+    claim_out,
     geometric_lengths,
     load_runs,
     markdown_table,
@@ -495,36 +497,40 @@ def main(argv=None):
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
     lengths = choose_lengths(args, preset, runs)
 
-    # Prompts depend only on (seed, length, template, samples), so a rerun with the same settings
-    # resumes the JSONL; one with other settings is refused, and a checkpoint whose weights
-    # changed is evaluated again.
-    jsonl = os.path.join(args.out, "passkey_samples.jsonl")
-    settings = dict(
-        seed=SEED,
-        template=args.template,
-        template_hash=template_hash(template),
-        samples=samples,
-        depths="equidistant",
-        tokenizer=runs[0]["tokenizer"],
-        dtype=dtype,
-    )
-    check_settings(jsonl, settings)
-    log = ResultLog(jsonl, KEY_FIELDS, runs)
+    with claim_out(args.out):
+        # Prompts depend only on (seed, length, template, samples), so a rerun with the same
+        # settings resumes the JSONL; one with other settings is refused, and a checkpoint whose
+        # weights changed is evaluated again.
+        jsonl = os.path.join(args.out, "passkey_samples.jsonl")
+        settings = dict(
+            seed=SEED,
+            template=args.template,
+            template_hash=template_hash(template),
+            samples=samples,
+            depths="equidistant",
+            tokenizer=runs[0]["tokenizer"],
+            dtype=dtype,
+        )
+        check_settings(jsonl, settings)
+        log = ResultLog(jsonl, KEY_FIELDS, runs)
 
-    skipped = plan(runs, enc, template, lengths, device)
-    for s in skipped:
-        print(
-            f"skipping length {s['target_length']} for {s['label']}: {s['reason']}", file=sys.stderr
+        skipped = plan(runs, enc, template, lengths, device)
+        for s in skipped:
+            print(
+                f"skipping length {s['target_length']} for {s['label']}: {s['reason']}",
+                file=sys.stderr,
+            )
+
+        progress = not args.no_progress
+        scored = evaluate(
+            runs, enc, lengths, template, samples, device, dtype, log, skipped, progress
         )
 
-    progress = not args.no_progress
-    scored = evaluate(runs, enc, lengths, template, samples, device, dtype, log, skipped, progress)
-
-    summary, by_depth = summarize(log.records, runs, lengths, enc, skipped)
-    meta = dict(settings=settings, lengths=lengths, skipped=skipped, scored_this_call=scored)
-    meta = write_outputs(args.out, summary, by_depth, runs, meta, device, t_start)
-    table = report(summary, runs, lengths, template, scored, meta, args.out)
-    return dict(summary=summary, by_depth=by_depth, meta=meta, records=log.records, table=table)
+        summary, by_depth = summarize(log.records, runs, lengths, enc, skipped)
+        meta = dict(settings=settings, lengths=lengths, skipped=skipped, scored_this_call=scored)
+        meta = write_outputs(args.out, summary, by_depth, runs, meta, device, t_start)
+        table = report(summary, runs, lengths, template, scored, meta, args.out)
+        return dict(summary=summary, by_depth=by_depth, meta=meta, records=log.records, table=table)
 
 
 def write_outputs(out, summary, by_depth, runs, meta, device, t_start):
@@ -555,7 +561,7 @@ def write_outputs(out, summary, by_depth, runs, meta, device, t_start):
         figures=[os.path.basename(p) for p in figures],
     )
 
-    with open(os.path.join(out, "passkey_meta.json"), "w") as f:
+    with atomic_file(os.path.join(out, "passkey_meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return meta
 

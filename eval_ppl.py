@@ -25,6 +25,7 @@ from eval_common import (
     ResultLog,
     add_common_args,
     checkpoint_fields,
+    claim_out,
     load_runs,
     markdown_table,
     memory_shortfall,
@@ -422,23 +423,24 @@ def main(argv=None):
         f"{args.window} tokens; device {device}, {dtype}"
     )
 
-    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS, runs)
-    rows = []
-    for run in runs:
-        rows += evaluate(args, run, seqs, data_desc, dtype, device, log)
+    with claim_out(args.out):
+        log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS, runs)
+        rows = []
+        for run in runs:
+            rows += evaluate(args, run, seqs, data_desc, dtype, device, log)
 
-    prefix = os.path.join(args.out, "ppl_summary")
-    write_table(rows, prefix)
-    table = ppl_seed_table(rows, args, data_desc, len(seqs))
-    if table:
-        print(table)
+        prefix = os.path.join(args.out, "ppl_summary")
+        write_table(rows, prefix)
+        table = ppl_seed_table(rows, args, data_desc, len(seqs))
+        if table:
+            print(table)
 
-    figure = report(args, runs, rows, data_desc, len(seqs))
-    if figure:
-        print(f"wrote {prefix}.json, {prefix}.csv, {figure}")
-    else:
-        print(f"wrote {prefix}.json, {prefix}.csv (no figure: nothing was evaluated)")
-    return rows
+        figure = report(args, runs, rows, data_desc, len(seqs))
+        if figure:
+            print(f"wrote {prefix}.json, {prefix}.csv, {figure}")
+        else:
+            print(f"wrote {prefix}.json, {prefix}.csv (no figure: nothing was evaluated)")
+        return rows
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from eval_common import (
     ResultLog,
     add_common_args,
     check_settings,
+    claim_out,
     geometric_lengths,
     load_runs,
     memory_shortfall,
@@ -674,46 +675,47 @@ def main(argv=None):
     lengths = args.lengths or geometric_lengths(shortest_training, MAX_LENGTH)
     essay = essay_haystack(args, runs, lengths)
 
-    # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""), and so does
-    # --preset paper; by default generation also stops at a newline (the answer is one line: it
-    # saves most of the 128 steps), where RULER reads on.
-    stop_rule = "eot" if args.preset == "paper" else "eot_or_newline"
-    newline_ids = None if args.preset == "paper" else newline_tokens(enc)
-    jsonl = os.path.join(args.out, "ruler_samples.jsonl")
-    settings = dict(
-        seed=SEED,
-        stop_rule=stop_rule,
-        dtype=dtype,
-        tokenizer=runs[0]["tokenizer"],
-        tokens_to_generate=TOKENS_TO_GENERATE,
-        words=words_digest(),
-    )
-    check_settings(jsonl, settings)
-    log = ResultLog(jsonl, KEY_FIELDS, runs)
+    with claim_out(args.out):
+        # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""), and so
+        # does --preset paper; by default generation also stops at a newline (the answer is one
+        # line: it saves most of the 128 steps), where RULER reads on.
+        stop_rule = "eot" if args.preset == "paper" else "eot_or_newline"
+        newline_ids = None if args.preset == "paper" else newline_tokens(enc)
+        jsonl = os.path.join(args.out, "ruler_samples.jsonl")
+        settings = dict(
+            seed=SEED,
+            stop_rule=stop_rule,
+            dtype=dtype,
+            tokenizer=runs[0]["tokenizer"],
+            tokens_to_generate=TOKENS_TO_GENERATE,
+            words=words_digest(),
+        )
+        check_settings(jsonl, settings)
+        log = ResultLog(jsonl, KEY_FIELDS, runs)
 
-    skipped = memory_skips(runs, lengths, device)
-    for task in args.tasks:
-        for L in lengths:
-            active = [r for r in runs if (r["label"], None, L) not in skipped]
-            why = evaluate(
-                task, L, active, enc, essay, args.samples, log, device, dtype, newline_ids
-            )
-            if why:
-                skipped[(None, task, L)] = why
-                print(f"{task} @ {L}: {why}")
+        skipped = memory_skips(runs, lengths, device)
+        for task in args.tasks:
+            for L in lengths:
+                active = [r for r in runs if (r["label"], None, L) not in skipped]
+                why = evaluate(
+                    task, L, active, enc, essay, args.samples, log, device, dtype, newline_ids
+                )
+                if why:
+                    skipped[(None, task, L)] = why
+                    print(f"{task} @ {L}: {why}")
 
-    records = records_asked_for(log, args, runs, lengths, essay)
-    rows = summarize(records, runs, args.tasks, lengths, args.samples, skipped)
-    summary_prefix = os.path.join(args.out, "ruler_summary")
-    figure = os.path.join(args.out, "ruler_scores.png")
-    write_table(rows, summary_prefix)
-    plot_scores(rows, runs, figure)
-    print_table(rows, runs, args.tasks, lengths)
-    print(
-        f"\nwrote {log.path}, {summary_prefix}.{{json,csv}} and {figure} "
-        f"in {time.time() - t_start:.1f}s"
-    )
-    return rows
+        records = records_asked_for(log, args, runs, lengths, essay)
+        rows = summarize(records, runs, args.tasks, lengths, args.samples, skipped)
+        summary_prefix = os.path.join(args.out, "ruler_summary")
+        figure = os.path.join(args.out, "ruler_scores.png")
+        write_table(rows, summary_prefix)
+        plot_scores(rows, runs, figure)
+        print_table(rows, runs, args.tasks, lengths)
+        print(
+            f"\nwrote {log.path}, {summary_prefix}.{{json,csv}} and {figure} "
+            f"in {time.time() - t_start:.1f}s"
+        )
+        return rows
 
 
 def evaluate(task, L, runs, enc, essay, samples, log, device, dtype, newline_ids):

@@ -22,16 +22,20 @@ import torch
 from tqdm import tqdm
 
 from attention import attention_probs
+from data import atomic_file, disk_full
 from eval_common import (
     EXPECTED_ERRORS,
     _plt,
     add_common_args,
+    claim_out,
+    full_disk_line,
     load_runs,
     memory_shortfall,
     mmap_large_allocations,
     pick_device,
     plot_curves,
     resolve_dtype,
+    save_figure,
     write_table,
 )
 from eval_passkey import DEFAULT_SAMPLES, SEED
@@ -320,8 +324,7 @@ def plot_heads(rows, runs, length, path):
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def draw_heads(plt, ax, cell, n_layer, n_head):
@@ -456,24 +459,25 @@ def run(args):
     lengths = check_lengths(args, runs, enc, template, device)
     length = lengths[-1]
 
-    rows, accuracy = inspect_all(runs, enc, template, lengths, args, device, dtype)
-    summary = summarize(rows, accuracy, runs, lengths, length)
+    with claim_out(args.out):
+        rows, accuracy = inspect_all(runs, enc, template, lengths, args, device, dtype)
+        summary = summarize(rows, accuracy, runs, lengths, length)
 
-    settings = dict(
-        template=args.template,
-        template_hash=template_hash(template),
-        seed=SEED,
-        samples=args.samples,
-        digit=args.digit,
-        depths="equidistant",
-        length=length,
-        lengths=lengths,
-        dtype=dtype,
-        device=str(device),
-        tokenizer=runs[0]["tokenizer"],
-    )
-    write_outputs(args, rows, summary, runs, settings, t0)
-    return rows, summary
+        settings = dict(
+            template=args.template,
+            template_hash=template_hash(template),
+            seed=SEED,
+            samples=args.samples,
+            digit=args.digit,
+            depths="equidistant",
+            length=length,
+            lengths=lengths,
+            dtype=dtype,
+            device=str(device),
+            tokenizer=runs[0]["tokenizer"],
+        )
+        write_outputs(args, rows, summary, runs, settings, t0)
+        return rows, summary
 
 
 def write_outputs(args, rows, summary, runs, settings, t0):
@@ -493,7 +497,7 @@ def write_outputs(args, rows, summary, runs, settings, t0):
         wall_seconds=round(time.perf_counter() - t0, 2),
         figures=[os.path.basename(p) for p in figures],
     )
-    with open(os.path.join(args.out, "attention_summary.json"), "w") as f:
+    with atomic_file(os.path.join(args.out, "attention_summary.json"), "w") as f:
         json.dump(written, f, indent=1)
 
 
@@ -524,7 +528,8 @@ def main(argv=None):
     try:
         rows, summary = run(args)
     except (*EXPECTED_ERRORS, ValueError, RuntimeError, OSError) as e:
-        sys.exit(f"inspect_attention.py: error: {e}")
+        line = full_disk_line(e) if disk_full(e) else e
+        sys.exit(f"inspect_attention.py: error: {line}")
 
     report(summary)
     print(

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_model
-from eval_common import _plt, run_script
+from data import atomic_file
+from eval_common import _plt, run_script, save_figure
 
 # the curves reach this multiple of the training length
 MAX_DISTANCE_MULTIPLE = 64
@@ -132,8 +133,7 @@ def plot(layers, dist, block_size, prior, title, path):
     axes[0][0].set_ylabel("log-prior B(d) added to the logits (symlog)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
 
 
 def build_parser():
@@ -192,7 +192,7 @@ def main(argv=None):
         layers=layers,
     )
     json_path = os.path.splitext(out)[0] + ".json"
-    with open(json_path, "w") as f:
+    with atomic_file(json_path, "w") as f:
         json.dump(numbers, f, indent=1)
 
     scalar = all(isinstance(h.get(prior.shape_param), float) for h in layers[0]["heads"])

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 import passkey
-from data import EOT, get_tokenizer, shard_name, write_shard
+from data import EOT, atomic_file, get_tokenizer, shard_name, write_shard
 
 TOKENIZER = "byte"
 TEMPLATE = "demo"
@@ -243,7 +243,7 @@ def main(argv=None):
         successor_p=SUCCESSOR_P,
         splits=written,
     )
-    with open(os.path.join(args.out_dir, "demo_meta.json"), "w") as f:
+    with atomic_file(os.path.join(args.out_dir, "demo_meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
     for split, shard in written.items():

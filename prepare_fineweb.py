@@ -39,8 +39,12 @@ from data import (
     VAL_TOKENS,
     VOCAB_SIZE,
     DataError,
+    atomic_file,
+    disk_full,
     get_tokenizer,
+    no_space_left,
     open_shard,
+    remove_stale_temporaries,
     shard_name,
     write_shard,
 )
@@ -195,9 +199,8 @@ def planned_size(args, index):
 
 
 def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
+    with atomic_file(path, "w") as f:
         json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def reusable_shards(args, settings, meta_path):
@@ -388,13 +391,11 @@ def settings_of(args):
 
 
 def remove_leftovers(args, shards):
-    """An interrupted write's temporary files, and shards of a longer earlier preparation."""
+    """Shards of a longer earlier preparation (main removes dead writers' temporary files first)."""
     ours = {s["file"] for s in shards}
 
     for name in os.listdir(args.out_dir):
-        if not name.startswith(args.prefix + "_"):
-            continue
-        if name.endswith(".bin.tmp") or (SHARD_RE.match(name) and name not in ours):
+        if name.startswith(args.prefix + "_") and SHARD_RE.match(name) and name not in ours:
             os.remove(os.path.join(args.out_dir, name))
 
 
@@ -435,6 +436,9 @@ def main(argv=None):
     get_tokenizer(args.tokenizer)
 
     os.makedirs(args.out_dir, exist_ok=True)
+    for name in remove_stale_temporaries(args.out_dir):
+        print(f"removed {name}, left in {args.out_dir} by a writer that has ended")
+
     settings = settings_of(args)
     meta_path = os.path.join(args.out_dir, "meta.json")
 
@@ -489,9 +493,23 @@ def main(argv=None):
     return meta
 
 
+def error_line(error):
+    """An expected failure in one line; None for a bug (its traceback is shown)."""
+    if disk_full(error):
+        return (
+            f"{no_space_left(error)}; free some and run it again: it resumes after the last "
+            "complete shard"
+        )
+    if isinstance(error, (DataError, FileNotFoundError, FileExistsError)):
+        return str(error)
+    return None
+
+
 if __name__ == "__main__":
     try:
         main()
-    except (DataError, FileNotFoundError, FileExistsError) as e:
-        # an expected failure: one line, no traceback
-        sys.exit(f"prepare_fineweb.py: error: {e}")
+    except Exception as e:
+        line = error_line(e)
+        if line is None:
+            raise
+        sys.exit(f"prepare_fineweb.py: error: {line}")

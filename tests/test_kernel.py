@@ -358,8 +358,16 @@ def signed_row_scale(batch, length, doc_start, gen):
     return rs
 
 
-@pytest.mark.parametrize("scale_prior", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# each dtype and each placement of the row scale in the default run; the other two pairs in test-all
+@pytest.mark.parametrize(
+    "dtype, scale_prior",
+    [
+        (torch.bfloat16, True),
+        (torch.float16, False),
+        pytest.param(torch.bfloat16, False, marks=pytest.mark.slow),
+        pytest.param(torch.float16, True, marks=pytest.mark.slow),
+    ],
+)
 def test_kernel_half_precision_signed_row_scales(dtype, scale_prior):
     """16-bit inputs with SSMax row scales of both signs and -0.0 (scaling the prior, the sign
     folded into the table reads, or not): values and every gradient. The prior's and the row

@@ -177,6 +177,8 @@ def test_cli_config_typo_is_a_clear_error():
         (["--n_embd=30"], "n_embd=30 is not divisible by n_head=4"),
         (["--dtype=fp16"], "dtype must be bfloat16, float16 or float32"),
         (["--min_lr=1.0"], "min_lr=1.0 is above learning_rate"),
+        (["--stop_signals=SIGTERM,SIGKILL"], "'SIGKILL' is not a signal a process can catch"),
+        (["--stop_signals=SIGTREM"], "'SIGTREM' is not a signal a process can catch"),
     ],
 )
 def test_bad_settings_fail_before_touching_data(tmp_path, bad, message):
@@ -217,7 +219,9 @@ def test_triton_training_checks_the_kernel_before_step_1(data_dir, tmp_path):
     """--attn_impl=triton (here through Triton's interpreter) compares the kernel with the
     reference on a problem shaped like the run, prints the line, then trains."""
     out = tmp_path / "run"
-    args = tiny(data_dir, out, attn_impl="triton", ssmax=True, max_iters=2, eval_interval=2)
+    args = tiny(
+        data_dir, out, attn_impl="triton", ssmax=True, max_iters=2, eval_interval=2, eval_iters=1
+    )
     r = run_cli(args)
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("attention kernel check"))

@@ -7,11 +7,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from checkpoint import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# make test-all runs it: each script it drives has its own end-to-end test in the default run
+@pytest.mark.slow
 def test_make_zoo_reduced_end_to_end(tmp_path):
     """`make zoo` itself with T5's buckets under SSMax and Sandwich: each a registered prior run
     as pos_encoding=bam from its default init, on both demos' data."""
