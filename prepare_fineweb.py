@@ -416,6 +416,22 @@ def report(args, meta, new, docs, seconds):
         )
 
 
+def start_ledger(args, settings, shards, meta_path):
+    """Write meta.json, incomplete, before any shard: shards never exist without the ledger that
+    vouches for them. Its "shards" is the list `shards`, to which the writer appends."""
+    meta = dict(
+        settings=settings,
+        tokenizer=args.tokenizer,
+        vocab_size=VOCAB_SIZE[args.tokenizer],
+        eot=EOT[args.tokenizer],
+        doc_start=DOC_START[args.tokenizer],
+        complete=False,
+        shards=shards,
+    )
+    write_json(meta_path, meta)
+    return meta
+
+
 def finish(meta_path, meta, total):
     """Mark the ledger complete, with the totals of its shards."""
     shards = meta["shards"]
@@ -451,18 +467,7 @@ def main(argv=None):
         )
         return old_meta
 
-    # shards is meta["shards"]: the writer appends every shard it writes
-    meta = dict(
-        settings=settings,
-        tokenizer=args.tokenizer,
-        vocab_size=VOCAB_SIZE[args.tokenizer],
-        eot=EOT[args.tokenizer],
-        doc_start=DOC_START[args.tokenizer],
-        complete=False,
-        shards=shards,
-    )
-    # first, so that shards never exist without the ledger that vouches for them
-    write_json(meta_path, meta)
+    meta = start_ledger(args, settings, shards, meta_path)
 
     done = sum(e["tokens"] for e in shards)
     start_doc = shards[-1]["next_doc"] if shards else 0
