@@ -11,7 +11,7 @@ from dataclasses import asdict, fields
 
 import torch
 
-from data import atomic_file, disk_full, free_bytes
+from data import atomic_file, disk_full, no_space_left
 from model import GPT, GPTConfig
 from priors import PRIORS
 
@@ -63,9 +63,8 @@ def os_error_in(error):
 
 def write_error(path, error):
     """What an OSError from writing path means, in words: a full disk says so, with what is free."""
-    folder = os.path.dirname(os.path.abspath(path))
     if disk_full(error):
-        return f"no space left for the checkpoint in {folder} ({free_bytes(folder):,} bytes free)"
+        return no_space_left(path, "the checkpoint")
     return f"could not write the checkpoint {path}: {error.strerror or error}"
 
 

@@ -451,10 +451,12 @@ def disk_full(error):
     return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def no_space_left(error):
-    """The line for a full disk: where, and what is free."""
-    folder = os.path.dirname(os.path.abspath(error.filename or "."))
-    return f"no space left in {folder} ({free_bytes(folder):,} bytes free)"
+def no_space_left(path, what=None):
+    """The line for a disk that filled while path was written (what it held, if said): where, and
+    what is free."""
+    folder = os.path.dirname(os.path.abspath(path or "."))
+    held = f" for {what}" if what else ""
+    return f"no space left{held} in {folder} ({free_bytes(folder):,} bytes free)"
 
 
 def _locked_temporary(tmp):

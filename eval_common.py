@@ -75,7 +75,9 @@ def run_script(main, script):
 def full_disk_line(error):
     """What an evaluation says when its disk fills: nothing written is partial (atomic_file; a cut
     JSONL line is dropped), so a rerun resumes."""
-    return f"{no_space_left(error)}; free some and run it again: it resumes where it stopped"
+    return (
+        f"{no_space_left(error.filename)}; free some and run it again: it resumes where it stopped"
+    )
 
 
 # ---- the output folder ---------------------------------------------------------------------------

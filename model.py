@@ -314,13 +314,17 @@ class GPT(nn.Module):
             raise ValueError(impl_error(attn_impl, None, "cpu", False))
 
         self.config = cfg
-        self.attn_impl = attn_impl
         V = cfg.padded_vocab_size
         # PyTorch's default init everywhere, as the authors: no custom init
         self.wte = nn.Embedding(V, cfg.n_embd)
         self.blocks = nn.ModuleList([Block(cfg, i, attn_impl) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)  # untied from wte
+
+    @property
+    def attn_impl(self):
+        """The impl every layer's attention is computed by (each layer holds it)."""
+        return self.blocks[0].attn.attn_impl
 
     def num_params(self, non_embedding=False):
         """Total parameters (trainable or not); non_embedding subtracts the input embedding (as the

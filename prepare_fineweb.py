@@ -502,8 +502,8 @@ def error_line(error):
     """An expected failure in one line; None for a bug (its traceback is shown)."""
     if disk_full(error):
         return (
-            f"{no_space_left(error)}; free some and run it again: it resumes after the last "
-            "complete shard"
+            f"{no_space_left(error.filename)}; free some and run it again: it resumes after the "
+            "last complete shard"
         )
     if isinstance(error, (DataError, FileNotFoundError, FileExistsError)):
         return str(error)

@@ -315,7 +315,7 @@ def setup_device(cfg, device, ddp, local_rank, log):
 def check_run_dir(out_dir, resuming, master, log):
     """The checkpoints of out_dir, after checking that they agree with resume=True/False. Rank 0
     first removes the temporary files of writers that no longer run (a crash mid-write)."""
-    if master and os.path.isdir(out_dir):
+    if master:
         removed = remove_stale_temporaries(out_dir)
         if removed:
             log(f"removed the unfinished files of a writer that no longer runs: {removed}")
@@ -568,6 +568,11 @@ def micro_step(run, x, y, doc_start, last):
     return loss.detach().float()
 
 
+def last_good_checkpoint(run):
+    """What an error that stops the run names as the place to go back to."""
+    return run.last_checkpoint or "none (no checkpoint was written yet)"
+
+
 def train_step(run, loader, lr):
     """(mean train loss, grad norm) of update run.step + 1 at lr (scaled per group by base_lr),
     run.accum micro-batches; nothing is applied if the loss or the gradients are not finite."""
@@ -594,11 +599,10 @@ def train_step(run, loader, lr):
         what = f"gradient norm {grad_norm}"
         if not math.isfinite(train_loss):
             what = f"loss {train_loss}"
-        last_good = run.last_checkpoint or "none (no checkpoint was written yet)"
         raise TrainingError(
             f"non-finite {what} at step {run.step + 1}; training stopped before applying it. The "
-            f"last good checkpoint is {last_good}; try a lower learning_rate, a smaller grad_clip "
-            "or dtype=float32"
+            f"last good checkpoint is {last_good_checkpoint(run)}; try a lower learning_rate, a "
+            "smaller grad_clip or dtype=float32"
         )
 
     run.scaler.step(run.optimizer)
@@ -709,8 +713,7 @@ def save(run):
                 **extra,
             )
         except CheckpointError as e:
-            last_good = run.last_checkpoint or "none (no checkpoint was written yet)"
-            error = f"{e}; the last good checkpoint is {last_good}"
+            error = f"{e}; the last good checkpoint is {last_good_checkpoint(run)}"
 
     # every rank learns whether the checkpoint is in place, so that none trains on alone
     if dist.is_initialized():
@@ -912,7 +915,7 @@ if __name__ == "__main__":
         # a full disk while writing the run's logs: the checkpoints written so far are intact
         if not disk_full(e):
             raise
-        message = f"{no_space_left(e)}; free some and resume with --resume=True"
+        message = f"{no_space_left(e.filename)}; free some and resume with --resume=True"
         print(f"train.py: error: {message}", file=sys.stderr)
         sys.exit(1)
     if summary["stopped_by"] == "SIGINT":
