@@ -8,22 +8,19 @@ token (DOC_START) starts the document mask. A shard, {prefix}_{split}_{i:06d}.bi
 header (magic, version, token count, tokenizer name) then uint16 tokens. Batches are consecutive
 windows in stream order (the authors do not shuffle), a pure function of (step, micro_step, rank),
 so a resumed run sees exactly the batches an uninterrupted one would.
-Files: atomic_file, the one way the repo writes a file, and remove_stale_temporaries for its debris.
 """
 
-import contextlib
-import errno
-import fcntl
 import functools
 import os
 import re
-import socket
 import struct
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
+
+from runtime import atomic_file
 
 TOKENIZERS = ("gpt2", "byte", "mistral")
 # Known without building the tokenizer, so a trainer on an offline node can size the model from a
@@ -403,128 +400,3 @@ class TokenLoader:
         x = buf[:, :-1].contiguous()
         y = buf[:, 1:].contiguous()
         return x, y, doc_starts(x, self.doc_start)
-
-
-# ---- Files ---------------------------------------------------------------------------------------
-# A temporary file is {target}.tmp.{host}.{pid}; older code wrote ckpt_*.pt.tmp.PID, *.bin.tmp,
-# *.json.tmp and *.jsonl.tmp.
-TEMPORARY_RE = re.compile(r"\.tmp\.(.+\.)?\d+$|\.(bin|json|jsonl)\.tmp$")
-
-
-@contextlib.contextmanager
-def atomic_file(path, mode="wb", **open_args):
-    """A file object whose content appears under path only if the block ends without an exception:
-    it writes a temporary file beside path, then fsyncs it and renames it over path. On any
-    exception (a full disk, Ctrl-C) the temporary file is removed and the exception goes on."""
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    fd = _locked_temporary(tmp)
-    f = os.fdopen(fd, mode, **open_args)
-    try:
-        yield f
-
-        f.flush()
-        os.fsync(fd)
-        # still locked, so a sweeper never finds this file unlocked under its temporary name
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        with contextlib.suppress(OSError):
-            f.close()
-
-        # a failed write() names no file; say which one, for the error line
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = path
-        raise
-
-    f.close()
-
-
-def free_bytes(folder):
-    """Bytes an unprivileged writer can still use on folder's filesystem."""
-    stat = os.statvfs(folder)
-    return stat.f_bavail * stat.f_frsize
-
-
-def disk_full(error):
-    """Whether an exception is a write that failed for a full disk or quota."""
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def no_space_left(path, what=None):
-    """The line for a disk that filled while path was written (what it held, if said): where, and
-    what is free."""
-    folder = os.path.dirname(os.path.abspath(path or "."))
-    held = f" for {what}" if what else ""
-    return f"no space left{held} in {folder} ({free_bytes(folder):,} bytes free)"
-
-
-def _locked_temporary(tmp):
-    """A descriptor of the new file tmp, created exclusively and flocked until it is closed."""
-    while True:
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            # a dead writer's, of the same pid on the same host (a requeued job in a container)
-            if not _remove_if_unlocked(tmp):
-                raise
-            continue
-        fcntl.flock(fd, fcntl.LOCK_EX)
-
-        # A sweeper that took the lock between our create and our flock has removed the file; we
-        # would write into an unlinked file, so start again.
-        if _names(tmp, fd):
-            return fd
-        os.close(fd)
-
-
-def _names(path, fd):
-    """Whether path is still a name of the file open as fd."""
-    try:
-        here = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-
-    mine = os.fstat(fd)
-    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
-
-
-def remove_stale_temporaries(folder):
-    """Remove the temporary files in folder (not below it) whose writer is gone; return their names.
-
-    A writer holds an flock on its temporary file for as long as it writes (atomic_file), and the
-    kernel drops the lock when the process ends, SIGKILL included: a temporary file whose lock we
-    can take has no writer. We remove it while holding its lock. Files of older code, which wrote
-    without a lock, are stale whenever they exist. Network filesystems: Linux sends flock over NFS
-    as a lock the server keeps, so every client sees it; a mount with node-local locks
-    (local_lock=flock or all, nolock) hides a writer on another node, whose file is then removed
-    and whose write fails with an error (nothing partial appears under a real name)."""
-    if not os.path.isdir(folder):
-        return []
-
-    removed = []
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if TEMPORARY_RE.search(name) and os.path.isfile(path) and _remove_if_unlocked(path):
-            removed.append(name)
-    return removed
-
-
-def _remove_if_unlocked(path):
-    try:
-        # write access: over NFS, flock is a POSIX lock, and an exclusive one needs it
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # the writer may have renamed the file to its real name before we got the lock
-        if not _names(path, fd):
-            return False
-        os.remove(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)

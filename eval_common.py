@@ -23,7 +23,7 @@ import time
 import torch
 
 from attention import IMPLS, KernelMismatch, impl_error
-from checkpoint import CheckpointError, load_model
+from model import CheckpointError, load_model
 from data import (
     DataError,
     atomic_file,
@@ -32,7 +32,7 @@ from data import (
     no_space_left,
     remove_stale_temporaries,
 )
-from hardware import native_bf16, resolve_device
+from runtime import native_bf16, resolve_device
 
 
 class EvalError(ValueError):
@@ -204,7 +204,7 @@ def load_run(path, device, attn_impl="auto"):
     ckpt_sha256, block_size, tokenizer, data_dir (or None)."""
     model, ckpt = load_model(path, device, attn_impl=attn_impl)
     impl = model.attn_impl
-    why = impl_error(impl, model.config.prior_family, device, grad=False)
+    why = impl_error(impl, model.config.family, device, grad=False)
     if why:
         raise EvalError(f"{path}: --attn_impl {impl}: {why}")
 

@@ -36,7 +36,7 @@ from eval_common import (
     run_script,
     write_table,
 )
-from hardware import autocast
+from runtime import autocast
 
 # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
 MAX_GEN_TOKS = 256

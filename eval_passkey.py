@@ -45,7 +45,7 @@ from eval_common import (
     write_table,
 )
 from eval_common import seed_table as write_seed_table
-from hardware import autocast
+from runtime import autocast
 from passkey import (
     TEMPLATES,
     answer_tokens,

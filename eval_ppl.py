@@ -40,7 +40,7 @@ from eval_common import (
     training_data_dir,
     write_table,
 )
-from hardware import autocast
+from runtime import autocast
 
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
 KEY_FIELDS = ("ckpt", "ckpt_sha256", "data", "seq_len", "window", "dtype", "seq")

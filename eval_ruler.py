@@ -42,7 +42,7 @@ from eval_common import (
     training_data_dir,
     write_table,
 )
-from hardware import autocast
+from runtime import autocast
 
 # RULER's strings (scripts/data/synthetic/constants.py and niah.py), verbatim
 TEMPLATE = (

@@ -39,7 +39,7 @@ from eval_common import (
     write_table,
 )
 from eval_passkey import DEFAULT_SAMPLES, SEED
-from hardware import autocast
+from runtime import autocast
 from passkey import TEMPLATES, make_samples, min_prompt_length, template_hash
 from priors import get_prior
 

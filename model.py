@@ -3,19 +3,21 @@ The bam-gpt model: the paper's LLaMA-style decoder (as in the authors' models/) 
 path and a switch for the positional encoding, nope | sinusoidal | rope | alibi | bam, each with or
 without Scalable-Softmax. sinusoidal is added to the token embeddings; rope rotates q and k
 (absolute positions, as the authors); alibi and bam add a log-prior (priors.py) to the logits inside
-attention(). SSMax multiplies each query row's logits by s_h * log(n_i), n_i = the keys visible to
-query i in its document. Also: size presets and optimizer groups. Checkpoints are written and read
-by checkpoint.py.
+attention(). SSMax multiplies each query row's logits by s_h * log(n_i), n_i the keys visible to
+query i in its document. Also: size presets, optimizer groups, and checkpoints.
 """
 
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import IMPLS, attention, check_kernel, impl_error, ssmax_log_n
-from priors import BoundPrior, get_prior, ggd_mu
+from attention import IMPLS, attention, impl_error, ssmax_log_n
+from priors import PRIORS, BoundPrior, get_prior, ggd_mu
+from runtime import atomic_file, disk_full, no_space_left
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 
@@ -46,14 +48,13 @@ class GPTConfig:
     block_size: int = 512  # the training context. Nothing at inference depends on it.
     pos_encoding: str = "bam"  # nope | sinusoidal | rope | alibi | bam
     ssmax: bool = True  # Scalable-Softmax: each query row's logits times s_h * log(n_i)
-    # bam + ssmax: scale the content score AND the log-prior, (q.k/sqrt(d) + prior) * s log n (the
-    # authors' default), for priors that can learn their scale back (Prior.scaled_by_ssmax)
-    ssmax_prior: bool = True
-    # the name of bam's learned prior in priors.py: ggd | cauchy | kerple_log | kerple_power |
-    # t5_bucket | sandwich | mlp | yours
+    # bam + ssmax: s log n scales the content score AND the log-prior (the paper's placement), for
+    # a prior with trained parameters; a fixed prior keeps the scale it was designed with
+    scale_prior: bool = True
+    # bam's learned prior, a name in priors.py: ggd | cauchy | kerple_log | t5_bucket | ...
     prior: str = "ggd"
-    # the prior's init spec (priors.py); ggd: zero (starts as NoPE) | alibi | linear | "A,B";
-    # default: the prior's own default (the paper's init where it has one)
+    # the prior's init (priors.py); ggd: zero (starts as NoPE) | alibi | linear | "A,B";
+    # default: the prior's own (the paper's init where it has one)
     bam_init: str = "zero"
     train_mu: bool = False  # ggd: train theta_mu too (the paper keeps it frozen at 0, mu = 0)
     rope_theta: float = 500000.0
@@ -71,22 +72,43 @@ class GPTConfig:
             raise ValueError(f"rope needs an even head_dim, got {self.n_embd // self.n_head}")
 
         # an unregistered name fails here, naming the known ones
-        learned = get_prior(self.prior)
+        family = get_prior(self.prior)
+        if self.train_mu and "theta_mu" not in family.params:
+            raise ValueError(f"train_mu=True, but the prior {family.name!r} has no theta_mu")
         if self.pos_encoding == "bam":
-            try:  # fail early on a malformed init string (without touching the seeded RNG)
+            try:  # a malformed init string, without touching the seeded RNG
                 with torch.random.fork_rng(devices=[]):
-                    learned.initial(self.bam_init, self.n_head)
+                    family.initial(self.bam_init, self.n_head)
             except ValueError as e:
                 raise ValueError(
-                    f"bam_init {e} (the init of the prior {learned.name!r}; 'default' is its own, "
-                    f"{learned.default_init!r})"
+                    f"bam_init {e} (the init of the prior {family.name!r}; 'default' is its own, "
+                    f"{family.default_init!r})"
                 ) from None
-        if self.train_mu and "theta_mu" not in learned.params:
-            raise ValueError(f"train_mu=True, but the prior {learned.name!r} has no theta_mu")
+        self.check_used()
+
+    def check_used(self):
+        """A setting changed from its default that this model would not use is an error: rope with
+        --prior=kerple_log would otherwise train with the prior silently unused."""
+        bam = self.pos_encoding == "bam"
+        used = dict(
+            prior=bam,
+            bam_init=bam,
+            train_mu=bam,
+            scale_prior=bam and self.ssmax and bool(get_prior(self.prior).trainable),
+            rope_theta=self.pos_encoding == "rope",
+        )
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, is_used in used.items():
+            value = getattr(self, name)
+            if not is_used and value != defaults[name]:
+                raise ValueError(
+                    f"{name}={value!r} has no effect on this model (pos_encoding="
+                    f"{self.pos_encoding}, ssmax={self.ssmax}, prior={self.prior}); drop it"
+                )
 
     @property
-    def prior_family(self):
-        """The registered Prior that this encoding adds to the logits: bam's learned one (named by
+    def family(self):
+        """The registered Prior this encoding adds to the logits: bam's learned one (named by
         `prior`), alibi's fixed slopes, or None for the encodings without a prior."""
         if self.pos_encoding == "bam":
             return get_prior(self.prior)
@@ -174,7 +196,6 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
-        self.config = cfg
         self.attn_impl = attn_impl
         self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
@@ -183,98 +204,60 @@ class Attention(nn.Module):
 
         # bam learns a prior per layer, a value of each parameter per head; alibi's fixed slopes are
         # buffers, not saved (they follow from n_head)
-        self.prior_family = cfg.prior_family
-        if self.prior_family is not None:
-            trainable = set(self.prior_family.trainable)
+        self.family = cfg.family
+        if self.family is not None:
+            trainable = set(self.family.trainable)
             if cfg.train_mu:
                 trainable.add("theta_mu")
-            values = self.prior_family.initial(cfg.bam_init, cfg.n_head)
-            for name, value in zip(self.prior_family.params, values):
+            values = self.family.initial(cfg.bam_init, cfg.n_head)
+            for name, value in zip(self.family.params, values):
                 if cfg.pos_encoding == "bam":
                     setattr(self, name, nn.Parameter(value, requires_grad=name in trainable))
                 else:
                     self.register_buffer(name, value, persistent=False)
 
+        self.ssmax_s = None
         if cfg.ssmax:
             self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), SSMAX_INIT))
+        # bam + SSMax scales a trained prior too; a fixed one keeps the scale it was designed with
+        trained = self.family is not None and bool(self.family.trainable)
+        self.scale_prior = cfg.pos_encoding == "bam" and cfg.ssmax and cfg.scale_prior and trained
 
     def bound_prior(self):
-        """This layer's prior with its parameters (a BoundPrior), or None without a positional
-        prior."""
-        if self.prior_family is None:
+        """This layer's prior with its parameters (a BoundPrior), or None without one."""
+        if self.family is None:
             return None
 
-        params = tuple(getattr(self, name) for name in self.prior_family.params)
-        return BoundPrior(self.prior_family, params)
+        params = tuple(getattr(self, name) for name in self.family.params)
+        return BoundPrior(self.family, params)
 
-    def qkv(self, x, rope):
-        """Queries, keys and values (B, H, T, D) of x (B, T, C), rotated if rope = (cos, sin) is
-        given."""
-        batch, seq_len, _ = x.shape
+    def forward(self, x, rope, doc_start, log_n, kv_cache):
+        batch, seq_len, n_embd = x.shape
         q, k, v = (
             w(x).view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
-
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
-        return q, k, v
-
-    @property
-    def scales_prior(self):
-        """attention()'s scale_prior: whether SSMax's row scale multiplies the prior too."""
-        return (
-            self.config.pos_encoding == "bam"
-            and self.config.ssmax_prior
-            and self.prior_family.scaled_by_ssmax
-        )
-
-    def attention_kwargs(self, doc_start, log_n):
-        """The keyword arguments of attention() for this layer: doc_start, prior, row_scale,
-        scale_prior."""
-        # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
-        row_scale = None
-        if log_n is not None:
-            row_scale = self.ssmax_s[None, :, None] * log_n[:, None, :]
-
-        return dict(
-            doc_start=doc_start,
-            prior=self.bound_prior(),
-            row_scale=row_scale,
-            scale_prior=self.scales_prior,
-        )
-
-    def check_kernel(self, dtype, training):
-        """attention.check_kernel on a problem shaped like this layer's attention in a run of dtype
-        (training: with documents and gradients, as train.py calls it; else as an evaluation):
-        the line to print, or None where the layer's attention does not resolve to the kernel."""
-        trained = ()
-        if self.prior_family is not None and training:
-            params = self.prior_family.params
-            trained = tuple(name for name in params if getattr(self, name).requires_grad)
-
-        return check_kernel(
-            impl=self.attn_impl,
-            family=self.prior_family,
-            trained=trained,
-            head_dim=self.head_dim,
-            dtype=dtype,
-            device=self.wq.weight.device,
-            ssmax=self.config.ssmax,
-            scale_prior=self.scales_prior,
-            training=training,
-            documents=training,
-        )
-
-    def forward(self, x, rope, doc_start, log_n, kv_cache):
-        batch, seq_len, n_embd = x.shape
-        q, k, v = self.qkv(x, rope)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
 
-        kwargs = self.attention_kwargs(doc_start, log_n)
-        y = attention(q, k, v, **kwargs, impl=self.attn_impl)
+        # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
+        row_scale = None
+        if self.ssmax_s is not None:
+            row_scale = self.ssmax_s[None, :, None] * log_n[:, None, :]
+
+        y = attention(
+            q,
+            k,
+            v,
+            doc_start=doc_start,
+            prior=self.bound_prior(),
+            row_scale=row_scale,
+            scale_prior=self.scale_prior,
+            impl=self.attn_impl,
+        )
         return self.wo(y.transpose(1, 2).reshape(batch, seq_len, n_embd))
 
 
@@ -331,11 +314,6 @@ class GPT(nn.Module):
         authors report)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
-
-    def check_kernel(self, dtype, training):
-        """Attention.check_kernel of the first layer (every layer's attention is configured alike):
-        the line to print, or None where attention does not resolve to the Triton kernel."""
-        return self.blocks[0].attn.check_kernel(dtype, training)
 
     def forward(
         self, idx, targets=None, *, doc_start=None, kv_cache=None, logits_at=None, reduction="mean"
@@ -425,7 +403,7 @@ class GPT(nn.Module):
 
         prior_params = set()
         for block in self.blocks:
-            if block.attn.prior_family is not None:
+            if block.attn.family is not None:
                 prior_params |= {id(p) for p in block.attn.bound_prior().params}
 
         for name, p in self.named_parameters():
@@ -476,7 +454,7 @@ class GPT(nn.Module):
         rows = []
         for i, block in enumerate(self.blocks):
             attn = block.attn
-            family = attn.prior_family
+            family = attn.family
             row = {"layer": i}
 
             if family is not None:
@@ -486,8 +464,134 @@ class GPT(nn.Module):
                 if family.name == "ggd":
                     row["mu"] = ggd_mu(attn.theta_mu.float()).tolist()
 
-            if hasattr(attn, "ssmax_s"):
+            if attn.ssmax_s is not None:
                 row["ssmax_s"] = attn.ssmax_s.float().tolist()
             if len(row) > 1:
                 rows.append(row)
         return rows
+
+
+# ---- Checkpoints -------------------------------------------------------------------------------
+# A checkpoint is a dict of "model_args" (the GPTConfig), "model" (the state_dict) and what train.py
+# adds (optimizer, step, RNG, ...), written atomically and read with weights_only=True, so that
+# reading one never runs code. A run directory holds ckpt_<step>.pt files.
+CHECKPOINT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A file that is not a readable bam-gpt checkpoint, one that does not fit the model asked for,
+    or a checkpoint that could not be written."""
+
+
+def checkpoint_name(step):
+    return f"ckpt_{step:07d}.pt"
+
+
+def checkpoints(run_dir):
+    """[(step, path)] of a run directory's checkpoints, oldest first ([] without the directory)."""
+    if not os.path.isdir(run_dir):
+        return []
+
+    found = []
+    for name in os.listdir(run_dir):
+        match = CHECKPOINT_RE.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+def save_checkpoint(path, model, **extra):
+    """Write the model (a plain GPT) and `extra` to path, whole or not at all. A CheckpointError
+    says why a write failed; a full disk says what is free."""
+    state = {"model_args": asdict(model.config), "model": model.state_dict(), **extra}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with atomic_file(path) as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer reports a failed write as a RuntimeError caused by the OSError
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+
+        why = f"could not write the checkpoint {path}: {cause.strerror or cause}"
+        if disk_full(cause):
+            why = no_space_left(path, "the checkpoint")
+        raise CheckpointError(why) from e
+
+
+def load_checkpoint(path):
+    """The checkpoint dict of a .pt file, or of a run directory's newest checkpoint, on the CPU.
+    Its "path" says which file it was."""
+    if os.path.isdir(path):
+        found = checkpoints(path)
+        if not found:
+            raise FileNotFoundError(
+                f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?"
+            )
+        path = found[-1][1]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py"
+        )
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
+            "is it a bam-gpt checkpoint and fully written?"
+        ) from e
+
+    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
+        raise CheckpointError(
+            f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')"
+        )
+    return dict(ckpt, path=path)
+
+
+def checkpoint_config(ckpt):
+    """A checkpoint's GPTConfig; a CheckpointError where its settings are not this code's."""
+    where = ckpt["path"]
+    saved = ckpt["model_args"]
+    names = {f.name for f in fields(GPTConfig)}
+    if set(saved) != names:
+        raise CheckpointError(
+            f"checkpoint {where!r} has other model settings than this code: unknown "
+            f"{sorted(set(saved) - names)}, missing {sorted(names - set(saved))}"
+        )
+    if saved["pos_encoding"] == "bam" and saved["prior"] not in PRIORS:
+        raise CheckpointError(
+            f"checkpoint {where!r} uses the prior {saved['prior']!r}, which is not registered "
+            f"(registered: {', '.join(PRIORS)}); register it in priors.py to load it"
+        )
+    return GPTConfig(**saved)
+
+
+def load_state(model, ckpt):
+    """Load ckpt["model"] into model (a plain GPT); a ValueError says how the models differ."""
+    where = ckpt["path"]
+    theirs = asdict(checkpoint_config(ckpt))
+    ours = asdict(model.config)
+    diff = [f"{k}: {theirs[k]!r} vs {ours[k]!r}" for k in ours if theirs[k] != ours[k]]
+    if diff:
+        raise ValueError(
+            f"checkpoint {where!r} is from another model (checkpoint vs this model):\n  "
+            + "\n  ".join(diff)
+        )
+
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # missing or unexpected keys, other shapes
+        message = " ".join(str(e).split())
+        raise CheckpointError(f"checkpoint {where!r} does not fit this model: {message}") from None
+
+
+def load_model(path, device="cpu", attn_impl="auto"):
+    """(GPT in eval mode, checkpoint dict) of a checkpoint file or run directory."""
+    ckpt = load_checkpoint(path)
+    model = GPT(checkpoint_config(ckpt), attn_impl=attn_impl)
+    load_state(model, ckpt)
+    return model.to(device).eval(), ckpt

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-from checkpoint import load_model
+from model import load_model
 from data import atomic_file
 from eval_common import _plt, run_script, save_figure
 
@@ -163,7 +163,7 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(ckpt["path"]), "prior.png")
     dist = distances(MAX_DISTANCE_MULTIPLE * cfg.block_size)
     layers = prior_tables(model, dist)
-    prior = model.blocks[0].attn.prior_family
+    prior = model.blocks[0].attn.family
     n_hot = sum(h["highlighted"] for layer in layers for h in layer["heads"])
     n_all = sum(len(layer["heads"]) for layer in layers)
     hot = f"{n_hot}/{n_all} heads with {prior.highlight_label}" if prior.highlight else ""
@@ -183,7 +183,7 @@ def main(argv=None):
         prior=prior.name,
         formula=prior.formula,
         ssmax=cfg.ssmax,
-        ssmax_prior=cfg.ssmax_prior,
+        scale_prior=cfg.scale_prior,
         block_size=cfg.block_size,
         distances=dist,
         highlight=prior.highlight_label,

@@ -57,13 +57,6 @@ class Prior:
         default_init, anything else goes to init."""
         return self.init(self.default_init if spec == "default" else spec, n_head)
 
-    @property
-    def scaled_by_ssmax(self):
-        """Whether SSMax's row scale multiplies this prior (attention's scale_prior) in a model with
-        SSMax: a prior with trained parameters learns its scale back, while a fixed one (alibi,
-        sandwich) is added after the scaling, so that it keeps the scale it was designed with."""
-        return bool(self.trainable)
-
     # the figure fields' defaults, so that the five required fields make a full prior
     def __post_init__(self):
         if not self.formula:

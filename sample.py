@@ -16,10 +16,10 @@ import argparse
 
 import torch
 
-from checkpoint import load_model
+from model import load_model
 from data import get_tokenizer
 from eval_common import check_kernel, pick_device, resolve_dtype, run_script
-from hardware import autocast
+from runtime import autocast
 
 SEPARATOR = "---------------"
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attention import KernelMismatch, impl_error
-from checkpoint import (
+from model import (
     CheckpointError,
     checkpoint_name,
     checkpoints,
@@ -49,7 +49,7 @@ from data import (
     no_space_left,
     remove_stale_temporaries,
 )
-from hardware import autocast, native_bf16, peak_flops, resolve_device
+from runtime import autocast, native_bf16, peak_flops, resolve_device
 from model import GPT, MODEL_SIZES, GPTConfig
 
 # ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py names it)
@@ -81,7 +81,7 @@ n_embd = 768
 block_size = 512  # the training context
 pos_encoding = "bam"  # nope | sinusoidal | rope | alibi | bam
 ssmax = True  # Scalable-Softmax: each query row's logits times s_h * log(n_i)
-ssmax_prior = True  # bam + ssmax: s log n scales the prior too (the paper's placement)
+scale_prior = True  # bam + ssmax: s log n scales the prior too (the paper's placement)
 prior = "ggd"  # bam's learned prior (priors.py): ggd | cauchy | kerple_log | t5_bucket | ...
 bam_init = "zero"  # the prior's init; ggd: zero (starts as NoPE) | alibi | linear | "A,B"
 train_mu = False  # ggd: train theta_mu too (the paper keeps mu = 0)
@@ -211,7 +211,7 @@ def resolve_config(settings, world_size):
     return cfg, config
 
 
-def check_device(cfg, prior_family, ddp):
+def check_device(cfg, family, ddp):
     """The device the settings ask for (auto resolved), checked with the precision and the attention
     impl (for the model's prior) against the hardware (a ConfigError says what does not fit)."""
     try:  # first, so that a driver too old for this torch is named as the reason
@@ -237,7 +237,7 @@ def check_device(cfg, prior_family, ddp):
             "use bfloat16 or float32"
         )
 
-    error = impl_error(cfg.attn_impl, prior_family, device, grad=True)
+    error = impl_error(cfg.attn_impl, family, device, grad=True)
     if error:
         raise ConfigError(f"invalid settings: attn_impl={cfg.attn_impl!r}: {error}")
     return device
@@ -642,7 +642,7 @@ def eval_and_log(run, loader, eval_iters, record):
     message = f"step {run.step}: val loss {run.val_loss:.4f}"
 
     if run.raw_model.config.pos_encoding == "bam":
-        family = run.raw_model.config.prior_family
+        family = run.raw_model.config.family
         priors = [block.attn.bound_prior() for block in run.raw_model.blocks]
         shape_index = family.params.index(family.shape_param)
         shape = [prior.params[shape_index].detach().float().cpu() for prior in priors]
@@ -850,7 +850,7 @@ def train(settings, argv=()):
     log = print if master else (lambda *args, **kwargs: None)
 
     cfg, config = resolve_config(settings, world_size)
-    device = check_device(cfg, config.prior_family, ddp)
+    device = check_device(cfg, config.family, ddp)
     device = setup_device(cfg, device, ddp, local_rank, log)
 
     # micro-batches per process per step, and the tokens of a step over all processes

@@ -20,7 +20,7 @@ n_head = 8
 n_embd = 64
 pos_encoding = "bam"
 ssmax = True
-ssmax_prior = True  # the paper's placement: (q.k/sqrt(d) + prior) * s log n
+scale_prior = True  # the paper's placement: (q.k/sqrt(d) + prior) * s log n
 bam_init = "zero"  # theta_alpha = theta_beta = 0: a flat prior (NoPE), the authors' current default
 train_mu = False
 # optimizer (RAdam, decoupled weight decay, cosine to min_lr)

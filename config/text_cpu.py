@@ -19,7 +19,7 @@ n_head = 8
 n_embd = 64
 pos_encoding = "bam"
 ssmax = True
-ssmax_prior = True
+scale_prior = True
 bam_init = "zero"  # a flat prior (NoPE) to start, as the authors do
 train_mu = False
 # optimizer (RAdam, decoupled weight decay, cosine to min_lr)

@@ -16,7 +16,7 @@ import torch
 import passkey
 import plot_prior
 import prepare_demo
-from checkpoint import load_model, save_checkpoint
+from model import load_model, save_checkpoint
 from data import EOT, TokenLoader, get_tokenizer, open_shard
 from model import GPT, GPTConfig
 

@@ -14,7 +14,7 @@ import torch
 
 import eval_passkey
 import prepare_fineweb
-from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from model import CheckpointError, load_checkpoint, save_checkpoint
 from data import atomic_file, remove_stale_temporaries
 from eval_common import LOCK_NAME
 from model import GPT, GPTConfig

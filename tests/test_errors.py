@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from checkpoint import save_checkpoint
+from model import save_checkpoint
 from data import get_tokenizer, write_shard
 from model import GPT, GPTConfig
 

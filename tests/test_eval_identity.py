@@ -12,7 +12,7 @@ import eval_common as ec
 import eval_passkey
 import eval_ppl
 import eval_ruler
-from checkpoint import save_checkpoint
+from model import save_checkpoint
 from data import EOT, write_shard
 from model import GPT, GPTConfig
 

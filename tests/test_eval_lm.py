@@ -18,7 +18,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 import eval_lm
-from checkpoint import save_checkpoint
+from model import save_checkpoint
 from data import get_tokenizer
 from eval_common import EvalError
 from eval_lm import BamGPT, main

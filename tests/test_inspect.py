@@ -13,7 +13,7 @@ from test_passkey import merging_tokenizer
 import inspect_attention as ia
 import passkey
 import plot_prior
-from checkpoint import save_checkpoint
+from model import save_checkpoint
 from data import get_tokenizer
 from model import GPT, GPTConfig
 from priors import Prior, alibi_slopes, register
@@ -71,7 +71,7 @@ def forced_model():
         block_size=32,
         pos_encoding="bam",
         ssmax=True,
-        ssmax_prior=True,
+        scale_prior=True,
     )
     model = GPT(cfg)
     r8 = math.sqrt(8)

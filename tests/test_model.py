@@ -13,7 +13,7 @@ from attention import (
     attention_torch,
     dense_attention,
 )
-from checkpoint import load_model, load_state, save_checkpoint
+from model import load_model, load_state, save_checkpoint
 from configurator import ConfigError, configure
 from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
@@ -430,7 +430,7 @@ def _copy_weights(src, dst):
 def test_bam_with_beta_one_and_log_slope_is_alibi(ssmax):
     alibi = make(tiny("alibi", ssmax)).eval()
     bam = GPT(
-        tiny("bam", ssmax, bam_init="alibi", ssmax_prior=False)
+        tiny("bam", ssmax, bam_init="alibi", scale_prior=False)
     ).eval()  # ALiBi+SSMax leaves B unscaled
     _copy_weights(alibi, bam)
     idx = torch.randint(0, 257, (2, 24))

@@ -18,7 +18,7 @@ import eval_common
 import eval_passkey as ep
 import model as model_mod
 import passkey
-from checkpoint import load_model, save_checkpoint
+from model import load_model, save_checkpoint
 from data import get_tokenizer, tiktoken_tokenizer
 from model import GPT, GPTConfig
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eval_ppl
-from checkpoint import save_checkpoint
+from model import save_checkpoint
 from data import EOT, write_shard
 from eval_common import EvalError
 from eval_ppl import full_token_losses, hf_sequences, window_sums
@@ -184,7 +184,7 @@ def test_main_end_to_end(setup):
 
     # independent recomputation: end-of-text removed, rows of 101 tokens, one forward each, exp(mean
     # CE)
-    from checkpoint import load_model
+    from model import load_model
 
     model, _ = load_model(setup["ckpt"])
     toks = torch.from_numpy(setup["tokens"][setup["tokens"] != EOT["byte"]].astype(np.int64))

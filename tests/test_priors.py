@@ -15,7 +15,7 @@ import attention_kernel as ak
 import eval_passkey
 import priors
 from attention import attention, attention_probs, dense_attention, impl_error, pick_impl
-from checkpoint import CheckpointError, load_model, save_checkpoint
+from model import CheckpointError, load_model, save_checkpoint
 from eval_common import EXPECTED_ERRORS
 from model import GPT, GPTConfig
 from priors import (

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import attention_kernel
-import checkpoint
+import model as checkpoint
 import model
 import priors
 import train

@@ -16,7 +16,7 @@ import torch
 
 import eval_ruler as R
 import model as model_mod
-from checkpoint import save_checkpoint
+from model import save_checkpoint
 from data import get_tokenizer, write_shard
 from eval_common import EvalError
 from model import GPT, GPTConfig

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_eval_lm import greedy_without_cache
 
-from checkpoint import save_checkpoint
+from model import save_checkpoint
 from data import get_tokenizer
 from model import GPT, GPTConfig
 from sample import SEPARATOR, main

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from checkpoint import load_model
+from model import load_model
 from data import DOC_START, get_tokenizer, open_shard, shard_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from checkpoint import load_checkpoint, load_model
+from model import load_checkpoint, load_model
 from configurator import ConfigError
 from data import TokenLoader, get_tokenizer, write_shard
 from model import GPT, POS_ENCODINGS, GPTConfig
@@ -283,17 +283,17 @@ def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
     with pytest.raises(
         ConfigError, match="dtype=bfloat16 and compile=True; to train on the CPU on purpose"
     ):
-        train.check_device(c, config.prior_family, ddp=False)
+        train.check_device(c, config.family, ddp=False)
     assert train.check_device(
-        changed(c, device="cpu"), config.prior_family, ddp=True
+        changed(c, device="cpu"), config.family, ddp=True
     ) == torch.device("cpu")
     assert train.check_device(
-        changed(c, compile=False), config.prior_family, ddp=False
+        changed(c, compile=False), config.family, ddp=False
     ) == torch.device("cpu")
     with pytest.raises(ConfigError, match="device='cuda:0' needs a CUDA GPU, and torch finds none"):
-        train.check_device(changed(c, device="cuda:0"), config.prior_family, ddp=False)
+        train.check_device(changed(c, device="cuda:0"), config.family, ddp=False)
     with pytest.raises(ConfigError, match="device='gpu' is not a device torch knows"):
-        train.check_device(changed(c, device="gpu"), config.prior_family, ddp=False)
+        train.check_device(changed(c, device="gpu"), config.family, ddp=False)
     assert not (tmp_path / "run").exists()
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from checkpoint import load_model
+from model import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,0 +1,282 @@
+"""
+What a run needs from the machine, and a reader can skip: the device and its precision, one writer
+per output folder, files that appear whole or not at all, a full disk in one line, stop signals,
+the allocator and memory. The scripts call it; none of it changes a number they compute.
+"""
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import importlib.util
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+# ---- device and precision -----------------------------------------------------------------------
+
+
+def resolve_device(name="auto"):
+    """The torch.device of a device setting: auto is CUDA if torch finds a GPU, else the CPU. A
+    ValueError whose message follows the name: "cuda:3 needs a CUDA GPU, ..."."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"is not a device torch knows ({e})") from None
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("needs a CUDA GPU, and torch finds none")
+    return device
+
+
+def native_bf16(device):
+    """Whether a CUDA device computes in bfloat16 natively (compute capability 8.0 and newer).
+    torch.cuda.is_bf16_supported() also counts a T4's emulation: slow, and other rounding."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def autocast(device, dtype):
+    """The autocast context of a precision name; float32 runs without autocast."""
+    if dtype == "float32":
+        return nullcontext()
+
+    return torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, dtype))
+
+
+# bf16 dense tensor-core peak FLOP/s per GPU, for MFU; the longer names first, so that "H100 PCIe"
+# is not read as "H100"
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
+    ("H100", 989.5e12),
+    ("H200", 989.5e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("RTX 4090", 165.2e12),
+]
+
+
+def peak_flops(device_name):
+    """The bf16 peak of a GPU by its name, or None for one not in the table."""
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+# ---- one writer per folder ----------------------------------------------------------------------
+# A script that writes a folder (a run's out_dir, an evaluation's --out, a data directory) owns it:
+# it holds an flock on <folder>/.lock for as long as it lives. The kernel drops the lock when the
+# process ends, SIGKILL included, so a folder is never left locked. Since no one else writes there,
+# every temporary file the owner finds at the start is a dead writer's, and goes.
+LOCK_NAME = ".lock"
+TEMPORARY_SUFFIX = ".tmp"
+_owned = {}
+
+
+class FolderBusy(RuntimeError):
+    """Another process owns the folder."""
+
+
+def own_folder(folder):
+    """Make this process the one writer of folder (created if need be) until it exits, and remove
+    the temporary files left there. A FolderBusy names the owner, where one is alive."""
+    key = os.path.realpath(folder)
+    if key in _owned:
+        return
+
+    os.makedirs(folder, exist_ok=True)
+    lock = open(os.path.join(folder, LOCK_NAME), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that is starting"
+        lock.close()
+        raise FolderBusy(
+            f"{folder} is in use by another process ({holder}); wait for it to end, or give this "
+            "one another folder"
+        ) from None
+
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}: {shlex.join(sys.argv)}\n")
+    lock.flush()
+    _owned[key] = lock
+
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(TEMPORARY_SUFFIX):
+            os.remove(os.path.join(folder, name))
+            print(f"note: removed {name} from {folder}, left by a writer that ended", flush=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path, mode="wb", **open_args):
+    """A file whose content appears under path only if the block ends without an exception: written
+    to path + ".tmp", fsynced, then renamed over path. On an exception the temporary goes."""
+    tmp = path + TEMPORARY_SUFFIX
+    f = open(tmp, mode, **open_args)
+    try:
+        yield f
+
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+    except BaseException as e:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+        # a failed write() names no file; the error line names it
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = path
+        raise
+
+
+def disk_full(error):
+    """Whether an exception is a write that failed for a full disk or quota."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space_left(path, what=None):
+    """The line for a disk that filled while path was written: where, and what is free."""
+    folder = os.path.dirname(os.path.abspath(path or "."))
+    stat = os.statvfs(folder)
+    free = stat.f_bavail * stat.f_frsize
+    held = f" for {what}" if what else ""
+    return f"no space left{held} in {folder} ({free:,} bytes free)"
+
+
+def errors_in_one_line(script, expected, full_disk_remedy):
+    """From here on, an uncaught exception of an expected kind prints `<script>: error: <message>`,
+    and a full disk no_space_left's line and the remedy, instead of a traceback. Python exits 1
+    after any uncaught exception. Under torchrun only rank 0 speaks."""
+
+    def hook(kind, error, traceback):
+        if disk_full(error):
+            message = f"{no_space_left(error.filename)}; {full_disk_remedy}"
+        elif issubclass(kind, expected):
+            message = str(error)
+        else:
+            return sys.__excepthook__(kind, error, traceback)
+
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{script}: error: {message}", file=sys.stderr)
+
+    sys.excepthook = hook
+
+
+# ---- stop signals -------------------------------------------------------------------------------
+# A run stopped by a signal exits, after its checkpoint, with sysexits' EX_TEMPFAIL ("try again":
+# --resume=True) for its stop signals, and with the shell's 128 + 2 for Ctrl-C.
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+
+
+def signal_names(names):
+    """The signals of a comma-separated setting such as "SIGTERM,SIGUSR1"."""
+    return [name.strip() for name in names.split(",") if name.strip()]
+
+
+def catch_stop_signals(names):
+    """Make the signals named, and SIGINT, only record their arrival: received["signal"]."""
+    received = {"signal": 0}
+
+    def record(signum, frame):
+        received["signal"] = signum
+
+    for name in signal_names(names) + ["SIGINT"]:
+        signal.signal(signal.Signals[name], record)
+    return received
+
+
+def agreed_stop(received, device):
+    """The signal that stops the run after this step, or 0: the largest any rank received, so that
+    every rank stops at the same step."""
+    flag = torch.tensor(received["signal"], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag)
+
+
+def exit_code(signum):
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+# ---- a run's environment ------------------------------------------------------------------------
+def git(*args):
+    repo = os.path.dirname(os.path.abspath(__file__))
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def environment(argv, world_size):
+    """What reproduces a run: versions, GPUs, the git commit and the command line."""
+    triton = None
+    if importlib.util.find_spec("triton"):
+        import triton
+
+    cuda = torch.cuda.is_available()
+    return dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        triton=triton and triton.__version__,
+        cuda=torch.version.cuda,
+        gpu=torch.cuda.get_device_name() if cuda else None,
+        gpu_count=torch.cuda.device_count(),
+        world_size=world_size,
+        git_commit=git("rev-parse", "HEAD"),
+        git_dirty=bool(git("status", "--porcelain", "-uno")),
+        command=shlex.join([sys.executable, *argv]),
+    )
+
+
+# ---- memory -------------------------------------------------------------------------------------
+def return_large_allocations():
+    """glibc: give every allocation of 1 MiB or more its own mmap, handed back to the OS when freed.
+    Long CPU evaluations need it: multi-MiB tensors otherwise fragment the heap and stay resident
+    (an l6 forward at 32K tokens: over 7 GiB instead of about 2). Elsewhere it does nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+
+
+def is_out_of_memory(error):
+    """Whether an exception is an allocation that failed: CUDA's, or the CPU allocator's."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def reset_peak_memory(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+
+def peak_memory_bytes(device):
+    """CUDA: the allocator's peak since reset_peak_memory. CPU: the process's peak resident set."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(torch.device(device))
+
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
