@@ -9,6 +9,7 @@ import ctypes
 import errno
 import fcntl
 import importlib.util
+import json
 import os
 import platform
 import shlex
@@ -38,6 +39,48 @@ def resolve_device(name="auto"):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("needs a CUDA GPU, and torch finds none")
     return device
+
+
+def training_device(name, dtype, compile, ddp):
+    """The device a training asks for, checked against its precision: a ValueError says what does
+    not fit. A GPU launch that finds no GPU is a mistake: better stop than train for days on a
+    CPU."""
+    try:
+        device = resolve_device(name)
+    except ValueError as e:
+        raise ValueError(f"device={name!r} {e}; use --device=cpu") from None
+
+    gpu_recipe = dtype == "bfloat16" and compile
+    if name == "auto" and device.type == "cpu" and (ddp or gpu_recipe):
+        why = "under torchrun" if ddp else "with the GPU recipe's dtype=bfloat16 and compile=True"
+        raise ValueError(
+            f"device=auto found no CUDA GPU {why}; to train on the CPU on purpose pass "
+            "--device=cpu (e.g. python train.py <config> --device=cpu --compile=False "
+            "--dtype=float32)"
+        )
+    if device.type == "cpu" and dtype == "float16":
+        raise ValueError(
+            "dtype='float16' needs CUDA (it relies on a GradScaler); on the CPU use bfloat16 or "
+            "float32"
+        )
+    return device
+
+
+def start_processes(device, dtype, ddp, log):
+    """(device, dtype) of this process, with torchrun's process group started: a GPU per process,
+    TF32 matmuls, and float16 where a GPU has no native bfloat16."""
+    if ddp and device.type == "cuda":
+        device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda" and dtype == "bfloat16" and not native_bf16(device):
+        log(f"note: {torch.cuda.get_device_name(device)} has no native bfloat16; float16 it is")
+        dtype = "float16"
+    if ddp:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return device, dtype
 
 
 def native_bf16(device):
@@ -160,13 +203,16 @@ def no_space_left(path, what=None):
 
 
 def errors_in_one_line(script, expected, full_disk_remedy):
-    """From here on, an uncaught exception of an expected kind prints `<script>: error: <message>`,
-    and a full disk no_space_left's line and the remedy, instead of a traceback. Python exits 1
-    after any uncaught exception. Under torchrun only rank 0 speaks."""
+    """From here on, an uncaught exception of an expected kind prints `<script>: error: <message>`
+    instead of a traceback, a full disk no_space_left's line and the remedy, and a torch.compile
+    failure the way out. Python exits 1 after any uncaught exception. Under torchrun only rank 0
+    speaks."""
 
     def hook(kind, error, traceback):
         if disk_full(error):
             message = f"{no_space_left(error.filename)}; {full_disk_remedy}"
+        elif kind.__module__.startswith(("torch._dynamo", "torch._inductor")):
+            message = f"torch.compile failed ({kind.__name__}: {error}); rerun with --compile=False"
         elif issubclass(kind, expected):
             message = str(error)
         else:
@@ -244,6 +290,47 @@ def environment(argv, world_size):
         git_dirty=bool(git("status", "--porcelain", "-uno")),
         command=shlex.join([sys.executable, *argv]),
     )
+
+
+def run_log(settings, world_size, start_step, master):
+    """Start a training run's files in its out_dir (rank 0): config.json, env.json, and
+    metrics.jsonl cut back to start_step. Returns write(record): a line of metrics.jsonl, and with
+    wandb_log its numbers to Weights & Biases."""
+    if not master:
+        return lambda record: None
+
+    out_dir = settings["out_dir"]
+    path = os.path.join(out_dir, "metrics.jsonl")
+    # a resumed run keeps its records up to its checkpoint; a line cut by a crash has no newline
+    kept = []
+    if settings["resume"] and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n")]
+        kept = [line for line in kept if json.loads(line)["step"] <= start_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+    env = dict(environment(sys.argv, world_size), start_step=start_step)
+    for name, content in (("config.json", settings), ("env.json", env)):
+        with atomic_file(os.path.join(out_dir, name), "w") as f:
+            json.dump(content, f, indent=2)
+
+    wandb = None
+    if settings["wandb_log"]:
+        import wandb
+
+        name = settings["wandb_run_name"] or os.path.basename(os.path.normpath(out_dir))
+        wandb.init(project=settings["wandb_project"], config=settings, name=name)
+
+    def write(record):
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if wandb:
+            flat = {**record, **record.get("prior", {})}
+            numbers = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and k != "step"}
+            wandb.log(numbers, step=record["step"])
+
+    return write
 
 
 # ---- memory -------------------------------------------------------------------------------------

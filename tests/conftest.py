@@ -6,3 +6,23 @@ import sys
 # compiled kernel.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_train(argv):
+    """train.py's command line, run in this process as its own __main__ (no interpreter start-up):
+    the script's globals when it ends (step, val_loss, last_checkpoint, ...). Its exceptions reach
+    the caller; its stop signals' handlers are put back."""
+    import runpy
+    import signal
+    from unittest import mock
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    excepthook = sys.excepthook
+    try:
+        with mock.patch.object(sys, "argv", [script, *map(str, argv)]):
+            return runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.excepthook = excepthook
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

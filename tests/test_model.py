@@ -13,9 +13,18 @@ from attention import (
     attention_torch,
     dense_attention,
 )
-from model import load_model, load_state, save_checkpoint
 from configurator import ConfigError, configure
-from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache
+from model import (
+    GPT,
+    MODEL_SIZES,
+    POS_ENCODINGS,
+    CheckpointError,
+    GPTConfig,
+    KVCache,
+    load_model,
+    load_state,
+    save_checkpoint,
+)
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
@@ -44,7 +53,7 @@ def make(cfg, seed=0):
             if hasattr(a, "theta_beta"):
                 a.theta_beta.copy_(torch.linspace(-0.8, 1.5, cfg.n_head) + 0.1 * i)
                 a.theta_alpha.copy_(torch.linspace(-1.0, 0.5, cfg.n_head))
-            if hasattr(a, "ssmax_s"):
+            if a.ssmax_s is not None:
                 a.ssmax_s.copy_(torch.linspace(0.6, 1.4, cfg.n_head))
     return model
 
@@ -429,9 +438,8 @@ def _copy_weights(src, dst):
 @pytest.mark.parametrize("ssmax", [False, True])
 def test_bam_with_beta_one_and_log_slope_is_alibi(ssmax):
     alibi = make(tiny("alibi", ssmax)).eval()
-    bam = GPT(
-        tiny("bam", ssmax, bam_init="alibi", scale_prior=False)
-    ).eval()  # ALiBi+SSMax leaves B unscaled
+    # ALiBi+SSMax leaves B unscaled
+    bam = GPT(tiny("bam", ssmax, bam_init="alibi", scale_prior=not ssmax)).eval()
     _copy_weights(alibi, bam)
     idx = torch.randint(0, 257, (2, 24))
     with torch.no_grad():
@@ -545,28 +553,26 @@ def test_optimizer_groups_weight_decay():
 def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
     model = make(tiny("bam", True))
     path = str(tmp_path / "run" / "ckpt_0000007.pt")
-    save_checkpoint(path, torch.compile(model), step=7)  # lazy wrapper: keys carry _orig_mod.
+    save_checkpoint(path, model, step=7)
     assert not [f for f in (tmp_path / "run").iterdir() if ".tmp" in f.name]  # written atomically
-    loaded, ckpt = load_model(
-        str(tmp_path / "run")
-    )  # a run directory resolves to its newest checkpoint
-    assert ckpt["step"] == 7 and all(
-        not k.startswith(("_orig_mod", "module")) for k in ckpt["model"]
-    )
+    # a run directory resolves to its newest checkpoint
+    loaded, ckpt = load_model(str(tmp_path / "run"))
+    assert ckpt["step"] == 7
     idx = torch.randint(0, 257, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0])
-    # how attention is computed is the caller's choice, never the checkpoint's; checkpoints written
-    # before that was so still load, whatever impl their run used
+    # how attention is computed is the caller's choice, never the checkpoint's
     assert "attn_impl" not in ckpt["model_args"]
-    ckpt["model_args"]["attn_impl"] = "an impl of another version"
-    ckpt["model_args"]["ssmax_init"] = 0.25
-    torch.save(ckpt, path)
     assert load_model(path, attn_impl="torch")[0].attn_impl == "torch"
     assert load_model(path)[0].attn_impl == "auto"
     other = GPT(tiny("rope", False))
     with pytest.raises(ValueError, match="pos_encoding: 'bam' vs 'rope'"):
         load_state(other, ckpt)
+    # a checkpoint whose settings this code does not know is refused, not converted
+    ckpt["model_args"]["attn_impl"] = "an impl of another version"
+    torch.save(ckpt, path)
+    with pytest.raises(CheckpointError, match=r"other model settings .* unknown \['attn_impl'\]"):
+        load_model(path)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_model(str(tmp_path / "nowhere"))
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
@@ -590,6 +596,33 @@ def test_bad_config_values_fail_clearly():
         tiny("xpos")
     with pytest.raises(ValueError, match="bam_init must be"):
         tiny("bam", bam_init="nonsense")
+
+
+@pytest.mark.parametrize(
+    "pos_encoding, ssmax, setting, value",
+    [
+        ("rope", False, "prior", "kerple_log"),
+        ("alibi", True, "bam_init", "alibi"),
+        ("nope", False, "train_mu", True),
+        ("bam", True, "rope_theta", 10000.0),
+        ("bam", False, "scale_prior", False),
+        ("alibi", True, "scale_prior", False),
+    ],
+)
+def test_a_setting_the_model_would_not_use_is_an_error(pos_encoding, ssmax, setting, value):
+    """Changed from its default and unused by this model: refused, not silently dropped. At its
+    default it is no error (the paper's recipe sets them all)."""
+    with pytest.raises(ValueError, match=f"{setting}={value!r} has no effect on this model"):
+        tiny(pos_encoding, ssmax, **{setting: value})
+    tiny(pos_encoding, ssmax)
+
+
+def test_scale_prior_is_used_only_where_a_trained_prior_meets_ssmax():
+    with pytest.raises(ValueError, match="scale_prior=False has no effect"):
+        tiny("bam", True, prior="sandwich", scale_prior=False)  # a fixed prior keeps its scale
+    assert not GPT(tiny("bam", True, prior="sandwich")).blocks[0].attn.scale_prior
+    assert GPT(tiny("bam", True)).blocks[0].attn.scale_prior
+    assert not GPT(tiny("bam", True, scale_prior=False)).blocks[0].attn.scale_prior
 
 
 # --------------------------------------------------------------------------------------------------

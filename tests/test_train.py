@@ -12,12 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import run_train
 
+import data
+import model as model_module
 import train
-from model import load_checkpoint, load_model
-from configurator import ConfigError
+from configurator import ConfigError, configure
 from data import TokenLoader, get_tokenizer, write_shard
-from model import GPT, POS_ENCODINGS, GPTConfig
+from model import GPT, POS_ENCODINGS, GPTConfig, load_checkpoint, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
@@ -79,6 +81,12 @@ def changed(cfg, **settings):
     return SimpleNamespace(**{**vars(cfg), **settings})
 
 
+def settings(*argv, **overrides):
+    """train.py's settings after config files and --key=value arguments, as a namespace."""
+    defaults = {k: getattr(train, k) for k in train.config_keys}
+    return SimpleNamespace(**{**configure(defaults, list(argv)), **overrides})
+
+
 def run_cli(args, timeout=240, **env):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), *args],
@@ -106,7 +114,7 @@ def test_end_to_end_cli(data_dir, tmp_path):
     settings += " --keep_last=1 --learning_rate=1e-2 --device=cpu --dtype=float32 --compile=False"
     r = run_cli([str(config), f"--data_dir={data_dir}", f"--out_dir={out}", *settings.split()])
     assert r.returncode == 0, r.stderr
-    assert "parameters:" in r.stdout and "16 trainable prior" in r.stdout
+    assert "parameters" in r.stdout and "16 trainable prior" in r.stdout
     assert "step 6/6 | loss" in r.stdout and "done: step 6 of 6" in r.stdout
 
     check_run_directory(out, config)
@@ -116,6 +124,7 @@ def test_end_to_end_cli(data_dir, tmp_path):
 def check_run_directory(out, config):
     """config.json, env.json, metrics.jsonl and the one checkpoint kept (keep_last=1)."""
     assert sorted(os.listdir(out)) == [
+        ".lock",
         "ckpt_0000006.pt",
         "config.json",
         "env.json",
@@ -185,14 +194,26 @@ def test_bad_settings_fail_before_touching_data(tmp_path, bad, message):
     # the data directory does not exist: a semantic error must be reported first, and nothing is
     # written
     with pytest.raises(ConfigError, match="invalid settings") as e:
-        train.main(tiny(str(tmp_path / "no_data"), tmp_path / "run") + bad)
+        run_train(tiny(str(tmp_path / "no_data"), tmp_path / "run") + bad)
     assert message in str(e.value)
     assert not (tmp_path / "run").exists()
 
 
+def test_a_setting_the_model_ignores_is_one_line(tmp_path):
+    """rope would train with --prior=kerple_log silently unused: refused before anything else."""
+    config = os.path.join(ROOT, "config", "demo_cpu.py")
+    out = tmp_path / "run"
+    r = run_cli([config, "--pos_encoding=rope", "--prior=kerple_log", f"--out_dir={out}"], 60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(
+        "train.py: error: invalid settings: prior='kerple_log' has no effect"
+    )
+    assert not out.exists()
+
+
 def test_missing_data_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
-        train.main(tiny(str(tmp_path / "nowhere"), tmp_path / "run"))
+        run_train(tiny(str(tmp_path / "nowhere"), tmp_path / "run"))
     assert (
         "data directory" in str(e.value)
         and "does not exist" in str(e.value)
@@ -275,25 +296,18 @@ def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
     )
     assert "pass --device=cpu" in r.stderr
     # the GPU recipe's settings without torchrun, and on purpose with --device=cpu
-    c = train.configure(
-        {k: getattr(train, k) for k in train.config_keys},
-        [os.path.join(ROOT, "config/bam_120m.py")],
-    )
-    c, config = train.resolve_config(c, world_size=1)
+    c = settings(os.path.join(ROOT, "config/bam_120m.py"))
     with pytest.raises(
         ConfigError, match="dtype=bfloat16 and compile=True; to train on the CPU on purpose"
     ):
-        train.check_device(c, config.family, ddp=False)
-    assert train.check_device(
-        changed(c, device="cpu"), config.family, ddp=True
-    ) == torch.device("cpu")
-    assert train.check_device(
-        changed(c, compile=False), config.family, ddp=False
-    ) == torch.device("cpu")
+        train.check_settings(changed(c), world_size=1, ddp=False)
+    cpu = torch.device("cpu")
+    assert train.check_settings(changed(c, device="cpu"), world_size=1, ddp=True)[0] == cpu
+    assert train.check_settings(changed(c, compile=False), world_size=1, ddp=False)[0] == cpu
     with pytest.raises(ConfigError, match="device='cuda:0' needs a CUDA GPU, and torch finds none"):
-        train.check_device(changed(c, device="cuda:0"), config.family, ddp=False)
+        train.check_settings(changed(c, device="cuda:0"), world_size=1, ddp=False)
     with pytest.raises(ConfigError, match="device='gpu' is not a device torch knows"):
-        train.check_device(changed(c, device="gpu"), config.family, ddp=False)
+        train.check_settings(changed(c, device="gpu"), world_size=1, ddp=False)
     assert not (tmp_path / "run").exists()
 
 
@@ -324,11 +338,12 @@ def test_every_model_setting_is_written_out_in_train_py():
 
 
 def test_tokens_per_step_sets_accumulation():
-    defaults = {k: getattr(train, k) for k in train.config_keys}
-    c, config = train.resolve_config(defaults, world_size=8)
+    c = settings(device="cpu")
+    _, config = train.check_settings(c, world_size=8, ddp=True)
     assert c.gradient_accumulation_steps == 589824 // (48 * 512)  # 24 in all, 3 per process
     assert (config.n_layer, config.n_embd, config.n_head) == (12, 768, 16)
-    c, config = train.resolve_config(dict(vars(c), model_size="l24", batch_size=16), world_size=8)
+    c = changed(c, model_size="l24", batch_size=16)
+    _, config = train.check_settings(c, world_size=8, ddp=True)
     assert c.gradient_accumulation_steps == 72
     assert (config.n_layer, config.n_embd, config.n_head) == (24, 2048, 64)
 
@@ -345,16 +360,12 @@ def test_lr_schedule():
 def test_configs_resolve():
     """config/bam_120m.py and config/bam_1b.py are the paper recipe and divide into 8-GPU
     micro-batches."""
-    from configurator import configure
-
-    defaults = {k: getattr(train, k) for k in train.config_keys}
     for path, size, accum in (
         ("bam_120m.py", (12, 768, 16), 24),
         ("bam_1b.py", (24, 2048, 64), 72),
     ):
-        c, config = train.resolve_config(
-            configure(defaults, [os.path.join(ROOT, "config", path)]), world_size=8
-        )
+        c = settings(os.path.join(ROOT, "config", path), "--device=cpu")
+        _, config = train.check_settings(c, world_size=8, ddp=True)
         assert (config.n_layer, config.n_embd, config.n_head) == size
         assert c.gradient_accumulation_steps == accum
         assert (c.pos_encoding, c.ssmax, c.block_size, c.max_iters) == ("bam", True, 512, 20000)
@@ -367,13 +378,8 @@ def test_paper_config_has_the_papers_parameter_count():
     """config/bam_120m.py is the authors' setup: mistral data, no repeat, and l12 with the
     32,768-token vocabulary has the paper's 121.13M parameters (gpt2's 50,257 would give 148.07M).
     """
-    from configurator import configure
-
-    c = configure(
-        {k: getattr(train, k) for k in train.config_keys},
-        [os.path.join(ROOT, "config", "bam_120m.py")],
-    )
-    c, config = train.resolve_config(c, world_size=1)
+    c = settings(os.path.join(ROOT, "config", "bam_120m.py"), "--device=cpu")
+    _, config = train.check_settings(c, world_size=1, ddp=False)
     assert c.data_dir == "data/fineweb_mistral" and c.allow_data_repeat is False
     vocab = get_tokenizer("mistral").n_vocab
     assert vocab == 32768
@@ -393,15 +399,12 @@ def test_a_run_that_would_repeat_data_is_refused(data_dir, tmp_path):
         f"{missing:,} missing" in r.stderr and "prepare_fineweb.py --name sample-100BT" in r.stderr
     )
     assert "--allow_data_repeat=True" in r.stderr and not (tmp_path / "run").exists()
-    with pytest.raises(
-        ConfigError, match="longer than every train shard.*prepare more data"
-    ):  # not one window
-        train.main(tiny(data_dir, tmp_path / "run", block_size=20_000))
-    c = SimpleNamespace(max_iters=steps, block_size=32, allow_data_repeat=True, data_dir=data_dir)
-    train.check_data_budget(c, "byte", windows, 128)  # allowed: no error
-    train.check_data_budget(
-        changed(c, allow_data_repeat=False, max_iters=steps - 1), "byte", windows, 128
-    )  # fits
+    # not one window
+    with pytest.raises(data.DataError, match="longer than every train shard.*prepare more data"):
+        run_train(tiny(data_dir, tmp_path / "run", block_size=20_000))
+    # allowed, and a run that fits
+    run_train(tiny(data_dir, tmp_path / "allowed", max_iters=steps, allow_data_repeat=True))
+    run_train(tiny(data_dir, tmp_path / "fits", max_iters=steps - 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,7 +414,7 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
     final weights."""
     full, broken = tmp_path / "full", tmp_path / "broken"
     args = dict(max_iters=8, gradient_accumulation_steps=2, eval_interval=4, ckpt_interval=3)
-    train.main(tiny(data_dir, full, **args))
+    run_train(tiny(data_dir, full, **args))
 
     class Crash(Exception):
         pass
@@ -424,25 +427,24 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
                 raise Crash
             return super().get_batch(step, micro_step, grad_accum)
 
-    monkeypatch.setattr(train, "TokenLoader", CrashingLoader)
+    monkeypatch.setattr(data, "TokenLoader", CrashingLoader)
     with pytest.raises(Crash):
-        train.main(tiny(data_dir, broken, **args))
-    monkeypatch.setattr(train, "TokenLoader", TokenLoader)
+        run_train(tiny(data_dir, broken, **args))
+    monkeypatch.setattr(data, "TokenLoader", TokenLoader)
     assert [m["step"] for m in metrics(broken)] == [0, 1, 2, 3, 4]
     assert sorted(f for f in os.listdir(broken) if f.startswith("ckpt")) == ["ckpt_0000003.pt"]
 
-    with pytest.raises(
-        train.TrainingError, match="already holds checkpoints"
-    ):  # no silent restart over a run
-        train.main(tiny(data_dir, broken, **args))
-    with pytest.raises(
-        train.TrainingError, match="n_embd: 32 vs 64"
-    ):  # a different model cannot resume it
-        train.main(tiny(data_dir, broken, **args, n_embd=64, resume=True))
+    # no silent restart over a run
+    with pytest.raises(RuntimeError, match="already holds checkpoints") as e:
+        run_train(tiny(data_dir, broken, **args))
+    assert e.typename == "TrainingError"
+    # a different model cannot resume it
+    with pytest.raises(RuntimeError, match="n_embd: 32 vs 64") as e:
+        run_train(tiny(data_dir, broken, **args, n_embd=64, resume=True))
+    assert e.typename == "TrainingError"
     with open(broken / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "train_l')  # a record cut short by the crash
-    summary = train.main(tiny(data_dir, broken, **args, resume=True))
-    assert summary["step"] == 8
+    assert run_train(tiny(data_dir, broken, **args, resume=True))["step"] == 8
 
     a, b = metrics(full), metrics(broken)
     assert [m["step"] for m in b] == list(
@@ -464,7 +466,7 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
 )
 def test_every_variant_learns(data_dir, tmp_path, pos_encoding, ssmax):
     out = tmp_path / "run"
-    train.main(
+    run_train(
         tiny(
             data_dir,
             out,
@@ -503,11 +505,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
                     loss = loss * float("nan")
             return logits, loss
 
-    monkeypatch.setattr(train, "GPT", NaNAtStep5)
+    monkeypatch.setattr(model_module, "GPT", NaNAtStep5)
     out = tmp_path / "run"
-    with pytest.raises(train.TrainingError, match=r"non-finite loss nan at step 5") as e:
-        train.main(tiny(data_dir, out, max_iters=8, ckpt_interval=2))
-    assert "ckpt_0000004.pt" in str(e.value)
+    with pytest.raises(RuntimeError, match=r"non-finite loss nan at step 5") as e:
+        run_train(tiny(data_dir, out, max_iters=8, ckpt_interval=2))
+    assert e.typename == "TrainingError" and "ckpt_0000004.pt" in str(e.value)
     assert sorted(f for f in os.listdir(out) if f.startswith("ckpt")) == [
         "ckpt_0000002.pt",
         "ckpt_0000004.pt",
@@ -520,10 +522,8 @@ def test_diverging_learning_rate_stops(data_dir, tmp_path):
     """The real thing, no monkeypatching: an absurd learning rate without clipping blows the model
     up, and the run stops at the first non-finite loss or gradient norm with the step in the
     message."""
-    with pytest.raises(
-        train.TrainingError, match=r"non-finite (loss|gradient norm) \S+ at step \d+"
-    ):
-        train.main(
+    with pytest.raises(RuntimeError, match=r"non-finite (loss|gradient norm) \S+ at step \d+"):
+        run_train(
             tiny(
                 data_dir,
                 tmp_path / "run",
@@ -565,7 +565,7 @@ def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "x 1 accumulation x 2 processes" in r.stdout
-    train.main(
+    run_train(
         tiny(
             data_dir,
             tmp_path / "one",
@@ -593,8 +593,8 @@ def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_compiled_training_matches_eager(data_dir, tmp_path):
-    train.main(tiny(data_dir, tmp_path / "eager", max_iters=3, eval_interval=3, ckpt_interval=3))
-    train.main(
+    run_train(tiny(data_dir, tmp_path / "eager", max_iters=3, eval_interval=3, ckpt_interval=3))
+    run_train(
         tiny(
             data_dir,
             tmp_path / "compiled",
@@ -622,9 +622,9 @@ def test_wandb_logging_on_request(data_dir, tmp_path, monkeypatch):
     fake.init = lambda **kw: calls.append(("init", kw))
     fake.log = lambda data, step: calls.append(("log", step, data))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    train.main(tiny(data_dir, tmp_path / "off", max_iters=2, eval_interval=2, ckpt_interval=2))
+    run_train(tiny(data_dir, tmp_path / "off", max_iters=2, eval_interval=2, ckpt_interval=2))
     assert calls == []
-    train.main(
+    run_train(
         tiny(
             data_dir, tmp_path / "on", max_iters=2, eval_interval=2, ckpt_interval=2, wandb_log=True
         )
