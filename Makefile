@@ -2,34 +2,36 @@
 # make demo-text - the text demo: six runs trained on English, perplexity to 64x the training length
 # make zoo    - the published priors side by side on both demos (results/zoo/README.md)
 # make test   - the default test suite (what CI runs)
-# Both use the active virtual environment, or create .venv and install requirements.txt into it.
+# All use the active virtual environment, or create .venv: the demos install requirements.txt (what they import),
+# make test requirements-dev.txt (that, and the tests, the linter and the lm-eval adapter).
 ifdef VIRTUAL_ENV
 PYTHON := $(VIRTUAL_ENV)/bin/python
-STAMP := $(VIRTUAL_ENV)/.bam-gpt-requirements
+STAMP := $(VIRTUAL_ENV)/.bam-gpt
 else
 PYTHON := .venv/bin/python
-STAMP := .venv/.bam-gpt-requirements
+STAMP := .venv/.bam-gpt
 endif
 
-.PHONY: deps test test-all demo demo-text zoo gpu-check
+.PHONY: deps dev-deps test test-all demo demo-text zoo gpu-check
 
-$(STAMP): requirements.txt
+$(STAMP)-%: %.txt requirements.txt
 	@test -x $(PYTHON) || python3 -m venv .venv
-	$(PYTHON) -m pip install -q -r requirements.txt
-	@touch $(STAMP)
+	$(PYTHON) -m pip install -q -r $<
+	@touch $@
 
-deps: $(STAMP)
+deps: $(STAMP)-requirements
+dev-deps: $(STAMP)-requirements-dev
 
 # the formatter and the linter first (pyproject.toml's settings), so that CI keeps the layout; then
 # the tests in TEST_JOBS processes (pytest-xdist), one a core; an idle process takes tests queued
 # for a busy one (worksteal), so that a few long tests do not leave a core waiting at the end
 TEST_JOBS ?= 2
-test: deps
+test: dev-deps
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist worksteal -m "not slow" tests/
 
-test-all: deps
+test-all: dev-deps
 	$(PYTHON) -m pytest -q -n $(TEST_JOBS) tests/
 
 # every GPU check in one go (dev/README.md): kernel correctness and speed, l12 step time, a 131K-token forward,
@@ -41,8 +43,8 @@ gpu-check:
 # ---- the CPU demo ------------------------------------------------------------------------------------------------
 # Synthetic passkey data (prepare_demo.py), tiny models trained at a 64-token context (config/demo_cpu.py, DEMO_JOBS
 # trainings at a time on one thread each), passkey retrieval at 1x..64x that length with the per-seed table
-# (eval_passkey.py --template demo), the heads that read the needle (inspect_attention.py) and the learned BAM prior
-# (plot_prior.py). Everything is written under data/demo/ and out/demo/ (ignored by git; the results in
+# (eval_passkey.py --template demo), the heads that read the needle (analysis/inspect_attention.py) and the learned
+# BAM prior (analysis/plot_prior.py). Everything is written under data/demo/ and out/demo/ (ignored by git; the results in
 # out/demo/results/), so the figures committed in results/demo/ are never overwritten.
 #   make demo                          one seed, all four variants
 #   make demo SEEDS=12 BASELINE_SEEDS=6  the seed study: BAM + SSMax on seeds 1-12, the baselines on 1-6
@@ -84,18 +86,14 @@ OMP_NUM_THREADS=1 $(PYTHON) train.py $(1) --out_dir=$(2)/$(3) --data_dir=$(4) $(
 @touch $(2)/$(3)/done
 endef
 
-# glibc hands freed blocks over 128 KiB back to the kernel and faults them in again at the next step; keeping them
-# makes the trainings ~12% faster, bit for bit the same weights
-demo: export MALLOC_MMAP_THRESHOLD_ = 268435456
-demo: export MALLOC_TRIM_THRESHOLD_ = 268435456
 demo: deps
 	$(MAKE) --no-print-directory -j$(DEMO_JOBS) $(demo_runs:%=$(DEMO_OUT)/%/done)
 	rm -f $(DEMO_RESULTS)/passkey_*
 	$(PYTHON) eval_passkey.py --template demo $(demo_runs:%=--ckpt $(DEMO_OUT)/%) --lengths $(DEMO_LENGTHS) \
 		--out $(DEMO_RESULTS) --no_progress $(DEMO_EVAL_ARGS)
-	$(PYTHON) inspect_attention.py --template demo $(patsubst %,--ckpt $(DEMO_OUT)/%,$(filter %-s1,$(demo_runs))) \
+	$(PYTHON) analysis/inspect_attention.py --template demo $(patsubst %,--ckpt $(DEMO_OUT)/%,$(filter %-s1,$(demo_runs))) \
 		--lengths $(DEMO_LENGTHS) --samples 10 --out $(DEMO_RESULTS) --no_progress
-	$(foreach r,$(filter bam%,$(demo_runs)),$(PYTHON) plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(DEMO_RESULTS)/prior_$(r).png && ) true
+	$(foreach r,$(filter bam%,$(demo_runs)),$(PYTHON) analysis/plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(DEMO_RESULTS)/prior_$(r).png && ) true
 
 # $(call content_stamp,FILES,STAMP): write the sha256 of FILES to STAMP only when it differs. Make looks at the
 # stamp's date again after its recipe, so whatever depends on it is rebuilt only when the content changed.
@@ -118,7 +116,7 @@ $(DEMO_OUT)/%/done: $(DEMO_OUT)/config.sha256 $(DEMO_DATA)/s$$(call demo_seed,$$
 # Real English (the King James Bible, extracted by prepare_text.py from an installed package, byte
 # tokens), six runs (the five encodings and BAM + SSMax) trained at a 64-token context
 # (config/text_cpu.py, DEMO_JOBS trainings at a time on one thread each), then perplexity along the position axis to 64x that length (eval_ppl.py),
-# with the per-seed table at 1x..64x, and the learned BAM priors (plot_prior.py). Everything is
+# with the per-seed table at 1x..64x, and the learned BAM priors (analysis/plot_prior.py). Everything is
 # written under data/text/ and out/text/ (the results in out/text/results/); results/text/ is never
 # overwritten.
 #   make demo-text            one seed, all six runs
@@ -134,14 +132,12 @@ TEXT_TRAIN_ARGS ?=
 TEXT_EVAL_ARGS ?= --seq_len 4096 --window 64 --num_seqs 16
 text_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(TEXT_VARIANTS),$(v)-s$(s)))
 
-demo-text: export MALLOC_MMAP_THRESHOLD_ = 268435456
-demo-text: export MALLOC_TRIM_THRESHOLD_ = 268435456
 demo-text: deps
 	$(MAKE) --no-print-directory -j$(DEMO_JOBS) $(text_runs:%=$(TEXT_OUT)/%/done)
 	rm -f $(TEXT_RESULTS)/ppl_*
 	$(PYTHON) eval_ppl.py $(text_runs:%=--ckpt $(TEXT_OUT)/%) --out $(TEXT_RESULTS) $(TEXT_EVAL_ARGS)
 	cp $(TEXT_DATA)/corpus.json $(TEXT_RESULTS)/corpus.json
-	$(foreach r,$(filter bam%,$(text_runs)),$(PYTHON) plot_prior.py --ckpt $(TEXT_OUT)/$(r) --out $(TEXT_RESULTS)/prior_$(r).png && ) true
+	$(foreach r,$(filter bam%,$(text_runs)),$(PYTHON) analysis/plot_prior.py --ckpt $(TEXT_OUT)/$(r) --out $(TEXT_RESULTS)/prior_$(r).png && ) true
 
 $(TEXT_DATA)/corpus.json: prepare_text.py
 	$(PYTHON) prepare_text.py --out_dir $(TEXT_DATA) $(TEXT_PREPARE_ARGS)
@@ -168,8 +164,6 @@ ZOO_RESULTS ?= out/zoo/results
 zoo_runs := $(foreach s,$(shell seq 1 $(SEEDS)),$(foreach v,$(ZOO_VARIANTS),$(v)-s$(s)))
 zoo_plots := $(filter-out nope-%,$(filter %-s1,$(zoo_runs)))
 
-zoo: export MALLOC_MMAP_THRESHOLD_ = 268435456
-zoo: export MALLOC_TRIM_THRESHOLD_ = 268435456
 zoo: deps
 	$(MAKE) --no-print-directory -j$(DEMO_JOBS) $(foreach r,$(zoo_runs),$(DEMO_OUT)/$(r)/done $(TEXT_OUT)/$(r)/done)
 	rm -f $(ZOO_RESULTS)/passkey_summary.* $(ZOO_RESULTS)/ppl_summary.* $(ZOO_RESULTS)/*_table.*
@@ -177,5 +171,5 @@ zoo: deps
 		--out $(ZOO_RESULTS) --no_progress $(DEMO_EVAL_ARGS)
 	$(PYTHON) eval_ppl.py $(zoo_runs:%=--ckpt $(TEXT_OUT)/%) --out $(ZOO_RESULTS) $(TEXT_EVAL_ARGS)
 	cp $(TEXT_DATA)/corpus.json $(ZOO_RESULTS)/corpus.json
-	$(foreach r,$(zoo_plots),$(PYTHON) plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(ZOO_RESULTS)/prior_passkey_$(r).png && \
-		$(PYTHON) plot_prior.py --ckpt $(TEXT_OUT)/$(r) --out $(ZOO_RESULTS)/prior_text_$(r).png && ) true
+	$(foreach r,$(zoo_plots),$(PYTHON) analysis/plot_prior.py --ckpt $(DEMO_OUT)/$(r) --out $(ZOO_RESULTS)/prior_passkey_$(r).png && \
+		$(PYTHON) analysis/plot_prior.py --ckpt $(TEXT_OUT)/$(r) --out $(ZOO_RESULTS)/prior_text_$(r).png && ) true

@@ -5,7 +5,16 @@ attention() is causal softmax attention with a log-prior over the distance from 
 paper's BAM), SSMax's row scale and document boundaries. dense_attention writes the formula out as
 the specification; "torch" is the chunked reference (any prior, any device), "sdpa" the CPU
 evaluation path (attention_sdpa.py), "triton" the fused kernel (attention_kernel.py), and "auto"
-the fastest that can. impl_error is the one place that says which impl can compute what.
+the fastest that can. impl_error is the one place that says which impl can compute what:
+
+    impl     what it is                                        CPU                  CUDA
+    auto     triton on CUDA; on the CPU sdpa without gradients, else torch
+    torch    the chunked reference, every prior                train + evaluate     train + evaluate
+    sdpa     PyTorch's SDPA per query chunk, prior as a mask   evaluate             -
+    triton   the flash-attention kernel, every prior           TRITON_INTERPRET=1   train + evaluate
+
+sdpa also trains where the mask needs no gradient. An impl that cannot compute a call raises with
+the reason; none replaces one prior with another.
 """
 
 import math

@@ -11,6 +11,7 @@ so a resumed run sees exactly the batches an uninterrupted one would.
 """
 
 import functools
+import math
 import os
 import re
 import struct
@@ -34,8 +35,6 @@ DOC_START = {"gpt2": 50256, "byte": 256, "mistral": 1}
 DOC_END = {"gpt2": None, "byte": None, "mistral": 2}
 # the validation split: the first 3,932,160 tokens of the stream (the authors' split)
 VAL_TOKENS = 3_932_160
-# the authors skip this many tokens between the validation and the training data
-GAP_TOKENS = 1_000_000
 MISTRAL_MODEL = ("mistral_common", "data/mistral_instruct_tokenizer_240323.model.v3")
 
 MAGIC = 0x42414D31  # "BAM1"
@@ -44,6 +43,7 @@ HEADER_BYTES = 256
 # magic, version, token count, tokenizer name (null-padded ASCII)
 _HEADER = struct.Struct("<IIq32s")
 SHARD_RE = re.compile(r"^(.+)_(train|val)_(\d{6})\.bin$")  # prefix, split, index
+RERUN = "rerun the preparation script that wrote it"
 
 
 class DataError(ValueError):
@@ -114,15 +114,15 @@ def tiktoken_tokenizer(enc, eot):
     """A tiktoken Encoding as a Tokenizer whose documents are eot + text (gpt2, byte, and tests' own
     encodings)."""
     return Tokenizer(
-        enc.name,
-        enc.n_vocab,
-        eot,
-        eot,
-        None,
-        False,
-        enc.encode_ordinary,
-        enc.decode,
-        enc.decode_single_token_bytes,
+        name=enc.name,
+        n_vocab=enc.n_vocab,
+        eot_token=eot,
+        doc_start=eot,
+        doc_end=None,
+        word_boundary=False,
+        encode_ordinary=enc.encode_ordinary,
+        decode=enc.decode,
+        token_bytes=enc.decode_single_token_bytes,
     )
 
 
@@ -143,11 +143,12 @@ def _sentencepiece(name):
         ) from e
 
     sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+    expected = (VOCAB_SIZE[name], EOT[name], DOC_START[name])
     found = (sp.get_piece_size(), sp.eos_id(), sp.bos_id())
-    if found != (VOCAB_SIZE[name], EOT[name], DOC_START[name]):
+    if found != expected:
         raise RuntimeError(
-            f"{package}/{path} has vocab, EOS, BOS = {found}, expected "
-            f"{(VOCAB_SIZE[name], EOT[name], DOC_START[name])}: another mistral-common release?"
+            f"{package}/{path} has vocab, EOS, BOS = {found}, expected {expected}: another "
+            "mistral-common release?"
         )
 
     def token_bytes(t):
@@ -158,15 +159,15 @@ def _sentencepiece(name):
         return sp.id_to_piece(t).replace("\u2581", " ").encode("utf-8")
 
     return Tokenizer(
-        name,
-        sp.get_piece_size(),
-        EOT[name],
-        DOC_START[name],
-        DOC_END[name],
-        True,
-        lambda text: sp.encode(text),
-        lambda ids: sp.decode([int(t) for t in ids]),
-        token_bytes,
+        name=name,
+        n_vocab=sp.get_piece_size(),
+        eot_token=EOT[name],
+        doc_start=DOC_START[name],
+        doc_end=DOC_END[name],
+        word_boundary=True,
+        encode_ordinary=lambda text: sp.encode(text),
+        decode=lambda ids: sp.decode([int(t) for t in ids]),
+        token_bytes=token_bytes,
     )
 
 
@@ -197,25 +198,16 @@ def _read_header(path):
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
 
-    rerun = (
-        "rerun the preparation script that wrote it "
-        "(prepare_fineweb.py resumes and rewrites broken shards)"
-    )
     if len(raw) < HEADER_BYTES:
         raise DataError(
-            f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {rerun}"
+            f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header; {RERUN}"
         )
 
     magic, version, count, name = _HEADER.unpack_from(raw)
-
-    if magic != MAGIC:
+    if (magic, version) != (MAGIC, VERSION):
         raise DataError(
-            f"{path}: not a bam-gpt token shard (magic {magic:#x}, expected {MAGIC:#x})"
-        )
-
-    if version != VERSION:
-        raise DataError(
-            f"{path}: shard format version {version}, this code reads version {VERSION}; {rerun}"
+            f"{path}: not a bam-gpt token shard of version {VERSION} (magic {magic:#x}, version "
+            f"{version}); {RERUN}"
         )
 
     size = os.path.getsize(path)
@@ -223,20 +215,26 @@ def _read_header(path):
     if size != expected:
         raise DataError(
             f"{path}: truncated or corrupt shard ({size} bytes, the header promises {count} "
-            f"tokens = {expected} bytes); {rerun}"
+            f"tokens = {expected} bytes); {RERUN}"
         )
     return count, name.rstrip(b"\0").decode("ascii")
+
+
+def _check_tokenizer(what, name, tokenizer):
+    """A DataError if the tokenizer asked for (None: any) is not name, the one `what` was made
+    with."""
+    if tokenizer is not None and tokenizer != name:
+        raise DataError(
+            f"{what} made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
+            f"or prepare the data again with --tokenizer {tokenizer}"
+        )
 
 
 def open_shard(path, tokenizer=None):
     """The shard's tokens as a read-only uint16 memmap, after validating the header (and the
     tokenizer, if given)."""
     count, name = _read_header(path)
-    if tokenizer is not None and tokenizer != name:
-        raise DataError(
-            f"{path} was made with the {name!r} tokenizer, not {tokenizer!r}; "
-            f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}"
-        )
+    _check_tokenizer(f"{path} was", name, tokenizer)
 
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
 
@@ -256,22 +254,18 @@ def shard_paths(data_dir, split):
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"data directory {data_dir} does not exist; {how}")
 
-    found = []  # (prefix, file name)
-    for name in os.listdir(data_dir):
-        match = SHARD_RE.match(name)
-        if match and match.group(2) == split:
-            found.append((match.group(1), name))
-    found.sort()
+    matches = [SHARD_RE.match(name) for name in sorted(os.listdir(data_dir))]
+    found = [m for m in matches if m and m.group(2) == split]
     if not found:
         raise FileNotFoundError(f"no {split} shards (*_{split}_NNNNNN.bin) in {data_dir}; {how}")
 
-    prefixes = sorted({p for p, _ in found})
+    prefixes = sorted({m.group(1) for m in found})
     if len(prefixes) > 1:  # two datasets in one directory would silently be mixed
         raise DataError(
             f"{data_dir} holds {split} shards of several datasets (prefixes {prefixes}); "
             "keep one dataset per directory"
         )
-    return [os.path.join(data_dir, f) for _, f in found]
+    return [os.path.join(data_dir, m.group(0)) for m in found]
 
 
 def _split_extents(data_dir, split, tokenizer=None):
@@ -297,11 +291,7 @@ def _split_extents(data_dir, split, tokenizer=None):
         )
 
     name = next(iter(names))
-    if tokenizer is not None and tokenizer != name:
-        raise DataError(
-            f"the shards in {data_dir} were made with the {name!r} tokenizer, not {tokenizer!r}; "
-            f"use --tokenizer {name} or prepare the data again with --tokenizer {tokenizer}"
-        )
+    _check_tokenizer(f"the shards in {data_dir} were", name, tokenizer)
     return extents, name
 
 
@@ -348,6 +338,7 @@ class TokenLoader:
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.data_dir = data_dir
         self.extents, self.tokenizer = _split_extents(data_dir, split, tokenizer)
         self.doc_start = DOC_START[self.tokenizer]
         self.vocab_size = VOCAB_SIZE[self.tokenizer]
@@ -372,6 +363,25 @@ class TokenLoader:
     def __len__(self):
         return self.num_windows
 
+    def check_enough(self, steps, tokens_per_step):
+        """A DataError where a run of `steps` would read past the end of this split: the loader
+        wraps around, and a run that reads its data twice is refused unless the user allows it."""
+        needed = steps * tokens_per_step
+        have = self.num_windows * self.block_size
+        if needed <= have:
+            return
+
+        # what prepare_fineweb.py should fetch: + validation, + what the shards' ends lose
+        total = math.ceil((VAL_TOKENS + 1.001 * needed) / 1e8) * 1e8
+        raise DataError(
+            f"the run reads {needed:,} training tokens ({steps} steps x {tokens_per_step:,}) but "
+            f"{self.data_dir} holds {have:,} in whole {self.block_size}-token windows: "
+            f"{needed - have:,} missing, so data would repeat. Get them with `python "
+            f"prepare_fineweb.py --name sample-100BT --tokenizer {self.tokenizer} --max_tokens "
+            f"{int(total)} --out_dir {self.data_dir}` (resumes and extends), lower max_iters, or "
+            "pass --allow_data_repeat=True"
+        )
+
     def window_indices(self, step, micro_step=0, grad_accum=1):
         """The windows of one batch (one micro step of one rank)."""
         first = ((step * grad_accum + micro_step) * self.world_size + self.rank) * self.batch_size
@@ -385,7 +395,7 @@ class TokenLoader:
         first_window = np.concatenate([[0], self.cum_windows[:-1]])[shard_of]
 
         T = self.block_size
-        rows = []  # (row of the batch, its T + 1 tokens)
+        buf = torch.empty(self.batch_size, T + 1, dtype=torch.int64)
         for shard in np.unique(shard_of):
             # A fresh memmap per batch, as nanoGPT does: a long-lived one keeps every page it
             # touched mapped, which shows up as resident memory growing through an epoch.
@@ -393,10 +403,8 @@ class TokenLoader:
             tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
             for row in np.flatnonzero(shard_of == shard):
                 start = (windows[row] - first_window[row]) * T
-                rows.append((row, np.array(tokens[start : start + T + 1], dtype=np.int64)))
+                buf[row] = torch.from_numpy(tokens[start : start + T + 1].astype(np.int64))
 
-        rows.sort(key=lambda r: r[0])
-        buf = torch.from_numpy(np.stack([tokens for _, tokens in rows]))
         x = buf[:, :-1].contiguous()
         y = buf[:, 1:].contiguous()
         return x, y, doc_starts(x, self.doc_start)

@@ -1,16 +1,21 @@
 """
 Passkey retrieval, the paper's headline experiment, with the authors' prompts and scoring (their
-evaluate.py): a key hidden in filler text at equidistant depths (passkey.py builds the prompts). A
-sample is correct iff every scored answer token is the model's argmax, teacher-forced on the answer.
+evaluate.py): a key hidden in filler text at equidistant depths. A sample is correct iff every
+scored answer token is the model's argmax, teacher-forced on the answer.
 
     python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...]
         [--lengths 4096 8192 | --max_length N | --preset paper|extreme] [--samples 20]
 
 Writes passkey_samples.jsonl (a rerun resumes it), passkey_summary and passkey_by_depth
 (.json/.csv), passkey_meta.json and the figures to --out; with seeded run names also demo_table.
+The prompt, also what the CPU demo trains on (prepare_demo.py), each piece tokenized on its own
+as the authors do:
+
+    [task] + filler x k + [needle with the key] + filler x (N - k) + [question]   then " " + key
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -21,44 +26,68 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import atomic_file
 from eval_common import (
+    EXPECTED_ERRORS,
+    FULL_DISK_REMEDY,
     EvalError,
     ResultLog,
     add_common_args,
-    check_settings,
     checkpoint_fields,
-    claim_out,
-    geometric_lengths,
-    load_runs,
+    curves,
+    default_lengths,
+    fits,
     markdown_table,
-    memory_shortfall,
     model_device,
-    multiple_of,
-    peak_memory_bytes,
-    pick_device,
+    parse_lengths,
     plot_curves,
-    plot_heatmap,
-    reset_peak_memory,
-    resolve_dtype,
-    run_script,
+    pyplot,
+    save_figure,
+    skip_note,
+    start,
     write_table,
 )
 from eval_common import seed_table as write_seed_table
-from runtime import autocast
-from passkey import (
-    TEMPLATES,
-    answer_tokens,
-    make_samples,
-    min_prompt_length,
-    template_hash,
-    widest_key,
+from runtime import (
+    atomic_file,
+    autocast,
+    errors_in_one_line,
+    own_folder,
+    peak_memory_bytes,
+    reset_peak_memory,
+    return_large_allocations,
 )
 
+# ---- prompts ------------------------------------------------------------------------------------
+# A template has task, filler, needle, question and digits; optionally sep (the text before each
+# later piece, see separator()), document (the prompt opens with the document-start token) and
+# given_digits (leading key digits that are given, not scored).
+TEMPLATES = {
+    # the authors' evaluate.py, verbatim
+    "paper": {
+        "task": "There is an important info hidden inside a lot of irrelevant text. Find it and "
+        "memorize them. I will quiz you about the important information there.",
+        "filler": "The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
+        "back again.",
+        "needle": "The pass key is {pass_key}. Remember it. {pass_key} is the pass key.",
+        "question": "What is the pass key? The pass key is",
+        "digits": 5,
+    },
+    # The CPU demo (byte tokenizer): "@" opens the task, the filler is a closed walk of
+    # prepare_demo.CHAIN (training documents use fresh random walks of that chain), "#" announces
+    # the key and "?" asks for it. No separator: every byte is one symbol. Opens like a document.
+    "demo": {
+        "task": "@",
+        "filler": "bgnfmheldi",
+        "needle": "#{pass_key}",
+        "question": "?",
+        "digits": 5,
+        "sep": "",
+        "document": True,
+    },
+}
 # the authors' public evaluate.py
 PAPER_LENGTHS = [int(x) for x in np.linspace(0, 32768, 10)][1:]
-# lengths, samples, and what a preset changes in the template (digits, given_digits) and in the
-# precision
+# lengths, samples, and what a preset changes in the template and in the precision
 PRESETS = {
     "paper": dict(lengths=PAPER_LENGTHS, samples=20),
     # the authors' 500K run
@@ -71,66 +100,140 @@ PRESETS = {
 }
 DEFAULT_SAMPLES = 20
 SEED = 1234  # the keys of every length come from default_rng([SEED, length])
+
+
+def template_hash(template):
+    """Identifies a template's strings in a results file's settings."""
+    return hashlib.sha1(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def separator(enc, template):
+    """The text in front of every piece after the task. SentencePiece starts every separately
+    encoded text with a word boundary, tiktoken does not: with gpt2 and byte it is a space."""
+    if "sep" in template:
+        return template["sep"]
+
+    return "" if enc.word_boundary else " "
+
+
+def pieces(enc, template):
+    """Token lists of the key-independent pieces: task, filler and question."""
+    sep = separator(enc, template)
+    opening = [enc.doc_start] if template.get("document") else []
+
+    return dict(
+        task=opening + enc.encode_ordinary(template["task"]),
+        filler=enc.encode_ordinary(sep + template["filler"]),
+        question=enc.encode_ordinary(sep + template["question"]),
+    )
+
+
+def needle_tokens(enc, template, key):
+    return enc.encode_ordinary(separator(enc, template) + template["needle"].format(pass_key=key))
+
+
+def widest_key(template):
+    return 10 ** template["digits"] - 1
+
+
+def random_keys(rng, template, n):
+    """n keys with exactly the template's number of digits, uniform over them."""
+    digits = template["digits"]
+    return rng.integers(10 ** (digits - 1), 10**digits, size=n)
+
+
+def answer_tokens(enc, key, given_digits=0):
+    """(tokens of " " + str(key), n_given): leading whitespace and whole tokens of the first
+    given_digits digits are given, not scored: the authors' with Mistral ("▁" given, one token per
+    digit) and byte; gpt2 merges the space into digits (" 123" + "45"): all scored."""
+    answer = enc.encode_ordinary(" " + str(key))
+    given = str(key)[:given_digits]
+
+    n_given = 0
+    while n_given < len(answer) - 1 and given.startswith(enc.decode(answer[: n_given + 1]).strip()):
+        n_given += 1
+    return answer, n_given
+
+
+def join(parts, before, needle, after):
+    return parts["task"] + before + needle + after + parts["question"]
+
+
+def min_prompt_length(enc, template):
+    """Tokens of the prompt without filler, with the widest key: the shortest target."""
+    parts = pieces(enc, template)
+    widest = needle_tokens(enc, template, widest_key(template))
+
+    return len(parts["task"]) + len(widest) + len(parts["question"])
+
+
+def filler_units(enc, template, target_length):
+    """N: the filler units that fit beside task, needle (with the widest key) and question."""
+    room = target_length - min_prompt_length(enc, template)
+    return max(0, room // len(pieces(enc, template)["filler"]))
+
+
+def build_prompt(enc, template, target_length, key, k):
+    """(prompt, answer, info): k filler units, the needle, N - k units."""
+    parts = pieces(enc, template)
+    key = int(key)
+    if len(str(key)) != template["digits"]:
+        raise ValueError(f"key {key} does not have {template['digits']} digits")
+
+    needle = needle_tokens(enc, template, key)
+    fixed = len(parts["task"]) + len(needle) + len(parts["question"])
+    if fixed > target_length:
+        raise ValueError(f"target length {target_length} is shorter than the prompt ({fixed})")
+
+    # a key longer than the widest: drop filler units after the needle, then before
+    unit = len(parts["filler"])
+    after = filler_units(enc, template, target_length) - k
+    while fixed + (k + after) * unit > target_length:
+        if after:
+            after -= 1
+        else:
+            k -= 1
+
+    tokens = join(parts, parts["filler"] * k, needle, parts["filler"] * after)
+    answer, n_given = answer_tokens(enc, key, template.get("given_digits", 0))
+
+    needle_start = len(parts["task"]) + k * unit
+    info = dict(
+        length=len(tokens),
+        n_filler=k + after,
+        k=k,
+        depth=k / (k + after) if k + after else 0.0,
+        key=key,
+        needle_start=needle_start,
+        needle_end=needle_start + len(needle),
+        n_given=n_given,
+    )
+    return tokens, answer, info
+
+
+def make_samples(enc, template, target_length, samples, seed=SEED):
+    """[(prompt, answer, info)] at the authors' depths, keys of (seed, length)."""
+    keys = random_keys(np.random.default_rng([seed, target_length]), template, samples)
+    n_filler = filler_units(enc, template, target_length)
+    units_before = torch.linspace(0, n_filler, samples).long().tolist()
+
+    return [
+        build_prompt(enc, template, target_length, key, k) for key, k in zip(keys, units_before)
+    ]
+
+
+# ---- score --------------------------------------------------------------------------------------
 BATCH_TOKENS = 65536  # samples of one length share a forward while batch x length stays under it
-DEPTH_BINS = 10  # of the by-depth table and heatmap
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
 
-# ---- Prompts and plan ----------------------------------------------------------------------------
-def default_lengths(train_lengths, max_length=None):
-    """The union over checkpoints of training length x 1, 2, 4, ... up to max_length (default 32 x
-    the largest training length)."""
-    max_length = max_length or 32 * max(train_lengths)
-
-    lengths = set()
-    for train_length in train_lengths:
-        lengths.update(geometric_lengths(train_length, max_length))
-    return sorted(L for L in lengths if L <= max_length)
-
-
-def plan(runs, enc, template, lengths, device):
-    """The (run, length) pairs to skip, and why: shorter than the prompt without filler, or too big
-    for memory."""
-    shortest = min_prompt_length(enc, template)
-    widest_answer, _ = answer_tokens(enc, widest_key(template))
-
-    skipped = []
-    for L in lengths:
-        for run in runs:
-            if L < shortest:
-                reason = f"shorter than the prompt without filler ({shortest} tokens)"
-            else:
-                reason = memory_shortfall(run["model"], L + len(widest_answer), device)
-            if reason:
-                skipped.append(dict(label=run["label"], target_length=L, reason=reason))
-    return skipped
-
-
-def missing_samples(runs, lengths, samples, log, skipped):
-    """{(label, length): the sample indices `log` does not hold yet}, without skipped cells."""
-    skip = {(s["label"], s["target_length"]) for s in skipped}
-
-    todo = {}
-    for L in lengths:
-        for run in runs:
-            if (run["label"], L) in skip:
-                continue
-
-            key = (run["label"], run["ckpt_path"], run["ckpt_sha256"], L)
-            missing = [i for i in range(samples) if (*key, i) not in log.done]
-            if missing:
-                todo[(run["label"], L)] = missing
-    return todo
-
-
-# ---- Scoring -------------------------------------------------------------------------------------
 def score_batch(model, prompts, answers, n_given=0):
-    """Teacher-forced exact match of prompts (one length) + answers (one length):
-    [(correct, predicted tokens)]. The model reads prompt + answer[:-1]; logits only at the
-    positions that predict answer[n_given:]."""
+    """Teacher-forced exact match of prompts + answers (each of one length): [(correct, predicted
+    tokens)], from logits only at the positions that predict answer[n_given:]."""
     n_scored = len(answers[0]) - n_given
     rows = [prompt + answer[:-1] for prompt, answer in zip(prompts, answers)]
     idx = torch.tensor(rows, dtype=torch.long, device=model_device(model))
+
     with torch.inference_mode():
         logits, _ = model(idx, logits_at=n_scored)
 
@@ -139,39 +242,38 @@ def score_batch(model, prompts, answers, n_given=0):
     return [(pred == list(answer[n_given:]), pred) for pred, answer in zip(predicted, answers)]
 
 
-def batch_size(model, n_tokens, group, device, batch_tokens):
-    """Samples per forward: as many of the group as batch_tokens allows, halved until they fit."""
-    batch = max(1, min(group, batch_tokens // n_tokens))
-    while batch > 1 and memory_shortfall(model, n_tokens, device, batch=batch):
-        batch //= 2
-    return batch
+def score(runs, enc, template, lengths, samples, log, device, dtype, progress=True):
+    """Score what `log` misses: (how many, cells skipped for lack of memory)."""
+    todo = {}
+    for length in lengths:
+        for run in runs:
+            key = (run["label"], run["ckpt_path"], run["ckpt_sha256"], length)
+            todo[(run["label"], length)] = [i for i in range(samples) if (*key, i) not in log.done]
 
-
-def evaluate(runs, enc, lengths, template, samples, device, dtype, log, skipped=(), progress=True):
-    """Score every missing (run, length, sample) into `log`, the same prompts for every run;
-    returns how many."""
-    todo = missing_samples(runs, lengths, samples, log, skipped)
     total = sum(len(v) for v in todo.values())
     bar = tqdm(total=total, desc="passkey", unit="sample", disable=not progress, file=sys.stderr)
 
-    for L in lengths:
-        if not any((run["label"], L) in todo for run in runs):
+    skipped = []
+    for length in lengths:
+        if not any(todo[(run["label"], length)] for run in runs):
             continue
 
-        # shared by every run
-        prompts = make_samples(enc, template, L, samples, SEED)
+        prompts = make_samples(enc, template, length, samples, SEED)
         for run in runs:
-            missing = todo.get((run["label"], L))
-            if missing:
-                bar.set_description(f"passkey {run['label']} L={L}")
-                score_run(run, enc, L, prompts, missing, device, dtype, log, bar)
+            bar.set_description(f"passkey {run['label']} L={length}")
+            missing = todo[(run["label"], length)]
+            reason = score_run(run, enc, length, prompts, missing, device, dtype, log, bar)
+            if reason:
+                skipped.append(dict(label=run["label"], target_length=length, reason=reason))
+                skip_note(run["label"], length, reason)
     bar.close()
-    return total
+
+    return total, skipped
 
 
 def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
-    """Score the samples `missing` of one run at one length, those of equal token lengths stacked
-    into one forward."""
+    """Score one run's `missing` samples at one length, equal token lengths in one forward, a
+    batch out of memory halved down to one sample. Returns why the length is skipped, or None."""
     reset_peak_memory(device)
 
     groups = {}
@@ -180,12 +282,20 @@ def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
         groups.setdefault((len(prompt), len(answer), info["n_given"]), []).append(i)
 
     for (prompt_len, answer_len, n_given), group in groups.items():
-        n_tokens = prompt_len + answer_len - 1
-        batch = batch_size(run["model"], n_tokens, len(group), device, BATCH_TOKENS)
-        for first in range(0, len(group), batch):
-            chunk = group[first : first + batch]
-            score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log)
+        batch = max(1, min(len(group), BATCH_TOKENS // (prompt_len + answer_len - 1)))
+        while group:
+            chunk = group[:batch]
+            args = (run, enc, length, prompts, chunk, n_given, device, dtype, log)
+            reason = fits(device, score_chunk, *args)
+            if reason and batch == 1:
+                return reason
+            if reason:
+                batch //= 2
+                continue
+
+            group = group[batch:]
             bar.update(len(chunk))
+    return None
 
 
 def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
@@ -195,67 +305,101 @@ def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
         chunk_prompts = [prompts[i][0] for i in chunk]
         chunk_answers = [prompts[i][1] for i in chunk]
         results = score_batch(run["model"], chunk_prompts, chunk_answers, n_given)
-    seconds_per_sample = (time.perf_counter() - t0) / len(chunk)
+
+    seconds = (time.perf_counter() - t0) / len(chunk)
     peak_mib = peak_memory_bytes(device) / 2**20
 
     for i, (correct, predicted) in zip(chunk, results):
         _, answer, info = prompts[i]
-        log.add(
-            dict(
-                label=run["label"],
-                **checkpoint_fields(run),
-                target_length=length,
-                sample=i,
-                length=info["length"],
-                n_filler=info["n_filler"],
-                k=info["k"],
-                depth=info["depth"],
-                key=info["key"],
-                answer_tokens=answer[n_given:],
-                predicted=predicted,
-                predicted_text=enc.decode(predicted),
-                correct=bool(correct),
-                batch=len(chunk),
-                seconds=round(seconds_per_sample, 4),
-                peak_mem_mib=round(peak_mib, 1),
-            )
+        record = dict(label=run["label"], **checkpoint_fields(run), target_length=length, sample=i)
+        record.update({k: info[k] for k in ("length", "n_filler", "k", "depth", "key")})
+        record.update(
+            answer_tokens=answer[n_given:],
+            predicted=predicted,
+            predicted_text=enc.decode(predicted),
+            correct=bool(correct),
+            batch=len(chunk),
+            seconds=round(seconds, 4),
+            peak_mem_mib=round(peak_mib, 1),
+        )
+        log.add(record)
+
+
+# ---- summarise ----------------------------------------------------------------------------------
+DEPTH_BINS = 10  # of the by-depth table and heatmaps
+
+
+def bin_label(b, n_bins=DEPTH_BINS):
+    return f"{100 * b / n_bins:.0f}-{100 * (b + 1) / n_bins:.0f}%"
+
+
+def digits_right(rec, enc):
+    """[is digit k of the key right] (None: given, not scored): the answer's given text, then its
+    teacher-forced predicted_text, read character by character after the space."""
+    key = str(rec["key"])
+    given = (" " + key)[: len(key) + 1 - len(enc.decode(rec["answer_tokens"]))]
+    text = (given + rec["predicted_text"])[1:]
+
+    return [None if k < len(given) - 1 else text[k : k + 1] == d for k, d in enumerate(key)]
+
+
+def summarise(records, runs, lengths, enc, template, meta, out, device, started):
+    """Write and print the tables, the figures and passkey_meta.json."""
+    summary, by_depth = summary_rows(records, runs, lengths, enc, meta["skipped"])
+    write_table(summary, os.path.join(out, "passkey_summary"))
+    write_table(by_depth, os.path.join(out, "passkey_by_depth"))
+
+    figures = [plot_depth_heatmap(run, by_depth, out) for run in runs]
+    series = curves(summary, "target_length", "accuracy")
+    if series:
+        figures.append(os.path.join(out, "passkey_accuracy.png"))
+        train_lengths = [run["block_size"] for run in runs if run["label"] in series]
+        xlabel = "context length (tokens, log scale)"
+        title = "Passkey retrieval: accuracy vs context length"
+        ylim = (-0.03, 1.03)
+        plot_curves(
+            series, train_lengths, figures[-1], xlabel, "passkey accuracy", title, ylim=ylim
         )
 
-
-# ---- Summaries -----------------------------------------------------------------------------------
-def depth_bin(depth, n_bins=DEPTH_BINS):
-    return min(int(depth * n_bins), n_bins - 1)
-
-
-def bin_label(depth_bin, n_bins=DEPTH_BINS):
-    return f"{100 * depth_bin / n_bins:.0f}-{100 * (depth_bin + 1) / n_bins:.0f}%"
-
-
-def digits_right(rec, given_text):
-    """[is digit k right] for one record (None: given, not scored). The answer produced is
-    given_text + its teacher-forced predicted_text; digit k is right iff its k-th character after
-    the space is the key's."""
-    key = str(rec["key"])
-    text = (given_text + rec["predicted_text"])[1:]
-    # less the space
-    n_given = len(given_text) - 1
-    return [
-        None if k < n_given else k < len(text) and text[k] == digit for k, digit in enumerate(key)
+    meta["runs"] = [
+        dict(label=run["label"], **checkpoint_fields(run), train_length=run["block_size"])
+        for run in runs
     ]
+    for row, run in zip(meta["runs"], runs):
+        row.update(pos_encoding=run["model"].config.pos_encoding, ssmax=run["model"].config.ssmax)
+    cuda = torch.device(device).type == "cuda"
+    meta.update(
+        device=str(device),
+        torch=torch.__version__,
+        wall_seconds=round(time.perf_counter() - started, 2),
+        peak_rss_mib=round(peak_memory_bytes("cpu") / 2**20, 1),
+        peak_gpu_mib=round(peak_memory_bytes(device) / 2**20, 1) if cuda else None,
+        figures=[os.path.basename(p) for p in figures if p],
+    )
+    with atomic_file(os.path.join(out, "passkey_meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+    rows = []
+    for run in runs:
+        cells = [s["accuracy"] for s in summary if s["label"] == run["label"]]
+        shown = [f"{a:.2f}" if a is not None else "skip" for a in cells]
+        rows.append([run["label"], run["block_size"], *shown])
+    print(markdown_table(["checkpoint", "train len", *lengths], rows))
+    table = seed_table(summary, out, template["digits"])
+    if table:
+        print("\n" + table)
+
+    print(
+        f"{meta['scored_this_call']} samples scored in {meta['wall_seconds']:.1f}s "
+        f"(peak RSS {meta['peak_rss_mib']:.0f} MiB); results in {out}/"
+    )
+    return dict(summary=summary, by_depth=by_depth, meta=meta, records=records, table=table)
 
 
-def given_text(enc, rec):
-    """The text of the answer's given (unscored) tokens: " " + key less what the scored tokens
-    decode to."""
-    answer = " " + str(rec["key"])
-    return answer[: len(answer) - len(enc.decode(rec["answer_tokens"]))]
-
-
-def summarize(records, runs, lengths, enc, skipped=(), depth_bins=DEPTH_BINS):
-    """(summary rows: checkpoint x length, by-depth rows: checkpoint x length x depth bin) from
-    the records of these runs (label and checkpoint file) at these lengths. Skipped cells appear
-    with accuracy None."""
+def summary_rows(records, runs, lengths, enc, skipped=()):
+    """(summary rows: checkpoint x length, by-depth rows: also x depth bin)."""
     why = {(s["label"], s["target_length"]): s["reason"] for s in skipped}
+
     cells = {}
     for rec in records:
         cell = cells.setdefault((rec["label"], rec["ckpt"], rec["target_length"]), {})
@@ -267,33 +411,30 @@ def summarize(records, runs, lengths, enc, skipped=(), depth_bins=DEPTH_BINS):
         for L in lengths:
             by_sample = cells.get((run["label"], run["ckpt_path"], L), {})
             recs = [rec for _, rec in sorted(by_sample.items())]
-            row = dict(
-                label=run["label"],
-                ckpt=run["ckpt_path"],
-                train_length=run["block_size"],
-                target_length=L,
-            )
-            if recs:
-                row.update(cell_scores(recs, enc))
-                by_depth += depth_rows(run, L, recs, depth_bins)
-            else:
-                row.update(empty_cell(why.get((run["label"], L))))
-            summary.append(row)
+            row = dict(label=run["label"], ckpt=run["ckpt_path"], train_length=run["block_size"])
+            row["target_length"] = L
+            summary.append(dict(row, **cell_scores(recs, enc, why.get((run["label"], L)))))
+            by_depth += depth_rows(row, recs)
     return summary, by_depth
 
 
-def cell_scores(recs, enc):
-    """The summary fields of one checkpoint at one length from its records."""
+def cell_scores(recs, enc, reason=None):
+    """The summary fields of one checkpoint at one length."""
     n = len(recs)
+    if not n:
+        fields = ("accuracy", "digit_accuracy", "mean_length", "seconds", "seconds_per_sample")
+        status = "not evaluated" if reason is None else f"skipped: {reason}"
+        return dict(n=0, correct=0, **dict.fromkeys(fields), peak_mem_mib=None, status=status)
+
     n_correct = sum(rec["correct"] for rec in recs)
     seconds = sum(rec["seconds"] for rec in recs)
-    right = [digits_right(rec, given_text(enc, rec)) for rec in recs]
+    right = zip(*(digits_right(rec, enc) for rec in recs))
 
     return dict(
         n=n,
         correct=n_correct,
         accuracy=n_correct / n,
-        digit_accuracy=[None if d[0] is None else sum(d) / n for d in zip(*right)],
+        digit_accuracy=[None if d[0] is None else sum(d) / n for d in right],
         mean_length=sum(rec["length"] for rec in recs) / n,
         seconds=round(seconds, 3),
         seconds_per_sample=round(seconds / n, 4),
@@ -302,63 +443,28 @@ def cell_scores(recs, enc):
     )
 
 
-def empty_cell(reason):
-    """The summary fields of a cell without records: skipped (reason) or not evaluated (None)."""
-    return dict(
-        n=0,
-        correct=0,
-        accuracy=None,
-        digit_accuracy=None,
-        mean_length=None,
-        seconds=None,
-        seconds_per_sample=None,
-        peak_mem_mib=None,
-        status="not evaluated" if reason is None else f"skipped: {reason}",
-    )
-
-
-def depth_rows(run, length, recs, depth_bins):
+def depth_rows(row, recs, n_bins=DEPTH_BINS):
+    """The accuracy by needle depth of one summary row's records."""
     bins = {}
     for rec in recs:
-        bins.setdefault(depth_bin(rec["depth"], depth_bins), []).append(rec["correct"])
+        b = min(int(rec["depth"] * n_bins), n_bins - 1)
+        bins.setdefault(b, []).append(rec["correct"])
 
     return [
-        dict(
-            label=run["label"],
-            ckpt=run["ckpt_path"],
-            train_length=run["block_size"],
-            target_length=length,
-            depth_bin=bin_label(b, depth_bins),
-            depth_lo=b / depth_bins,
-            depth_hi=(b + 1) / depth_bins,
-            n=len(correct),
-            correct=sum(correct),
-            accuracy=sum(correct) / len(correct),
-        )
+        dict(row, depth_bin=bin_label(b, n_bins), depth_lo=b / n_bins, depth_hi=(b + 1) / n_bins)
+        | dict(n=len(correct), correct=sum(correct), accuracy=sum(correct) / len(correct))
         for b, correct in sorted(bins.items())
     ]
 
 
-def markdown_summary(summary, runs, lengths):
-    accuracy = {(s["label"], s["target_length"]): s["accuracy"] for s in summary}
-
-    rows = []
-    for run in runs:
-        cells = [accuracy.get((run["label"], L)) for L in lengths]
-        shown = ["skip" if a is None else f"{a:.2f}" for a in cells]
-        rows.append([run["label"], run["block_size"], *shown])
-    return markdown_table(["checkpoint", "train len", *lengths], rows)
-
-
 def seed_table(summary, out, digits):
-    """The per-seed table (eval_common.seed_table) of passkey accuracy at every multiple of the
-    training length. Writes <out>/demo_table.{md,csv,json,png} and returns the markdown; None
-    (nothing written) without seeded names."""
-    # run label -> {multiple of the training length: accuracy}
+    """<out>/demo_table: accuracy per seed at each multiple of the training length."""
     cells = {}
     for s in summary:
         if s["accuracy"] is not None:
-            multiple = multiple_of(s["target_length"], s["train_length"])
+            # 4 for 256 / 64, else 2 decimals
+            ratio = s["target_length"] / s["train_length"]
+            multiple = int(ratio) if ratio == int(ratio) else round(ratio, 2)
             cells.setdefault(s["label"], {})[multiple] = s["accuracy"]
 
     train_lengths = ", ".join(str(t) for t in sorted({s["train_length"] for s in summary}))
@@ -374,76 +480,44 @@ def seed_table(summary, out, digits):
     return write_seed_table(cells, path, caption, worst=("min", min), figure=figure)
 
 
-# ---- Figures -------------------------------------------------------------------------------------
-def make_figures(summary, by_depth, runs, out, depth_bins=DEPTH_BINS):
-    """passkey_accuracy.png (a curve per checkpoint) and a depth x length heatmap per
-    checkpoint."""
-    series = {}
-    for run in runs:
-        rows = [s for s in summary if s["label"] == run["label"] and s["accuracy"] is not None]
-        if rows:
-            lengths = [s["target_length"] for s in rows]
-            series[run["label"]] = (lengths, [s["accuracy"] for s in rows])
-
-    paths = []
-    if series:
-        path = os.path.join(out, "passkey_accuracy.png")
-        plot_curves(
-            series,
-            [run["block_size"] for run in runs if run["label"] in series],
-            path,
-            "context length (tokens, log scale)",
-            "passkey accuracy",
-            "Passkey retrieval: accuracy vs context length",
-            ylim=(-0.03, 1.03),
-        )
-        paths.append(path)
-
-    for run in runs:
-        path = plot_depth_heatmap(run, by_depth, out, depth_bins)
-        if path:
-            paths.append(path)
-    return paths
-
-
-def plot_depth_heatmap(run, by_depth, out, depth_bins):
-    """passkey_heatmap_<label>.png: accuracy by needle depth x length of one checkpoint (its path),
-    or None without records."""
+def plot_depth_heatmap(run, by_depth, out, n_bins=DEPTH_BINS):
+    """passkey_heatmap_<label>.png: accuracy by depth x length, or None."""
     mine = [d for d in by_depth if d["label"] == run["label"]]
     cols = sorted({d["target_length"] for d in mine})
     if not cols:
         return None
 
-    accuracy = np.full((depth_bins, len(cols)), np.nan)
+    accuracy = np.full((n_bins, len(cols)), np.nan)
     for d in mine:
-        row = round(d["depth_lo"] * depth_bins)
-        accuracy[row, cols.index(d["target_length"])] = d["accuracy"]
+        accuracy[round(d["depth_lo"] * n_bins), cols.index(d["target_length"])] = d["accuracy"]
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(cols), 1.2 + 0.35 * n_bins))
+    im = ax.imshow(accuracy, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(cols)), map(str, cols), rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(n_bins), [bin_label(b, n_bins) for b in range(n_bins)], fontsize=8)
+
+    # where the training length falls between the columns (log scale)
+    train_col = np.interp(np.log(run["block_size"]), np.log(cols), np.arange(len(cols)))
+    ax.axvline(train_col, color="black", linestyle="--", linewidth=1.5)
+    ax.set(xlabel="context length (tokens)", ylabel="needle depth")
+    ax.set_title(f"passkey: {run['label']}\ntrain length {run['block_size']} (dashed)", fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
 
     safe_label = re.sub(r"[^A-Za-z0-9._-]+", "_", run["label"])
     path = os.path.join(out, f"passkey_heatmap_{safe_label}.png")
-    # where the training length falls between the columns (log scale)
-    train_col = float(np.interp(np.log(run["block_size"]), np.log(cols), np.arange(len(cols))))
-    plot_heatmap(
-        accuracy,
-        [bin_label(b, depth_bins) for b in range(depth_bins)],
-        cols,
-        path,
-        f"passkey: {run['label']}\ntrain length {run['block_size']} (dashed)",
-        "context length (tokens)",
-        "needle depth",
-        train_col=train_col,
-    )
+    save_figure(fig, path, dpi=120)
     return path
 
 
-# ---- Command line --------------------------------------------------------------------------------
+# ---- main ---------------------------------------------------------------------------------------
 def build_parser():
     ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths.")
     add_common_args(ap, default_out="results/passkey")
+
     lengths = ap.add_mutually_exclusive_group()
-    lengths.add_argument(
-        "--lengths", nargs="+", help="target lengths in tokens (space or comma separated)"
-    )
+    lengths.add_argument("--lengths", nargs="+", help="target lengths in tokens")
     lengths.add_argument(
         "--max_length",
         type=int,
@@ -455,131 +529,59 @@ def build_parser():
         help="paper: int(linspace(0, 32768, 10))[1:], 20 samples; extreme: 10K..100K step "
         "10K, 200K..500K step 100K, 10 samples, 6 digits with the first given, float32",
     )
-    ap.add_argument(
-        "--samples",
-        type=int,
-        help=f"samples per length (default {DEFAULT_SAMPLES}, or the preset's)",
-    )
+
+    ap.add_argument("--samples", type=int, help=f"per length (default {DEFAULT_SAMPLES})")
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
     return ap
 
 
-def int_list(values):
-    parts = " ".join(values).replace(",", " ").split()
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise EvalError(
-            f"--lengths takes positive integers (token counts), got {' '.join(values)!r}"
-        )
-    return sorted({int(p) for p in parts})
-
-
-def choose_lengths(args, preset, runs):
-    """--lengths, else the preset's, else training length x 1, 2, 4, ... up to --max_length."""
-    if args.lengths:
-        return int_list(args.lengths)
-
-    train_lengths = [run["block_size"] for run in runs]
-    return preset.get("lengths") or default_lengths(train_lengths, args.max_length)
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
     preset = PRESETS.get(args.preset, {})
-    samples = preset.get("samples", DEFAULT_SAMPLES) if args.samples is None else args.samples
-    if samples < 1:
-        raise EvalError(f"--samples must be at least 1, got {samples}")
+    samples = args.samples or preset.get("samples", DEFAULT_SAMPLES)
+    if args.samples is not None and args.samples < 1:
+        raise EvalError(f"--samples must be at least 1, got {args.samples}")
 
-    t_start = time.perf_counter()
-    device = pick_device(args.device)
-    dtype = resolve_dtype(device, preset.get("dtype", "auto"))
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl, dtype)
+    started = time.perf_counter()
+    runs, enc, device, dtype = start(args, preset.get("dtype", "auto"))
     template = dict(TEMPLATES[args.template], **preset.get("template", {}))
-    lengths = choose_lengths(args, preset, runs)
+    train_lengths = [r["block_size"] for r in runs]
+    lengths = preset.get("lengths") or default_lengths(train_lengths, args.max_length)
+    lengths = parse_lengths(args.lengths) if args.lengths else lengths
+    own_folder(args.out)
 
-    with claim_out(args.out):
-        # Prompts depend only on (seed, length, template, samples), so a rerun with the same
-        # settings resumes the JSONL; one with other settings is refused, and a checkpoint whose
-        # weights changed is evaluated again.
-        jsonl = os.path.join(args.out, "passkey_samples.jsonl")
-        settings = dict(
-            seed=SEED,
-            template=args.template,
-            template_hash=template_hash(template),
-            samples=samples,
-            depths="equidistant",
-            tokenizer=runs[0]["tokenizer"],
-            dtype=dtype,
-        )
-        check_settings(jsonl, settings)
-        log = ResultLog(jsonl, KEY_FIELDS, runs)
-
-        skipped = plan(runs, enc, template, lengths, device)
-        for s in skipped:
-            print(
-                f"skipping length {s['target_length']} for {s['label']}: {s['reason']}",
-                file=sys.stderr,
-            )
-
-        progress = not args.no_progress
-        scored = evaluate(
-            runs, enc, lengths, template, samples, device, dtype, log, skipped, progress
-        )
-
-        summary, by_depth = summarize(log.records, runs, lengths, enc, skipped)
-        meta = dict(settings=settings, lengths=lengths, skipped=skipped, scored_this_call=scored)
-        meta = write_outputs(args.out, summary, by_depth, runs, meta, device, t_start)
-        table = report(summary, runs, lengths, template, scored, meta, args.out)
-        return dict(summary=summary, by_depth=by_depth, meta=meta, records=log.records, table=table)
-
-
-def write_outputs(out, summary, by_depth, runs, meta, device, t_start):
-    """The summary and by-depth tables, the figures and passkey_meta.json (settings, runs, time,
-    peak memory)."""
-    write_table(summary, os.path.join(out, "passkey_summary"))
-    write_table(by_depth, os.path.join(out, "passkey_by_depth"))
-    figures = make_figures(summary, by_depth, runs, out)
-
-    run_rows = [
-        dict(
-            label=run["label"],
-            **checkpoint_fields(run),
-            train_length=run["block_size"],
-            pos_encoding=run["model"].config.pos_encoding,
-            ssmax=run["model"].config.ssmax,
-        )
-        for run in runs
-    ]
-    cuda = torch.device(device).type == "cuda"
-    meta.update(
-        device=str(device),
-        torch=torch.__version__,
-        runs=run_rows,
-        wall_seconds=round(time.perf_counter() - t_start, 2),
-        peak_rss_mib=round(peak_memory_bytes("cpu") / 2**20, 1),
-        peak_gpu_mib=round(peak_memory_bytes(device) / 2**20, 1) if cuda else None,
-        figures=[os.path.basename(p) for p in figures],
+    # Prompts depend only on (seed, length, template, samples): a rerun with these settings
+    # resumes the JSONL, one with others is refused.
+    settings = dict(
+        seed=SEED,
+        template=args.template,
+        template_hash=template_hash(template),
+        samples=samples,
+        depths="equidistant",
+        tokenizer=runs[0]["tokenizer"],
+        dtype=dtype,
     )
+    log = ResultLog(os.path.join(args.out, "passkey_samples.jsonl"), KEY_FIELDS, runs, settings)
 
-    with atomic_file(os.path.join(out, "passkey_meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    return meta
+    shortest = min_prompt_length(enc, template)
+    too_short = f"shorter than the prompt without filler ({shortest} tokens)"
+    skipped = []
+    for length in [L for L in lengths if L < shortest]:
+        for run in runs:
+            skipped.append(dict(label=run["label"], target_length=length, reason=too_short))
+            skip_note(run["label"], length, too_short)
 
+    fitting = [L for L in lengths if L >= shortest]
+    progress = not args.no_progress
+    scored, no_memory = score(runs, enc, template, fitting, samples, log, device, dtype, progress)
 
-def report(summary, runs, lengths, template, scored, meta, out):
-    """Print the accuracy table (and the per-seed table, returned) and where the results are."""
-    print(markdown_summary(summary, runs, lengths))
-
-    table = seed_table(summary, out, template["digits"])
-    if table:
-        print("\n" + table)
-
-    print(
-        f"{scored} samples scored in {meta['wall_seconds']:.1f}s "
-        f"(peak RSS {meta['peak_rss_mib']:.0f} MiB); results in {out}/"
-    )
-    return table
+    meta = dict(settings=settings, lengths=lengths, skipped=skipped + no_memory)
+    meta["scored_this_call"] = scored
+    return summarise(log.records, runs, lengths, enc, template, meta, args.out, device, started)
 
 
 if __name__ == "__main__":
-    run_script(main, "eval_passkey.py")
+    return_large_allocations()
+    errors_in_one_line("eval_passkey.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    main()

@@ -12,6 +12,7 @@ Writes ruler_samples.jsonl (a rerun resumes it), ruler_summary (.json/.csv) and 
 """
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -27,23 +28,25 @@ from tqdm import tqdm
 
 from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
 from eval_common import (
+    EXPECTED_ERRORS,
+    FULL_DISK_REMEDY,
     EvalError,
     ResultLog,
     add_common_args,
-    check_settings,
-    claim_out,
-    geometric_lengths,
-    load_runs,
-    memory_shortfall,
-    pick_device,
+    curves,
+    default_lengths,
+    fits,
+    markdown_table,
+    parse_lengths,
     plot_curves,
-    resolve_dtype,
-    run_script,
+    skip_note,
+    start,
     training_data_dir,
     write_table,
 )
-from runtime import autocast
+from runtime import autocast, errors_in_one_line, own_folder, return_large_allocations
 
+# ---- prompts ------------------------------------------------------------------------------------
 # RULER's strings (scripts/data/synthetic/constants.py and niah.py), verbatim
 TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
@@ -76,7 +79,6 @@ _TASK_ROWS = {
     "niah_multiquery": ("essay",  "words", "numbers", 1, 1, 4),
 }  # fmt: skip
 TASKS = {name: dict(zip(_TASK_FIELDS, row)) for name, row in _TASK_ROWS.items()}
-KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "task", "target_length", "sample", "haystack")
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # RULER's SEQ_LENGTHS (scripts/run.sh)
 MAX_LENGTH = 32768  # without --lengths: the training length x 1, 2, 4, ... up to this
 SEED = 42  # RULER's
@@ -84,8 +86,7 @@ MAX_ATTEMPTS = 1000
 
 
 def task_template(cfg):
-    """(template, type_needle_v): the base template + answer prefix, singular when one value is
-    asked for."""
+    """(template, type_needle_v), singular when one value is asked for."""
     template = MODEL_TEMPLATE.format(task_template=TEMPLATE) + ANSWER_PREFIX
 
     type_needle_v = cfg["type_needle_v"]
@@ -125,8 +126,7 @@ def ends_sentence(word, next_word):
 
 
 class Essay:
-    """An essay's words and sentence ends, found once: sentences(n) (the first n words, cycling)
-    re-splits nothing."""
+    """An essay's words and sentence ends, found once."""
 
     def __init__(self, text, label):
         # RULER's re.sub(r"\s+", " ", text).split(" ") without the empty ends
@@ -153,9 +153,8 @@ class Essay:
 # ---- keys and values -----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def word_lists():
-    """(adjectives, nouns): the lists RULER's niah.py reads from the wonderwords package, sorted and
-    without repeats. Each adjective-noun pair is then one of RULER's word keys (its 910 x 6,782 =
-    6,171,620 keys, sorted(set(f"{adj}-{noun}"))), exactly once."""
+    """(adjectives, nouns) of RULER's niah.py (wonderwords), sorted, without repeats: each
+    pair is one of RULER's 6,171,620 word keys, sorted(set(f"{adj}-{noun}")), exactly once."""
     from wonderwords import random_word
 
     adjs = random_word._get_words_from_text_file("adjectivelist.txt")
@@ -164,8 +163,7 @@ def word_lists():
 
 
 def words_digest():
-    """Identifies the word keys (their lists and how they are drawn) in a results file's
-    settings."""
+    """Identifies the word keys in a results file's settings."""
     adjs, nouns = word_lists()
     text = "\n".join(["adjective then noun"] + adjs + ["--"] + nouns)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
@@ -193,13 +191,6 @@ def random_key(kind, rng, taken):
 
 
 # ---- one input, RULER's generate_input_output ----------------------------------------------------
-def min_haystack(task):
-    """Line haystacks need a line per needle to insert at."""
-    cfg = TASKS[task]
-    n_needles = max(cfg["num_needle_k"], cfg["num_needle_q"]) * cfg["num_needle_v"]
-    return 0 if cfg["type_haystack"] == "essay" else n_needles
-
-
 def build_input(task, num_haystack, rng, essay=None, seed=42):
     """RULER's generate_input_output, drawing from `rng` in RULER's order: a dict of input_text
     (answer prefix included), needles, keys, values, queries, answers, depths, num_haystack."""
@@ -247,8 +238,7 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
 
 
 def essay_context(essay, num_haystack, needles, rng):
-    """RULER's essay context, num_haystack words with the needles at sorted random DEPTHS:
-    (context, depths)."""
+    """(context, depths): RULER's essay with needles at random DEPTHS."""
     sentences = essay.sentences(num_haystack)
     depths = sorted(rng.sample(DEPTHS, len(needles)))
     positions = [0] + [int(len(sentences) * (d / 100)) for d in depths] + [len(sentences)]
@@ -263,8 +253,7 @@ def essay_context(essay, num_haystack, needles, rng):
 
 
 def line_context(cfg, num_haystack, needles, keys, rng):
-    """RULER's line haystacks (noise lines or distractor needles), needles at random lines:
-    (context, depths)."""
+    """(context, depths): RULER's line haystacks, needles at random lines."""
     type_k = cfg["type_needle_k"]
     type_v = cfg["type_needle_v"]
     if cfg["type_haystack"] == "noise":
@@ -296,28 +285,27 @@ def haystack_step(task, max_len):
 
 
 def fit_haystack(task, max_len, enc, essay=None, seed=42):
-    """RULER's binary search for the largest num_haystack whose probe prompt fits (its ~20
-    tokenizations cost little beside the samples'); unlike RULER's endless loop, the haystack may
-    shrink to min_haystack, else num_haystack is None. Also returns step, probes,
-    prompt_tokens_at_min."""
+    """RULER's binary search for the largest num_haystack whose probe prompt fits; unlike RULER's
+    endless loop, the haystack may shrink to min_haystack, else num_haystack is None."""
     step = haystack_step(task, max_len)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
     # less the document-start token (RULER: no BOS)
     budget = max_len - TOKENS_TO_GENERATE - 1
-    probes = 0
     # num_haystack -> tokens of its probe prompt
     prompt_tokens = {}
 
     def tokens(n):
-        nonlocal probes
-        probes += 1
         text = build_input(task, n, rng, essay, seed)["input_text"]
         prompt_tokens[n] = len(enc.encode_ordinary(text))
         return prompt_tokens[n]
 
     # RULER: estimate, then search up to 3x the estimated maximum
     per_unit = tokens(step) / step
-    lo = min_haystack(task)
+    # line haystacks need a line per needle to insert at
+    cfg = TASKS[task]
+    n_needles = max(cfg["num_needle_k"], cfg["num_needle_q"]) * cfg["num_needle_v"]
+    smallest = 0 if cfg["type_haystack"] == "essay" else n_needles
+    lo = smallest
     hi = max(int(max_len / per_unit * 3), step * 2)
 
     best = None
@@ -332,17 +320,15 @@ def fit_haystack(task, max_len, enc, essay=None, seed=42):
     return dict(
         num_haystack=best,
         step=step,
-        min_haystack=min_haystack(task),
-        probes=probes,
-        prompt_tokens_at_min=prompt_tokens.get(min_haystack(task)),
+        min_haystack=smallest,
+        prompt_tokens_at_min=prompt_tokens.get(smallest),
     )
 
 
 def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
-    """Sample `index`: the fitted haystack, backed off a step (RULER) while the real tokenization
-    does not fit. Each attempt draws from Random(seed/task/length/index/attempt), not RULER's one
-    stream, so --samples N gives the same first N samples. build_input's dict + input_ids,
-    input_tokens, attempts, answer_token_pos (RULER's)."""
+    """Sample `index`: the fitted haystack, backed off a step (RULER) while it does not fit. Each
+    attempt draws from Random(seed/task/length/index/attempt), not RULER's one stream, so that
+    --samples N gives the same first N samples. build_input's dict + input_ids and the like."""
     # evaluate() skips a length where the fitted num_haystack is None
     fit = fit or fit_haystack(task, max_len, enc, essay, seed)
 
@@ -367,74 +353,22 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
     )
 
 
-# ---- decoding and scoring ------------------------------------------------------------------------
-def newline_tokens(enc):
-    """Ids of every token whose bytes contain a newline (a hole in the vocabulary has none)."""
-
-    def has_newline(t):
-        try:
-            return b"\n" in enc.token_bytes(t)
-        except KeyError:
-            return False
-
-    return set(filter(has_newline, range(enc.n_vocab)))
-
-
-def decode_output(tokens, enc, newline_ids=None):
-    """(text, stop): cut before end-of-text ("eot") or at a newline of newline_ids ("newline"), else
-    "budget". Ids beyond the tokenizer (the padded vocabulary) decode to nothing."""
-    cut = len(tokens)
-
-    stop = "budget"
-    for j, t in enumerate(tokens):
-        if t == enc.eot_token or t in (newline_ids or ()):
-            cut = j
-            stop = "eot" if t == enc.eot_token else "newline"
-            break
-
-    # a newline token is decoded, then the text cut at its newline: the token may carry text first
-    kept = tokens[: cut + (stop == "newline")]
-    text = enc.decode([t for t in kept if t < enc.n_vocab])
-    return (text.split("\n", 1)[0] if stop == "newline" else text), stop
-
-
-def postprocess_pred(text):
-    """RULER's scripts/eval/evaluate.py postprocess_pred: strip, control characters -> newline,
-    strip."""
-    return re.sub(r"[\x00-\x1f]", "\n", text.strip()).strip()
-
-
-def sample_score(pred, refs):
-    """Fraction of the references found (case-insensitive) in one prediction."""
-    return sum(1.0 if r.lower() in pred.lower() else 0.0 for r in refs) / len(refs)
-
-
-def string_match_all(preds, refs):
-    """RULER's metric (scripts/eval/synthetic/constants.py): mean sample_score x 100, rounded to 2
-    decimals."""
-    total = sum(sample_score(pred, ref) for pred, ref in zip(preds, refs))
-    return round(total / len(preds) * 100, 2)
-
-
 # ---- the haystack --------------------------------------------------------------------------------
 def load_haystack_file(path):
-    """Text of a haystack file: RULER's PaulGrahamEssays.json ({"text": ...}), or plain text."""
-    if path.endswith(".json"):
-        with open(path) as f:
-            obj = json.load(f)
-        if not (isinstance(obj, dict) and isinstance(obj.get("text"), str)):
-            raise EvalError(
-                f'{path}: expected RULER\'s {{"text": ...}}; pass any other haystack as plain text'
-            )
-        return obj["text"]
-
+    """Text of RULER's PaulGrahamEssays.json ({"text": ...}), or of a plain text file."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+        text = f.read()
+    if not path.endswith(".json"):
+        return text
+
+    obj = json.loads(text)
+    if not (isinstance(obj, dict) and isinstance(obj.get("text"), str)):
+        raise EvalError(f'{path}: expected RULER\'s {{"text": ...}}; pass others as plain text')
+    return obj["text"]
 
 
 def val_text(data_dir, n_tokens):
-    """Up to n_tokens of the validation stream, decoded document by document with the tokenizer that
-    wrote it."""
+    """Up to n_tokens of the validation split, decoded document by document."""
     paths = shard_paths(data_dir, "val")
     available = sum(len(open_shard(p)) for p in paths)
     tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, n_tokens, available))
@@ -464,296 +398,100 @@ def load_essay(haystack_file, data_dir, max_len):
     return Essay(text, f"essay:{where}@{digest}")
 
 
-def haystack_label(task, essay):
-    """Part of every record's key: the essay's label, or the kind of line haystack."""
+def needs_essay(tasks):
+    return any(TASKS[t]["type_haystack"] == "essay" for t in tasks)
+
+
+# ---- score --------------------------------------------------------------------------------------
+KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "task", "target_length", "sample", "haystack")
+
+
+def record_key(run, task, length, i, essay):
+    """The KEY_FIELDS of sample i: the question, and the checkpoint that answers it."""
     kind = TASKS[task]["type_haystack"]
-    return essay.label if kind == "essay" else kind
+    # the essay's label, or the kind of line haystack
+    hay = essay.label if kind == "essay" else kind
+    return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, length, i, hay)
 
 
-# ---- summary and figure --------------------------------------------------------------------------
-def summarize(records, runs, tasks, lengths, n_samples, skipped):
-    """Rows (label, task, target_length) with RULER's score, and an "average" row per (label,
-    length) over tasks. `skipped` maps (run label or None, task or None, length) to why."""
-    by_cell = {}
-    for r in records:
-        if r["sample"] < n_samples:
-            by_cell.setdefault((r["label"], r["task"], r["target_length"]), []).append(r)
-
-    rows = []
-    for run in runs:
-        for length in lengths:
-            task_rows = []
-            for task in tasks:
-                recs = sorted(
-                    by_cell.get((run["label"], task, length), []), key=lambda r: r["sample"]
-                )
-                why = skipped.get((run["label"], None, length)) or skipped.get((None, task, length))
-                task_rows.append(task_row(run, task, length, recs, n_samples, why))
-
-            scored = [row["score"] for row in task_rows if row["score"] is not None]
-            average = dict(
-                label=run["label"],
-                task="average",
-                target_length=length,
-                train_length=run["block_size"],
-                haystack=None,
-                samples=None,
-                score=round(sum(scored) / len(scored), 2) if scored else None,
-                mean_input_tokens=None,
-                status=f"{len(scored)}/{len(tasks)} tasks",
-                ckpt=run["ckpt_path"],
-            )
-            rows += task_rows + [average]
-    return rows
+def newline_tokens(enc):
+    """Ids of every token whose bytes contain a newline (a hole in the vocabulary has none)."""
+    ids = set()
+    for t in range(enc.n_vocab):
+        with contextlib.suppress(KeyError):
+            if b"\n" in enc.token_bytes(t):
+                ids.add(t)
+    return ids
 
 
-def task_row(run, task, length, recs, n_samples, why):
-    """The summary row of one checkpoint, task and length from its records (sorted by sample)."""
-    row = dict(
-        label=run["label"],
-        task=task,
-        target_length=length,
-        train_length=run["block_size"],
-        haystack=recs[0]["haystack"] if recs else None,
-        samples=len(recs),
-        score=None,
-        mean_input_tokens=None,
-        status=why or "missing",
-    )
-    if recs:
-        score = string_match_all([r["pred"] for r in recs], [r["answers"] for r in recs])
-        mean_input_tokens = sum(r["input_tokens"] for r in recs) / len(recs)
-        row.update(
-            score=score,
-            mean_input_tokens=round(mean_input_tokens, 1),
-            status="ok" if len(recs) == n_samples else "partial",
-        )
+def decode_output(tokens, enc, newline_ids=None):
+    """(text, stop): cut before end-of-text ("eot") or at a newline of newline_ids ("newline"),
+    else "budget". Ids beyond the tokenizer (the padded vocabulary) decode to nothing."""
+    stops = dict.fromkeys(newline_ids or (), "newline") | {enc.eot_token: "eot"}
+    cut = next((j for j, t in enumerate(tokens) if t in stops), len(tokens))
+    stop = stops[tokens[cut]] if cut < len(tokens) else "budget"
 
-    return dict(row, ckpt=run["ckpt_path"])
+    # a newline token is decoded, then the text cut at its newline: it may carry text first
+    kept = tokens[: cut + (stop == "newline")]
+    text = enc.decode([t for t in kept if t < enc.n_vocab])
+    return (text.split("\n", 1)[0] if stop == "newline" else text), stop
 
 
-def plot_scores(rows, runs, path):
-    """RULER's average over the tasks against the length, a curve per checkpoint (each task:
-    ruler_summary.csv)."""
-    series = {}
-    for run in runs:
-        points = []
-        for r in rows:
-            if r["label"] == run["label"] and r["task"] == "average" and r["score"] is not None:
-                points.append((r["target_length"], r["score"]))
-        if points:
-            series[run["label"]] = tuple(zip(*sorted(points)))
-
-    if series:
-        plot_curves(
-            series,
-            [r["block_size"] for r in runs],
-            path,
-            "sequence length (tokens)",
-            "string_match_all (%), mean over the tasks",
-            "RULER NIAH",
-            ylim=(-3, 103),
-        )
+def postprocess_pred(text):
+    """RULER's postprocess_pred (scripts/eval/evaluate.py): control characters -> newline."""
+    return re.sub(r"[\x00-\x1f]", "\n", text.strip()).strip()
 
 
-def print_table(rows, runs, tasks, lengths):
-    for run in runs:
-        print(f"\n{run['label']} (train length {run['block_size']}): string_match_all, % by length")
-        print(f"{'task':<18}" + "".join(f"{L:>9}" for L in lengths))
-
-        for task in tasks + ["average"]:
-            mine = [r for r in rows if r["label"] == run["label"] and r["task"] == task]
-            scores = {r["target_length"]: r["score"] for r in mine}
-            cells = ["-" if scores.get(L) is None else scores[L] for L in lengths]
-            print(f"{task:<18}" + "".join(f"{cell:>9}" for cell in cells))
+def sample_score(pred, refs):
+    """Fraction of the references found (case-insensitive) in one prediction."""
+    return sum(1.0 if r.lower() in pred.lower() else 0.0 for r in refs) / len(refs)
 
 
-# ---- main ----------------------------------------------------------------------------------------
-def build_parser():
-    p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks)")
-    add_common_args(p, default_out="results/ruler")
-    p.add_argument("--tasks", default="all", help=f"'all' or a comma list of: {', '.join(TASKS)}")
-    p.add_argument(
-        "--preset",
-        choices=["paper"],
-        default=None,
-        help="paper: RULER's protocol: Paul Graham's essays (--haystack_file required), "
-        "no newline stop, 500 samples, lengths 4K-128K",
-    )
-    p.add_argument(
-        "--lengths",
-        help="comma list of total lengths (prompt + 128 answer tokens); default: train "
-        f"length x 1, 2, 4, ... up to {MAX_LENGTH}",
-    )
-    p.add_argument(
-        "--samples", type=int, default=500, help="samples per task and length (RULER: 500)"
-    )
-    p.add_argument(
-        "--haystack_file",
-        help="RULER's PaulGrahamEssays.json, or plain text (default: --data_dir's val)",
-    )
-    p.add_argument(
-        "--data_dir",
-        help="prepared data for the essay haystack; default: the checkpoint's training data",
-    )
-    return p
+def string_match_all(preds, refs):
+    """RULER's metric: mean sample_score x 100, to 2 decimals."""
+    total = sum(sample_score(pred, ref) for pred, ref in zip(preds, refs))
+    return round(total / len(preds) * 100, 2)
 
 
-def parse_args(argv):
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.preset == "paper":
-        args.lengths = args.lengths or ",".join(map(str, RULER_LENGTHS))
-
-    if args.tasks == "all":
-        args.tasks = list(TASKS)
-    else:
-        args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = [t for t in args.tasks if t not in TASKS]
-    if unknown:
-        p.error(f"unknown task(s) {unknown}; choose from {list(TASKS)} or 'all'")
-
-    if args.lengths:
-        args.lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
-    if args.samples < 1:
-        p.error("--samples must be >= 1")
-
-    essay_tasks = any(TASKS[t]["type_haystack"] == "essay" for t in args.tasks)
-    if args.preset == "paper" and essay_tasks and not args.haystack_file:
-        raise SystemExit(
-            "eval_ruler.py: error: --preset paper needs RULER's essay haystack: run RULER's "
-            "scripts/data/synthetic/json/download_paulgraham_essay.py (github.com/NVIDIA/RULER; "
-            "it writes PaulGrahamEssays.json) and pass --haystack_file PaulGrahamEssays.json"
-        )
-    return args
-
-
-def essay_haystack(args, runs, lengths):
-    """The essay of the essay tasks (None if no task asked for needs one)."""
-    if not any(TASKS[t]["type_haystack"] == "essay" for t in args.tasks):
-        return None
-
-    data_dir = None if args.haystack_file else training_data_dir(runs, args.data_dir)
-    essay = load_essay(args.haystack_file, data_dir, max(lengths))
-    n_sentences = len(essay.ends)
-    print(f"essay haystack: {essay.label} ({len(essay.words)} words, {n_sentences} sentences)")
-    return essay
-
-
-def memory_skips(runs, lengths, device):
-    """{(run label, None, length): why} for the lengths whose generation would not fit."""
-    skipped = {}
-    for run in runs:
-        for L in lengths:
-            why = memory_shortfall(run["model"], L, device, kv_cache=True)
-            if why:
-                skipped[(run["label"], None, L)] = f"skipped: {why}"
-                print(f"[{run['label']}] skipping length {L}: skipped: {why}")
-    return skipped
-
-
-def records_asked_for(log, args, runs, lengths, essay):
-    """The records of these tasks, lengths, haystacks and checkpoints (the log may hold more)."""
-    checkpoints = {(run["label"], run["ckpt_path"]) for run in runs}
-    return [
-        r
-        for r in log.records
-        if r["task"] in args.tasks
-        and r["target_length"] in lengths
-        and r["haystack"] == haystack_label(r["task"], essay)
-        and (r["label"], r["ckpt"]) in checkpoints
-    ]
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    t_start = time.time()
-    device = pick_device(args.device)
-    dtype = resolve_dtype(device)
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl, dtype)
-    shortest_training = min(run["block_size"] for run in runs)
-    lengths = args.lengths or geometric_lengths(shortest_training, MAX_LENGTH)
-    essay = essay_haystack(args, runs, lengths)
-
-    with claim_out(args.out):
-        # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""), and so
-        # does --preset paper; by default generation also stops at a newline (the answer is one
-        # line: it saves most of the 128 steps), where RULER reads on.
-        stop_rule = "eot" if args.preset == "paper" else "eot_or_newline"
-        newline_ids = None if args.preset == "paper" else newline_tokens(enc)
-        jsonl = os.path.join(args.out, "ruler_samples.jsonl")
-        settings = dict(
-            seed=SEED,
-            stop_rule=stop_rule,
-            dtype=dtype,
-            tokenizer=runs[0]["tokenizer"],
-            tokens_to_generate=TOKENS_TO_GENERATE,
-            words=words_digest(),
-        )
-        check_settings(jsonl, settings)
-        log = ResultLog(jsonl, KEY_FIELDS, runs)
-
-        skipped = memory_skips(runs, lengths, device)
-        for task in args.tasks:
-            for L in lengths:
-                active = [r for r in runs if (r["label"], None, L) not in skipped]
-                why = evaluate(
-                    task, L, active, enc, essay, args.samples, log, device, dtype, newline_ids
-                )
-                if why:
-                    skipped[(None, task, L)] = why
-                    print(f"{task} @ {L}: {why}")
-
-        records = records_asked_for(log, args, runs, lengths, essay)
-        rows = summarize(records, runs, args.tasks, lengths, args.samples, skipped)
-        summary_prefix = os.path.join(args.out, "ruler_summary")
-        figure = os.path.join(args.out, "ruler_scores.png")
-        write_table(rows, summary_prefix)
-        plot_scores(rows, runs, figure)
-        print_table(rows, runs, args.tasks, lengths)
-        print(
-            f"\nwrote {log.path}, {summary_prefix}.{{json,csv}} and {figure} "
-            f"in {time.time() - t_start:.1f}s"
-        )
-        return rows
-
-
-def evaluate(task, L, runs, enc, essay, samples, log, device, dtype, newline_ids):
-    """Generate and score every missing sample of one task at one length into `log`; returns why it
-    was skipped."""
-    hay = haystack_label(task, essay)
+def score(task, length, runs, enc, essay, samples, log, device, dtype, newline_ids, skipped):
+    """Generate and score every sample of one task at one length that `log` misses. skipped:
+    {(run label or None, task or None, length): why}: a length too short, a run out of memory."""
 
     def key(run, i):
-        return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, L, i, hay)
+        return record_key(run, task, length, i, essay)
+
+    def active(run):
+        return (run["label"], None, length) not in skipped
 
     # sample index -> the runs that have not scored it yet
-    todo = {i: [r for r in runs if key(r, i) not in log.done] for i in range(samples)}
+    todo = {i: [r for r in runs if active(r) and key(r, i) not in log.done] for i in range(samples)}
     todo = {i: pending for i, pending in todo.items() if pending}
     if not todo:
-        return None
+        return
 
-    fit = fit_haystack(task, L, enc, essay, SEED)
+    fit = fit_haystack(task, length, enc, essay, SEED)
     if fit["num_haystack"] is None:
         needed = fit["prompt_tokens_at_min"] + 1
-        return (
-            f"skipped: the prompt without haystack needs {needed} tokens, "
-            f"> {L} - {TOKENS_TO_GENERATE}"
-        )
+        why = f"skipped: the prompt without haystack needs {needed} tokens, > {length} - 128"
+        skipped[(None, task, length)] = why
+        print(f"{task} @ {length}: {why}")
+        return
 
-    bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {L}", dynamic_ncols=True)
+    bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {length}", dynamic_ncols=True)
     for i, pending in todo.items():
-        sample = generate_sample(task, L, enc, essay, SEED, i, fit=fit)
-        for run in pending:
-            record = generate_answer(run, sample, enc, device, dtype, newline_ids)
-            log.add(dict(zip(KEY_FIELDS, key(run, i)), **record))
+        sample = generate_sample(task, length, enc, essay, SEED, i, fit=fit)
+        for run in filter(active, pending):
+            args = (run, sample, enc, device, dtype, newline_ids, log, key(run, i))
+            reason = fits(device, generate_answer, *args)
+            if reason:
+                skipped[(run["label"], None, length)] = f"skipped: {reason}"
+                skip_note(run["label"], length, reason)
             bar.update(1)
     bar.close()
-    return None
 
 
-def generate_answer(run, sample, enc, device, dtype, newline_ids):
-    """One checkpoint's greedy answer to one sample, scored: the fields of its record after the
-    key."""
+def generate_answer(run, sample, enc, device, dtype, newline_ids, log, key):
+    """One checkpoint's greedy answer to one sample, scored, into `log` under `key`."""
     idx = torch.tensor([sample["input_ids"]], dtype=torch.long, device=device)
     stop_ids = {enc.eot_token} | (newline_ids or set())
 
@@ -763,17 +501,10 @@ def generate_answer(run, sample, enc, device, dtype, newline_ids):
     text, stop = decode_output(out, enc, newline_ids)
     pred = postprocess_pred(text)
 
-    return dict(
-        ckpt_step=run["ckpt_step"],
-        seed=SEED,
-        input_tokens=sample["input_tokens"],
-        num_haystack=sample["num_haystack"],
-        attempts=sample["attempts"],
-        needles=sample["needles"],
-        queries=sample["queries"],
-        answers=sample["answers"],
-        depths=sample["depths"],
-        answer_token_pos=sample["answer_token_pos"],
+    fields = ("input_tokens", "num_haystack", "attempts", "needles", "queries", "answers")
+    record = dict(zip(KEY_FIELDS, key), ckpt_step=run["ckpt_step"], seed=SEED)
+    record.update({k: sample[k] for k in fields + ("depths", "answer_token_pos")})
+    record.update(
         output=text,
         pred=pred,
         stop=stop,
@@ -782,7 +513,154 @@ def generate_answer(run, sample, enc, device, dtype, newline_ids):
         score=sample_score(pred, sample["answers"]),
         seconds=round(time.time() - t0, 3),
     )
+    log.add(record)
+
+
+# ---- summarise ----------------------------------------------------------------------------------
+def summarise(log, args, runs, lengths, essay, skipped, out):
+    """Per run, task and length RULER's score, then the average over tasks."""
+    by_key = {log.key(r): r for r in log.records}
+    rows = []
+    for run in runs:
+        for length in lengths:
+            task_rows = []
+            for task in args.tasks:
+                keys = [record_key(run, task, length, i, essay) for i in range(args.samples)]
+                recs = [by_key[k] for k in keys if k in by_key]
+                why = skipped.get((run["label"], None, length)) or skipped.get((None, task, length))
+                task_rows.append(task_row(run, task, length, recs, args.samples, why))
+
+            scored = [row["score"] for row in task_rows if row["score"] is not None]
+            average = round(sum(scored) / len(scored), 2) if scored else None
+            status = f"{len(scored)}/{len(task_rows)} tasks"
+            rows += task_rows
+            rows.append(dict(task_rows[0], task="average", haystack=None, samples=None))
+            rows[-1].update(score=average, mean_input_tokens=None, status=status)
+
+    write_table(rows, os.path.join(out, "ruler_summary"))
+    series = curves([r for r in rows if r["task"] == "average"], "target_length", "score")
+    if series:
+        path = os.path.join(out, "ruler_scores.png")
+        xlabel = "sequence length (tokens)"
+        ylabel = "string_match_all (%), mean over the tasks"
+        train_lengths = [r["block_size"] for r in runs]
+        plot_curves(series, train_lengths, path, xlabel, ylabel, "RULER NIAH", ylim=(-3, 103))
+
+    for run in runs:
+        mine = [r for r in rows if r["label"] == run["label"]]
+        scores = {(r["task"], r["target_length"]): r["score"] for r in mine}
+        table = [[task] + [scores[(task, L)] for L in lengths] for task in args.tasks + ["average"]]
+        print(f"\n{run['label']} (train length {run['block_size']}): string_match_all, %")
+        print(markdown_table(["task", *lengths], table).replace("None", "-"))
+    return rows
+
+
+def task_row(run, task, length, recs, n_samples, why):
+    """The summary row of one checkpoint, task and length from its records (sorted by sample)."""
+    row = dict(label=run["label"], task=task, target_length=length, train_length=run["block_size"])
+    row.update(haystack=None, samples=len(recs), score=None, mean_input_tokens=None)
+    row.update(status=why or "missing", ckpt=run["ckpt_path"])
+    if recs:
+        row.update(
+            haystack=recs[0]["haystack"],
+            score=string_match_all([r["pred"] for r in recs], [r["answers"] for r in recs]),
+            mean_input_tokens=round(sum(r["input_tokens"] for r in recs) / len(recs), 1),
+            status="ok" if len(recs) == n_samples else "partial",
+        )
+    return row
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def build_parser():
+    p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks)")
+    add_common_args(p, default_out="results/ruler")
+
+    p.add_argument("--tasks", default="all", help=f"'all' or a comma list of: {', '.join(TASKS)}")
+    p.add_argument(
+        "--preset",
+        choices=["paper"],
+        help="paper: RULER's protocol: Paul Graham's essays (--haystack_file required), "
+        "no newline stop, 500 samples, lengths 4K-128K",
+    )
+    p.add_argument(
+        "--lengths",
+        nargs="+",
+        help="total lengths (prompt + 128 answer tokens); default: training length x 1, 2, 4, "
+        f"... up to {MAX_LENGTH}",
+    )
+    p.add_argument("--samples", type=int, default=500, help="per task and length (RULER: 500)")
+    p.add_argument("--haystack_file", help="PaulGrahamEssays.json, or plain text (default: val)")
+    p.add_argument("--data_dir", help="data of the essay haystack; default: the training data")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
+    args = p.parse_args(argv)
+
+    args.tasks = list(TASKS) if args.tasks == "all" else args.tasks.replace(",", " ").split()
+    unknown = [t for t in args.tasks if t not in TASKS]
+    if unknown or not args.tasks:
+        p.error(f"unknown task(s) {unknown}; choose from {list(TASKS)} or 'all'")
+    if args.samples < 1:
+        p.error("--samples must be >= 1")
+
+    if args.lengths:
+        args.lengths = parse_lengths(args.lengths)
+    elif args.preset == "paper":
+        args.lengths = list(RULER_LENGTHS)
+
+    if args.preset == "paper" and needs_essay(args.tasks) and not args.haystack_file:
+        raise EvalError(
+            "--preset paper needs RULER's essay haystack: run RULER's "
+            "scripts/data/synthetic/json/download_paulgraham_essay.py (github.com/NVIDIA/RULER; "
+            "it writes PaulGrahamEssays.json) and pass --haystack_file PaulGrahamEssays.json"
+        )
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.time()
+    runs, enc, device, dtype = start(args)
+    lengths = args.lengths or default_lengths([min(r["block_size"] for r in runs)], MAX_LENGTH)
+
+    essay = None
+    if needs_essay(args.tasks):
+        data_dir = None if args.haystack_file else training_data_dir(runs, args.data_dir)
+        essay = load_essay(args.haystack_file, data_dir, max(lengths))
+        print(f"essay haystack: {essay.label} ({len(essay.words)} words, {len(essay.ends)} ends)")
+    own_folder(args.out)
+
+    # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""), and so
+    # does --preset paper; by default generation also stops at a newline (the answer is one line:
+    # it saves most of the 128 steps), where RULER reads on.
+    paper = args.preset == "paper"
+    newline_ids = None if paper else newline_tokens(enc)
+    settings = dict(
+        seed=SEED,
+        stop_rule="eot" if paper else "eot_or_newline",
+        dtype=dtype,
+        tokenizer=runs[0]["tokenizer"],
+        tokens_to_generate=TOKENS_TO_GENERATE,
+        words=words_digest(),
+    )
+    log = ResultLog(os.path.join(args.out, "ruler_samples.jsonl"), KEY_FIELDS, runs, settings)
+
+    # (run label or None, task or None, length) -> why it was skipped
+    skipped = {}
+    for task in args.tasks:
+        for length in lengths:
+            evaluation = (enc, essay, args.samples, log, device, dtype, newline_ids, skipped)
+            score(task, length, runs, *evaluation)
+
+    rows = summarise(log, args, runs, lengths, essay, skipped, args.out)
+    seconds = time.time() - t_start
+    print(f"\nwrote {log.path}, ruler_summary.{{json,csv}} and ruler_scores.png in {seconds:.1f}s")
+    return rows
 
 
 if __name__ == "__main__":
-    run_script(main, "eval_ruler.py")
+    return_large_allocations()
+    errors_in_one_line("eval_ruler.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    main()

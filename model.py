@@ -4,11 +4,9 @@ path and a switch for the positional encoding, nope | sinusoidal | rope | alibi 
 without Scalable-Softmax. sinusoidal is added to the token embeddings; rope rotates q and k
 (absolute positions, as the authors); alibi and bam add a log-prior (priors.py) to the logits inside
 attention(). SSMax multiplies each query row's logits by s_h * log(n_i), n_i the keys visible to
-query i in its document. Also: size presets, optimizer groups, and checkpoints.
+query i in its document. Also: size presets, optimizer groups, and a model from its checkpoint.
 """
 
-import os
-import re
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -16,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import IMPLS, attention, impl_error, ssmax_log_n
-from priors import PRIORS, BoundPrior, get_prior, ggd_mu
-from runtime import atomic_file, disk_full, no_space_left
+from priors import PRIORS, BoundPrior, get_prior
+from runtime import CheckpointError, load_checkpoint
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 
@@ -446,112 +444,30 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
-    # ---- inspection ------------------------------------------------------------------------------
     @torch.no_grad()
-    def prior_summary(self):
-        """Per layer with a prior or SSMax: the prior's name, its parameters per head (ggd also mu),
-        SSMax's s."""
-        rows = []
-        for i, block in enumerate(self.blocks):
-            attn = block.attn
-            family = attn.family
-            row = {"layer": i}
+    def prior_record(self):
+        """The learned prior's shape parameter per layer, [min, median, max] over the heads, and
+        the number of heads its highlight rule picks (ggd: theta_beta < 0); {} without one."""
+        family = self.config.family
+        if self.config.pos_encoding != "bam":
+            return {}
 
-            if family is not None:
-                row["prior"] = family.name
-                for name in family.params:
-                    row[name] = getattr(attn, name).float().tolist()
-                if family.name == "ggd":
-                    row["mu"] = ggd_mu(attn.theta_mu.float()).tolist()
-
-            if attn.ssmax_s is not None:
-                row["ssmax_s"] = attn.ssmax_s.float().tolist()
-            if len(row) > 1:
-                rows.append(row)
-        return rows
-
-
-# ---- Checkpoints -------------------------------------------------------------------------------
-# A checkpoint is a dict of "model_args" (the GPTConfig), "model" (the state_dict) and what train.py
-# adds (optimizer, step, RNG, ...), written atomically and read with weights_only=True, so that
-# reading one never runs code. A run directory holds ckpt_<step>.pt files.
-CHECKPOINT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+        shape_index = family.params.index(family.shape_param)
+        record = {family.shape_param: []}
+        picked = 0
+        for block in self.blocks:
+            params = block.attn.bound_prior().params
+            shape = params[shape_index].float().cpu()
+            quantiles = [shape.min(), shape.quantile(0.5), shape.max()]
+            record[family.shape_param].append([round(q.item(), 4) for q in quantiles])
+            if family.highlight is not None:
+                picked += int(family.highlight(*params).sum())
+        if family.highlight is not None:
+            record["heads_highlighted"] = picked
+        return record
 
 
-class CheckpointError(RuntimeError):
-    """A file that is not a readable bam-gpt checkpoint, one that does not fit the model asked for,
-    or a checkpoint that could not be written."""
-
-
-def checkpoint_name(step):
-    return f"ckpt_{step:07d}.pt"
-
-
-def checkpoints(run_dir):
-    """[(step, path)] of a run directory's checkpoints, oldest first ([] without the directory)."""
-    if not os.path.isdir(run_dir):
-        return []
-
-    found = []
-    for name in os.listdir(run_dir):
-        match = CHECKPOINT_RE.match(name)
-        if match:
-            found.append((int(match.group(1)), os.path.join(run_dir, name)))
-    return sorted(found)
-
-
-def save_checkpoint(path, model, **extra):
-    """Write the model (a plain GPT) and `extra` to path, whole or not at all. A CheckpointError
-    says why a write failed; a full disk says what is free."""
-    state = {"model_args": asdict(model.config), "model": model.state_dict(), **extra}
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with atomic_file(path) as f:
-            torch.save(state, f)
-    except (OSError, RuntimeError) as e:
-        # torch's zip writer reports a failed write as a RuntimeError caused by the OSError
-        cause = e
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-
-        why = f"could not write the checkpoint {path}: {cause.strerror or cause}"
-        if disk_full(cause):
-            why = no_space_left(path, "the checkpoint")
-        raise CheckpointError(why) from e
-
-
-def load_checkpoint(path):
-    """The checkpoint dict of a .pt file, or of a run directory's newest checkpoint, on the CPU.
-    Its "path" says which file it was."""
-    if os.path.isdir(path):
-        found = checkpoints(path)
-        if not found:
-            raise FileNotFoundError(
-                f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?"
-            )
-        path = found[-1][1]
-    elif not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py"
-        )
-
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(
-            f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
-            "is it a bam-gpt checkpoint and fully written?"
-        ) from e
-
-    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
-        raise CheckpointError(
-            f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')"
-        )
-    return dict(ckpt, path=path)
-
-
+# ---- Loading a checkpoint ------------------------------------------------------------------
 def checkpoint_config(ckpt):
     """A checkpoint's GPTConfig; a CheckpointError where its settings are not this code's."""
     where = ckpt["path"]

@@ -1,7 +1,7 @@
 """
 The CPU demo's data: a synthetic passkey corpus in the repo's shard format, one passkey prompt per
-document (byte tokenizer, passkey.py's "demo" template, so that the model is evaluated on exactly
-what it was trained on):
+document (byte tokenizer, eval_passkey.py's "demo" template, so that the model is evaluated on
+exactly what it was trained on):
 
     <|endoftext|> task  filler...  needle("#12345")  filler...  question("?")  " 12345"
 
@@ -21,8 +21,9 @@ import os
 
 import numpy as np
 
-import passkey
-from data import EOT, atomic_file, get_tokenizer, shard_name, write_shard
+import eval_passkey
+from data import EOT, get_tokenizer, shard_name, write_shard
+from runtime import FolderBusy, atomic_file, errors_in_one_line, own_folder
 
 TOKENIZER = "byte"
 TEMPLATE = "demo"
@@ -74,20 +75,21 @@ def min_document_length():
     """Tokens of a document without filler: end-of-text, task, needle, question and answer (with
     the widest key)."""
     enc = get_tokenizer(TOKENIZER)
-    template = passkey.TEMPLATES[TEMPLATE]
+    template = eval_passkey.TEMPLATES[TEMPLATE]
 
-    answer, _ = passkey.answer_tokens(enc, passkey.widest_key(template))
-    return passkey.min_prompt_length(enc, template) + len(answer)
+    answer, _ = eval_passkey.answer_tokens(enc, eval_passkey.widest_key(template))
+    return eval_passkey.min_prompt_length(enc, template) + len(answer)
 
 
 def make_documents(rng, lengths):
     """One document per entry of `lengths` (tokens, including the leading end-of-text): a list of
     token lists. The filler before the needle has a uniformly random number of letters (0 .. all
-    of it). The template's pieces are passkey.py's, its filler a random walk instead of repeated
-    units: the demo template has no separator, so a walk joins the pieces as filler units do."""
+    of it). The template's pieces are eval_passkey.py's, its filler a random walk instead of
+    repeated units: the demo template has no separator, so a walk joins the pieces as filler units
+    do."""
     enc = get_tokenizer(TOKENIZER)
-    template = passkey.TEMPLATES[TEMPLATE]
-    parts = passkey.pieces(enc, template)
+    template = eval_passkey.TEMPLATES[TEMPLATE]
+    parts = eval_passkey.pieces(enc, template)
 
     lengths = np.asarray(lengths, dtype=np.int64)
     n_fill = lengths - min_document_length()
@@ -98,7 +100,7 @@ def make_documents(rng, lengths):
         )
 
     # the draws' order (keys, needle places, walks) is part of the corpus' definition
-    keys = passkey.random_keys(rng, template, len(lengths))
+    keys = eval_passkey.random_keys(rng, template, len(lengths))
     # uniform over 0 .. n_fill
     letters_before = rng.integers(0, n_fill + 1)
     walks = random_walks(rng, len(lengths), int(n_fill.max(initial=0)))
@@ -109,9 +111,9 @@ def make_documents(rng, lengths):
         before = walks[i, : letters_before[i]].tolist()
         after = walks[i, letters_before[i] : n_fill[i]].tolist()
 
-        needle = passkey.needle_tokens(enc, template, key)
-        answer, _ = passkey.answer_tokens(enc, key)
-        doc = passkey.join(parts, before, needle, after) + answer
+        needle = eval_passkey.needle_tokens(enc, template, key)
+        answer, _ = eval_passkey.answer_tokens(enc, key)
+        doc = eval_passkey.join(parts, before, needle, after) + answer
 
         assert len(doc) == lengths[i], "every piece has a fixed length"
         docs.append(doc)
@@ -158,25 +160,11 @@ def build_parser():
         description="Write the CPU demo's synthetic passkey corpus (byte tokenizer)."
     )
     ap.add_argument("--out_dir", default="data/demo")
-    ap.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="the corpus is a pure function of the seed and the sizes",
-    )
-    ap.add_argument(
-        "--block_size",
-        type=int,
-        default=64,
-        help="window length = the training context of train.py",
-    )
-    ap.add_argument(
-        "--train_windows", type=int, default=65536, help="training windows (one per training row)"
-    )
-    ap.add_argument("--val_windows", type=int, default=512, help="validation windows")
-    ap.add_argument(
-        "--min_doc_len", type=int, default=24, help="shortest document (tokens, with end-of-text)"
-    )
+    ap.add_argument("--seed", type=int, default=0, help="the corpus is a function of it and sizes")
+    ap.add_argument("--block_size", type=int, default=64, help="train.py's training context")
+    ap.add_argument("--train_windows", type=int, default=65536, help="one per training row")
+    ap.add_argument("--val_windows", type=int, default=512)
+    ap.add_argument("--min_doc_len", type=int, default=24, help="tokens, with end-of-text")
     ap.add_argument(
         "--docs_per_window",
         default="0.5,0.3,0.2",
@@ -214,7 +202,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args, docs_per_window = parse_args(argv)
-    os.makedirs(args.out_dir, exist_ok=True)
+    own_folder(args.out_dir)
 
     written = {}
     for split, index, n_windows in (("val", 0, args.val_windows), ("train", 1, args.train_windows)):
@@ -238,7 +226,7 @@ def main(argv=None):
         docs_per_window=docs_per_window,
         tokenizer=TOKENIZER,
         template=TEMPLATE,
-        template_strings=passkey.TEMPLATES[TEMPLATE],
+        template_strings=eval_passkey.TEMPLATES[TEMPLATE],
         chain=CHAIN,
         successor_p=SUCCESSOR_P,
         splits=written,
@@ -254,4 +242,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    errors_in_one_line("prepare_demo.py", FolderBusy, "free some and run it again")
     main()

@@ -14,6 +14,11 @@ first --val_tokens (3,932,160) form {prefix}_val_000000.bin, the next --gap_toke
 authors' gap) are skipped, the rest is cut into training shards of --shard_size. --local_files takes
 .jsonl/.json/.parquet (one document per record) or .txt (one document per file, so long texts stay
 whole) paths or globs, in order.
+
+--out_dir/meta.json holds the settings and, rewritten after every full shard, where a rerun
+continues: the shards written so far and the place in the source after them. A rerun with the same
+settings continues there and ends byte-identical to an uninterrupted run; one with other settings is
+refused. --max_tokens may change: a larger budget extends a preparation, a smaller one starts over.
 """
 
 import argparse
@@ -21,10 +26,10 @@ import functools
 import glob
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import re
-import sys
 import time
 
 import numpy as np
@@ -33,106 +38,79 @@ from tqdm import tqdm
 from data import (
     DOC_START,
     EOT,
-    GAP_TOKENS,
     SHARD_RE,
     TOKENIZERS,
     VAL_TOKENS,
     VOCAB_SIZE,
     DataError,
-    atomic_file,
-    disk_full,
     get_tokenizer,
-    no_space_left,
     open_shard,
-    remove_stale_temporaries,
     shard_name,
     write_shard,
 )
+from runtime import FolderBusy, atomic_file, errors_in_one_line, own_folder
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+# the authors skip this many tokens between the validation and the training data
+GAP_TOKENS = 1_000_000
 # config/bam_120m.py reads 20,000 steps x 589,824 = 11.8B tokens, more than sample-10BT holds (the
 # authors' "roughly one epoch" repeats data): stream sample-100BT and stop at 11.9B (validation +
 # training + spare).
 FINEWEB_MAX_TOKENS = 11_900_000_000
+EXPECTED_ERRORS = (DataError, FileNotFoundError, FileExistsError, FolderBusy)
+FULL_DISK_REMEDY = "free some and run it again: it resumes after the last complete shard"
 
 
 def build_parser():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--dataset", default="HuggingFaceFW/fineweb", help="Hugging Face dataset (streamed)"
-    )
-    p.add_argument("--name", default="sample-100BT", help="dataset config name")
+    p.add_argument("--dataset", default="HuggingFaceFW/fineweb", help="streamed from the Hub")
+    p.add_argument("--name", default="sample-100BT", help="the dataset's config name")
     p.add_argument("--split", default="train")
-    p.add_argument(
-        "--local_files",
-        nargs="+",
-        help="local .jsonl/.json/.parquet/.txt paths or globs (replaces --dataset)",
-    )
+    p.add_argument("--local_files", nargs="+", help=".jsonl/.json/.parquet/.txt paths or globs")
     p.add_argument("--text_column", default="text")
     p.add_argument(
-        "--tokenizer", default="mistral", choices=TOKENIZERS, help="mistral: the authors' tokenizer"
+        "--tokenizer", default="mistral", choices=TOKENIZERS, help="mistral: the authors'"
     )
-    p.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per training shard")
-    p.add_argument(
-        "--val_tokens", type=int, default=VAL_TOKENS, help="tokens in the validation shard"
-    )
-    p.add_argument(
-        "--gap_tokens", type=int, default=GAP_TOKENS, help="tokens skipped between val and train"
-    )
+    p.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per train shard")
+    p.add_argument("--val_tokens", type=int, default=VAL_TOKENS, help="tokens in the val shard")
+    p.add_argument("--gap_tokens", type=int, default=GAP_TOKENS, help="skipped after val")
     p.add_argument(
         "--max_tokens",
         type=int,
-        default=None,
-        help="stop after this many tokens in total (val + train; default "
-        f"{FINEWEB_MAX_TOKENS:,} for a Hugging Face dataset, everything for --local_files)",
+        help=f"stop there (val + train); default: {FINEWEB_MAX_TOKENS:,} from the Hub, all of "
+        "--local_files",
     )
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
-    p.add_argument(
-        "--out_dir",
-        default=None,
-        help="default: data/fineweb_<tokenizer> for FineWeb, else data/<prefix>",
-    )
-    p.add_argument(
-        "--prefix",
-        default=None,
-        help="shard name prefix; default: derived from the dataset or first file",
-    )
+    p.add_argument("--out_dir", help="default: data/fineweb_<tokenizer>, or data/<prefix>")
+    p.add_argument("--prefix", help="of the shard names; default: from the dataset or first file")
     return p
 
 
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    for k, least in (
-        ("shard_size", 1),
-        ("val_tokens", 1),
-        ("max_tokens", 1),
-        ("num_proc", 1),
-        ("gap_tokens", 0),
-    ):
-        if getattr(args, k) is not None and getattr(args, k) < least:
-            p.error(f"--{k} must be at least {least}, got {getattr(args, k)}")
+    least = dict(shard_size=1, val_tokens=1, max_tokens=1, num_proc=1, gap_tokens=0)
+    for name, value in least.items():
+        if getattr(args, name) is not None and getattr(args, name) < value:
+            p.error(f"--{name} must be at least {value}, got {getattr(args, name)}")
 
-    if args.max_tokens is None and not args.local_files:
-        args.max_tokens = FINEWEB_MAX_TOKENS
     if args.local_files:
         args.files = expand_files(args.local_files)
+    elif args.max_tokens is None:
+        args.max_tokens = FINEWEB_MAX_TOKENS
 
     if args.prefix is None:
-        stem = (
-            os.path.basename(args.files[0]).split(".")[0]
-            if args.local_files
-            else args.dataset.split("/")[-1]
-        )
+        if args.local_files:
+            stem = os.path.basename(args.files[0]).split(".")[0]
+        else:
+            stem = args.dataset.split("/")[-1]
         args.prefix = re.sub(r"[^a-z0-9]+", "", stem.lower()) or "data"
 
     if args.out_dir is None:
         fineweb = not args.local_files and args.dataset == "HuggingFaceFW/fineweb"
-        args.out_dir = (
-            f"data/fineweb_{args.tokenizer}" if fineweb else os.path.join("data", args.prefix)
-        )
+        args.out_dir = f"data/fineweb_{args.tokenizer}" if fineweb else f"data/{args.prefix}"
     return args
 
 
@@ -161,6 +139,22 @@ def file_format(path):
     return LOCAL_FORMATS.get(os.path.splitext(name)[1])
 
 
+def settings_of(args):
+    """What a preparation is a function of (a rerun with other settings is refused)."""
+    if args.local_files:
+        source = {"local_files": [os.path.abspath(f) for f in args.files]}
+    else:
+        source = {"dataset": args.dataset, "name": args.name, "split": args.split}
+
+    settings = dict(source=source)
+    for name in ("text_column", "tokenizer", "prefix", "shard_size", "val_tokens", "gap_tokens"):
+        settings[name] = getattr(args, name)
+    # the one a rerun may change
+    settings["max_tokens"] = args.max_tokens
+    return settings
+
+
+# ---- the source ---------------------------------------------------------------------------------
 def source_rows(args):
     """The documents' texts (None for a row without text), in a deterministic order."""
     from datasets import load_dataset
@@ -194,113 +188,9 @@ def tokenize(tokenizer_name, text):
     return np.array(get_tokenizer(tokenizer_name).document(text) if text else [], dtype=np.uint16)
 
 
-def planned_size(args, index):
-    return args.val_tokens if index == 0 else args.shard_size
-
-
-def write_json(path, obj):
-    with atomic_file(path, "w") as f:
-        json.dump(obj, f, indent=1)
-
-
-def reusable_shards(args, settings, meta_path):
-    """The ledger meta.json's shards that a rerun keeps: a prefix of full, valid shards ending by
-    --max_tokens (a finished run's shorter last shard only with the same --max_tokens). The rerun
-    skips the source rows they cover, byte-identical to an uninterrupted run; a larger --max_tokens
-    extends a finished preparation."""
-    if not os.path.exists(meta_path):
-        stray = [f for f in os.listdir(args.out_dir) if SHARD_RE.match(f)]
-        if stray:
-            raise FileExistsError(
-                f"{args.out_dir} holds shards ({stray[0]}, ...) but no meta.json, so they are not "
-                "this script's to resume; delete them or choose another --out_dir"
-            )
-        return [], None
-
-    with open(meta_path) as f:
-        meta = json.load(f)
-    old = meta["settings"]
-
-    differ = {}  # setting -> (there, now)
-    for name, value in settings.items():
-        if name != "max_tokens" and old.get(name) != value:
-            differ[name] = (old.get(name), value)
-
-    if differ:
-        listed = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
-        raise DataError(
-            f"{args.out_dir} holds a preparation with other settings ({listed}); choose another "
-            "--out_dir, or delete its shards and meta.json to start over"
-        )
-
-    keep = []
-    end = 0  # tokens in the kept shards
-    same_end = meta["complete"] and old.get("max_tokens") == args.max_tokens
-    for i, entry in enumerate(meta["shards"]):
-        path = os.path.join(args.out_dir, entry["file"])
-        try:
-            valid = len(open_shard(path, args.tokenizer)) == entry["tokens"]
-        except (OSError, ValueError):
-            valid = False
-        full = entry["tokens"] == planned_size(args, i)
-        last = i == len(meta["shards"]) - 1
-        too_long = args.max_tokens and end + entry["tokens"] > args.max_tokens
-        if not valid or not (full or (same_end and last)) or too_long:
-            break
-        keep.append(entry)
-        end += entry["tokens"]
-    return keep, meta
-
-
-class ShardWriter:
-    """Fills the shards in order, recording each in the ledger with where in the source the next one
-    starts."""
-
-    def __init__(self, args, meta, meta_path):
-        self.args = args
-        self.meta = meta
-        self.meta_path = meta_path
-        self.index = len(meta["shards"])
-        self._new_shard()
-
-    def _new_shard(self):
-        self.buf = np.empty(planned_size(self.args, self.index), dtype=np.uint16)
-        self.fill = 0  # tokens in buf
-        # the gap follows the validation shard
-        self.skip = self.args.gap_tokens if self.index == 1 else 0
-
-    def add(self, tokens, limit):
-        """Copy as much of tokens as fits the current shard and `limit` more tokens. Returns the
-        count copied."""
-        take = min(len(tokens), len(self.buf) - self.fill, limit)
-        self.buf[self.fill : self.fill + take] = tokens[:take]
-        self.fill += take
-        return take
-
-    def flush(self, next_doc, next_offset):
-        args = self.args
-        name = shard_name(args.prefix, "val" if self.index == 0 else "train", self.index)
-        tokens = self.buf[: self.fill]
-        write_shard(os.path.join(args.out_dir, name), tokens, args.tokenizer)
-
-        self.meta["shards"].append(
-            dict(
-                file=name,
-                tokens=self.fill,
-                documents=int(np.count_nonzero(tokens == DOC_START[args.tokenizer])),
-                next_doc=next_doc,
-                next_offset=next_offset,
-            )
-        )
-
-        write_json(self.meta_path, self.meta)
-        self.index += 1
-        self._new_shard()
-
-
 def tokenized_documents(args, start_doc):
     """(the tokens of each source row from start_doc on, the worker pool or None). The source is
-    opened here, so that a missing column fails before the progress bar."""
+    opened here, so that a missing column fails before anything is written."""
     rows = itertools.islice(source_rows(args), start_doc, None)
     first = next(rows, StopIteration)
     rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
@@ -311,114 +201,193 @@ def tokenized_documents(args, start_doc):
     return documents, pool
 
 
-def tokenize_into(args, writer, start_doc, start_offset, done):
-    """Tokenize the source from row start_doc (less the first start_offset tokens of that row,
-    which the kept shards hold) into the writer, up to --max_tokens. Returns (tokens in total,
-    documents read)."""
-    total = done
-    docs = 0
-    # where the stream continues after the last shard
-    resume_at = (start_doc, start_offset)
-    documents, pool = tokenized_documents(args, start_doc)
-    bar = tqdm(
-        total=args.max_tokens,
-        initial=done,
-        unit="tok",
-        unit_scale=True,
-        desc=f"tokenizing -> {args.out_dir}",
-    )
+# ---- where a rerun continues --------------------------------------------------------------------
+def planned_size(args, index):
+    return args.val_tokens if index == 0 else args.shard_size
 
+
+def shard_path(args, index):
+    split = "val" if index == 0 else "train"
+    return os.path.join(args.out_dir, shard_name(args.prefix, split, index))
+
+
+def write_meta(args, meta):
+    with atomic_file(os.path.join(args.out_dir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def read_meta(args, settings):
+    """The out_dir's meta.json, or None for a folder this script has not written to. Refuses a
+    folder with shards but no meta.json, and one prepared with other settings (--max_tokens may
+    differ)."""
+    path = os.path.join(args.out_dir, "meta.json")
+    if not os.path.exists(path):
+        stray = sorted(f for f in os.listdir(args.out_dir) if SHARD_RE.match(f))
+        if stray:
+            raise FileExistsError(
+                f"{args.out_dir} holds shards ({stray[0]}, ...) but no meta.json, so they are not "
+                "this script's to resume; delete them or choose another --out_dir"
+            )
+        return None
+
+    with open(path) as f:
+        meta = json.load(f)
+    if "resume" not in meta:
+        raise DataError(
+            f"{path} was written by an earlier prepare_fineweb.py; delete the folder's shards and "
+            "meta.json to start over, or choose another --out_dir"
+        )
+
+    differ = []
+    for name, value in settings.items():
+        there = meta["settings"].get(name)
+        if name != "max_tokens" and there != value:
+            differ.append(f"{name}: {there!r} there, {value!r} now")
+
+    if differ:
+        raise DataError(
+            f"{args.out_dir} holds a preparation with other settings ({', '.join(differ)}); "
+            "choose another --out_dir, or delete its shards and meta.json to start over"
+        )
+    return meta
+
+
+def is_whole(args, index, tokens):
+    """Whether shard `index` is on disk, valid, with `tokens` tokens of this tokenizer."""
     try:
-        for row, tokens in enumerate(documents, start=start_doc):
-            if total == args.max_tokens:
-                break
-
-            # the part of the first document that the kept shards do not hold
-            if row == start_doc:
-                tokens = tokens[start_offset:]
-            if len(tokens) == 0:
-                continue
-
-            docs += 1
-            pos = 0
-            while pos < len(tokens) and total != args.max_tokens:
-                # the gap between validation and training, in no split
-                if writer.skip:
-                    skipped = min(len(tokens) - pos, writer.skip)
-                    pos += skipped
-                    writer.skip -= skipped
-                    continue
-
-                taken = writer.add(tokens[pos:], (args.max_tokens or np.inf) - total)
-                pos += taken
-                total += taken
-                bar.update(taken)
-
-                resume_at = (row, pos) if pos < len(tokens) else (row + 1, 0)
-                if writer.fill == len(writer.buf):
-                    writer.flush(*resume_at)
-
-            if docs % 1000 == 0:
-                bar.set_postfix(docs=f"{docs:,}", refresh=False)
-    finally:
-        bar.close()
-        if pool:
-            pool.terminate()
-
-    # the source ended (or --max_tokens was reached) inside this shard
-    if writer.fill:
-        writer.flush(*resume_at)
-    return total, docs
+        return len(open_shard(shard_path(args, index), args.tokenizer)) == tokens
+    except (OSError, DataError):
+        return False
 
 
-def settings_of(args):
-    """What a preparation is a function of (a rerun with other settings is refused)."""
-    if args.local_files:
-        source = {"local_files": [os.path.abspath(f) for f in args.files]}
-    else:
-        source = {"dataset": args.dataset, "name": args.name, "split": args.split}
+def finished(args, meta):
+    """Whether meta.json vouches for a finished preparation to this --max_tokens, all of it
+    whole."""
+    if not meta or not meta["complete"] or meta["settings"]["max_tokens"] != args.max_tokens:
+        return False
 
-    return dict(
-        source=source,
-        text_column=args.text_column,
-        tokenizer=args.tokenizer,
-        prefix=args.prefix,
-        shard_size=args.shard_size,
-        val_tokens=args.val_tokens,
-        gap_tokens=args.gap_tokens,
-        max_tokens=args.max_tokens,
-    )
+    full = meta["resume"]
+    sizes = [planned_size(args, i) for i in range(full["shards"])]
+    if meta["tokens"] > full["tokens"]:
+        sizes.append(meta["tokens"] - full["tokens"])  # the last, shorter shard
+    return all(is_whole(args, i, n) for i, n in enumerate(sizes))
 
 
-def remove_leftovers(args, shards):
-    """Shards of a longer earlier preparation (main removes dead writers' temporary files first)."""
-    ours = {s["file"] for s in shards}
+def resume_point(args, meta):
+    """Where this call starts: after the full shards meta.json vouches for, if they are whole and
+    end by --max_tokens; else at the start. A dict: the shards before it, their tokens and
+    documents, and the source row to read next with the tokens of it they hold."""
+    start = dict(shards=0, tokens=0, documents=0, next_doc=0, next_offset=0)
+    if meta is None:
+        return start
 
+    full = meta["resume"]
+    whole = all(is_whole(args, i, planned_size(args, i)) for i in range(full["shards"]))
+    if whole and full["tokens"] <= (args.max_tokens or math.inf):
+        return full
+
+    print(f"note: starting {args.out_dir} over (a shard is missing or past --max_tokens)")
+    return start
+
+
+def remove_shards_from(args, index):
+    """Remove this preparation's shards from `index` on: meta.json no longer vouches for them."""
     for name in os.listdir(args.out_dir):
-        if name.startswith(args.prefix + "_") and SHARD_RE.match(name) and name not in ours:
+        match = SHARD_RE.match(name)
+        if match and match.group(1) == args.prefix and int(match.group(3)) >= index:
             os.remove(os.path.join(args.out_dir, name))
 
 
-def report(args, meta, new, docs, seconds):
-    """What this call wrote, and what the directory now holds."""
-    shards = meta["shards"]
-    rate = new / max(seconds, 1e-9)
-    print(
-        f"wrote {new:,} tokens from {docs:,} documents in {seconds:.1f} s ({rate:,.0f} tokens/s); "
-        f"{args.out_dir} now holds {len(shards)} shards, {meta['tokens']:,} tokens "
-        f"({meta['val_tokens']:,} val)"
-    )
+# ---- the shards ---------------------------------------------------------------------------------
+class TokenStream:
+    """The documents' tokens, one stream from a place in the source on: take(n) hands out the next
+    n tokens, and place is then where the stream continues (a row, and the tokens of it taken)."""
 
-    if len(shards) == 1:
+    def __init__(self, documents, row, offset):
+        self.documents = documents
+        self.row = row
+        self.offset = offset
+        self.doc = next(documents, None)  # the row's tokens; None: the source has ended
+
+    @property
+    def place(self):
+        return self.row, self.offset
+
+    def take(self, n, bar=None):
+        """The next n tokens (fewer where the source ends), counted on bar if one is given."""
+        parts = []
+        while n > 0 and self.doc is not None:
+            part = self.doc[self.offset : self.offset + n]
+            parts.append(part)
+            n -= len(part)
+            self.offset += len(part)
+            if bar is not None:
+                bar.update(len(part))
+
+            if self.offset == len(self.doc):
+                self.doc = next(self.documents, None)
+                self.row += 1
+                self.offset = 0
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)
+
+
+def write_shards(args, meta, stream):
+    """Cut the stream into the shards from meta["resume"] on, up to --max_tokens. After each full
+    shard meta.json records it and where the stream continues; a shorter one is the last. Returns
+    (the shards written in all, their tokens, their documents)."""
+    shards = meta["resume"]["shards"]
+    tokens = meta["resume"]["tokens"]
+    documents = meta["resume"]["documents"]
+    limit = args.max_tokens or math.inf
+    desc = f"tokenizing -> {args.out_dir}"
+    with tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, desc=desc) as bar:
+        while tokens < limit:
+            # the gap between validation and training, in no split
+            if shards == 1:
+                stream.take(args.gap_tokens)
+
+            size = planned_size(args, shards)
+            shard = stream.take(min(size, limit - tokens), bar)
+            if len(shard) == 0:
+                break
+
+            write_shard(shard_path(args, shards), shard, args.tokenizer)
+            shards += 1
+            tokens += len(shard)
+            documents += int(np.count_nonzero(shard == DOC_START[args.tokenizer]))
+            if len(shard) < size:
+                break
+
+            row, offset = stream.place
+            meta["resume"] = dict(
+                shards=shards, tokens=tokens, documents=documents, next_doc=row, next_offset=offset
+            )
+            write_meta(args, meta)
+
+    return shards, tokens, documents
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # fail now, not in a worker after the download started
+    get_tokenizer(args.tokenizer)
+    own_folder(args.out_dir)
+
+    settings = settings_of(args)
+    meta = read_meta(args, settings)
+    if finished(args, meta):
+        print(f"{args.out_dir}: all {meta['shards']} shards are complete and valid; nothing to do")
+        return meta
+
+    start = resume_point(args, meta)
+    remove_shards_from(args, start["shards"])
+    if start["shards"]:
         print(
-            "note: the data ended inside the validation split, so there are no training shards; "
-            "lower --val_tokens or add data"
+            f"resuming after {start['shards']} complete shards ({start['tokens']:,} tokens): "
+            f"skipping {start['next_doc']:,} source rows"
         )
 
-
-def start_ledger(args, settings, shards, meta_path):
-    """Write meta.json, incomplete, before any shard: shards never exist without the ledger that
-    vouches for them. Its "shards" is the list `shards`, to which the writer appends."""
+    t0 = time.time()
     meta = dict(
         settings=settings,
         tokenizer=args.tokenizer,
@@ -426,95 +395,49 @@ def start_ledger(args, settings, shards, meta_path):
         eot=EOT[args.tokenizer],
         doc_start=DOC_START[args.tokenizer],
         complete=False,
-        shards=shards,
+        resume=start,
     )
-    write_json(meta_path, meta)
-    return meta
+    documents, pool = tokenized_documents(args, start["next_doc"])
+    try:
+        stream = TokenStream(documents, start["next_doc"], start["next_offset"])
+        # from here on no shard exists that meta.json does not account for
+        write_meta(args, meta)
+        shards, tokens, documents = write_shards(args, meta, stream)
+    finally:
+        if pool:
+            pool.terminate()
 
-
-def finish(meta_path, meta, total):
-    """Mark the ledger complete, with the totals of its shards."""
-    shards = meta["shards"]
-    meta.update(
-        complete=True,
-        tokens=total,
-        val_tokens=shards[0]["tokens"],
-        train_tokens=total - shards[0]["tokens"],
-        documents=sum(e["documents"] for e in shards),
-        source_rows=shards[-1]["next_doc"],
-    )
-    write_json(meta_path, meta)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    # fail now, not in a worker after the download started
-    get_tokenizer(args.tokenizer)
-
-    os.makedirs(args.out_dir, exist_ok=True)
-    for name in remove_stale_temporaries(args.out_dir):
-        print(f"removed {name}, left in {args.out_dir} by a writer that has ended")
-
-    settings = settings_of(args)
-    meta_path = os.path.join(args.out_dir, "meta.json")
-
-    shards, old_meta = reusable_shards(args, settings, meta_path)
-    finished = old_meta and old_meta["complete"] and len(shards) == len(old_meta["shards"])
-    if finished and old_meta["settings"]["max_tokens"] == args.max_tokens:
-        print(
-            f"{args.out_dir}: all {len(shards)} shards are already complete and valid; "
-            "nothing to do"
-        )
-        return old_meta
-
-    meta = start_ledger(args, settings, shards, meta_path)
-
-    done = sum(e["tokens"] for e in shards)
-    start_doc = shards[-1]["next_doc"] if shards else 0
-    start_offset = shards[-1]["next_offset"] if shards else 0
-    if shards:
-        print(
-            f"resuming after {len(shards)} complete shards ({done:,} tokens): "
-            f"skipping {start_doc:,} source rows"
-        )
-
-    t0 = time.time()
-    writer = ShardWriter(args, meta, meta_path)
-
-    total, docs = tokenize_into(args, writer, start_doc, start_offset, done)
-
-    if not shards:
+    if tokens == 0:
         raise DataError(
             f"the source has no text: no tokens were written ({settings['source']}); check the "
             "input and --text_column"
         )
 
-    remove_leftovers(args, shards)
-    seconds = time.time() - t0
-    new = total - done
-    finish(meta_path, meta, total)
+    val_tokens = min(tokens, args.val_tokens)
+    meta.update(
+        complete=True,
+        shards=shards,
+        tokens=tokens,
+        val_tokens=val_tokens,
+        train_tokens=tokens - val_tokens,
+        documents=documents,
+    )
+    write_meta(args, meta)
 
-    report(args, meta, new, docs, seconds)
+    seconds = time.time() - t0
+    new = tokens - start["tokens"]
+    print(
+        f"wrote {new:,} tokens in {seconds:.1f} s ({new / max(seconds, 1e-9):,.0f} tokens/s); "
+        f"{args.out_dir} now holds {shards} shards, {tokens:,} tokens ({val_tokens:,} val)"
+    )
+    if shards == 1:
+        print(
+            "note: the data ended inside the validation split, so there are no training shards; "
+            "lower --val_tokens or add data"
+        )
     return meta
 
 
-def error_line(error):
-    """An expected failure in one line; None for a bug (its traceback is shown)."""
-    if disk_full(error):
-        return (
-            f"{no_space_left(error.filename)}; free some and run it again: it resumes after the "
-            "last complete shard"
-        )
-    if isinstance(error, (DataError, FileNotFoundError, FileExistsError)):
-        return str(error)
-    return None
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:
-        line = error_line(e)
-        if line is None:
-            raise
-        sys.exit(f"prepare_fineweb.py: error: {line}")
+    errors_in_one_line("prepare_fineweb.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    main()

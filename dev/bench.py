@@ -27,9 +27,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from attention import IMPLS, impl_error  # noqa: E402
 from data import doc_starts  # noqa: E402
-from eval_common import peak_memory_bytes, reset_peak_memory  # noqa: E402
-from runtime import autocast, peak_flops, resolve_device  # noqa: E402
 from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
+from runtime import (  # noqa: E402
+    autocast,
+    peak_flops,
+    peak_memory_bytes,
+    reset_peak_memory,
+    resolve_device,
+)
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 

@@ -1,10 +1,8 @@
 """
-The attention implementations against each other: speed, peak memory and correctness.
+The attention implementations against each other: speed and peak memory.
 
     python dev/bench_attention.py                  # CUDA: T 512 ... 32K, D 48/64/128, bf16
     python dev/bench_attention.py --quick          # a small subset (< 2 minutes with compilation)
-    python dev/bench_attention.py --check          # the kernel vs the reference, every gradient
-                                                   # (without a GPU: small cases, interpreted)
     python dev/bench_attention.py --cpu [--train]  # CPU: reference, sdpa vs plain SDPA, fp32
 
 --prior (a registered prior, default ggd) is what every prior-carrying impl computes, with SSMax
@@ -18,30 +16,26 @@ and reports median wall and process CPU times.
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import platform
 import sys
 import time
-import traceback
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-# attention (which imports attention_kernel and triton) is imported inside the functions: --check on
-# a CPU must switch Triton's interpreter on before that import
 
-BWD_FLOP_FACTOR = (
-    2.5  # backward = 2.5 x forward (2 matmuls for dq/dk/dv + recompute), as in the tutorial
-)
+from attention import attention, impl_error  # noqa: E402
+from priors import BoundPrior, bind, get_prior  # noqa: E402
+
+# backward = 2.5 x forward (2 matmuls for dq/dk/dv + recompute), as in the tutorial
+BWD_FLOP_FACTOR = 2.5
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--check", action="store_true", help="correctness of the Triton kernel vs the reference"
-    )
     p.add_argument("--prior", default="ggd", help="a registered prior (priors.py)")
     p.add_argument("--quick", action="store_true", help="T in {1024, 4096}, head_dim 64 only")
     p.add_argument(
@@ -86,8 +80,6 @@ def prior_params(name, H, gen=None):
     heads, anti-local (beta < 0), NoPE-like (0), heavy tail, ALiBi-like, local, mu != 0 for some.
     Any other prior: its 'zero' init spread over the heads (so that they differ), or its fixed
     values."""
-    from priors import BoundPrior, get_prior
-
     prior = get_prior(name)
     if name == "ggd":
         betas = torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0])
@@ -131,10 +123,6 @@ def leaves(pb):
 def impl_fn(name, pb):
     """A zero-argument callable computing the attention output (autograd-connected to the
     leaves)."""
-    import torch.nn.functional as F
-
-    from attention import attention
-
     q, k, v = pb["q"], pb["k"], pb["v"]
     B, H, T, D = q.shape
     if name == "kernel_bam":
@@ -243,8 +231,6 @@ def run_table(args):
                 pb = None
                 try:
                     pb = make_problem(B, args.heads, T, D, torch.bfloat16, "cuda", prior=args.prior)
-                    from attention import impl_error
-
                     refused = name == "kernel_bam" and impl_error(
                         "triton", pb["prior"], "cuda", grad=True
                     )
@@ -325,9 +311,8 @@ def cpu_problem(T, H=8, D=64, doc_len=1000, seed=0, train=False):
     if doc_len:
         for c in (torch.rand(T, generator=g) < 1.0 / doc_len).nonzero().flatten().tolist():
             doc_start[:, c:] = c
-    log_n = (
-        (torch.arange(T)[None] - doc_start + 1).float().log()
-    )  # SSMax: n = keys visible in the document
+    # SSMax: n = keys visible in the document
+    log_n = (torch.arange(T)[None] - doc_start + 1).float().log()
     row_scale = torch.ones(H, requires_grad=train)[None, :, None] * log_n[:, None, :]
     kw = dict(
         doc_start=doc_start if doc_len else None, prior=prior, row_scale=row_scale, scale_prior=True
@@ -336,28 +321,21 @@ def cpu_problem(T, H=8, D=64, doc_len=1000, seed=0, train=False):
 
 
 def cpu_impl_fn(name, q, k, v, kw, train=False):
-    import torch.nn.functional as F
-
-    from attention import attention
-
     impl = {"reference": "torch", "sdpa": "sdpa"}.get(name)
-    fn = (
-        (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        if name == "sdpa_noprior"
-        else (lambda: attention(q, k, v, **kw, impl=impl))
-    )
+
+    def fn():
+        if name == "sdpa_noprior":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return attention(q, k, v, **kw, impl=impl)
+
     if not train:
         return fn
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
-    return lambda: fn().backward(
-        dout, retain_graph=name != "sdpa_noprior"
-    )  # row_scale's graph is reused
+    # row_scale's graph is reused
+    return lambda: fn().backward(dout, retain_graph=name != "sdpa_noprior")
 
 
 def run_cpu_table(args):
-    from attention import impl_error
-    from priors import bind
-
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [4096, 16384] if args.lengths == parse_args([]).lengths else args.lengths
@@ -429,342 +407,9 @@ def _median(xs):
     return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
 
 
-# -------------------------------------------------------------------------------------------- check
-CHECKS = [
-    # name, B, H, Tq, Tk, D, dtype, options
-    (
-        "fp32 D64 T1000 bam+ssmax(scale_prior)+docs",
-        2,
-        4,
-        1000,
-        1000,
-        64,
-        torch.float32,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
-    ),
-    (
-        "fp32 D48 T777 alibi(frozen)+docs",
-        2,
-        3,
-        777,
-        777,
-        48,
-        torch.float32,
-        dict(prior="alibi", docs=True),
-    ),
-    ("fp32 D128 T513 no prior", 1, 2, 513, 513, 128, torch.float32, dict()),
-    (
-        "fp32 D32 Tq100 Tk900 q_offset=700 bam+ssmax(no scale_prior)+docs",
-        2,
-        2,
-        100,
-        900,
-        32,
-        torch.float32,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=700),
-    ),
-    (
-        "bf16 D64 T2048 bam+ssmax(scale_prior)+docs",
-        2,
-        4,
-        2048,
-        2048,
-        64,
-        torch.bfloat16,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
-    ),
-    (
-        "bf16 D48 T1024 bam beta<0, no ssmax, length-1 documents",
-        2,
-        2,
-        1024,
-        1024,
-        48,
-        torch.bfloat16,
-        dict(prior="bam_negative", docs="short"),
-    ),
-    (
-        "fp16 D128 T1024 bam+ssmax(scale_prior)",
-        1,
-        2,
-        1024,
-        1024,
-        128,
-        torch.float16,
-        dict(prior="bam", ssmax=True, scale_prior=True),
-    ),
-    (
-        "bf16 D128 T1500 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout",
-        2,
-        4,
-        1500,
-        1500,
-        128,
-        torch.bfloat16,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True),
-    ),
-]
-
-# The same cases at sizes that Triton's interpreter runs on a CPU in seconds (it works in 32 x 32
-# tiles): lengths that are not multiples of a tile, several tiles, a q_offset, every dtype and
-# option above.
-CPU_CHECKS = [
-    (
-        "fp32 D64 T100 bam+ssmax(scale_prior)+docs",
-        1,
-        2,
-        100,
-        100,
-        64,
-        torch.float32,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
-    ),
-    (
-        "fp32 D48 T77 alibi(frozen)+docs",
-        1,
-        3,
-        77,
-        77,
-        48,
-        torch.float32,
-        dict(prior="alibi", docs=True),
-    ),
-    ("fp32 D128 T65 no prior", 1, 2, 65, 65, 128, torch.float32, dict()),
-    (
-        "fp32 D32 Tq20 Tk90 q_offset=70 bam+ssmax(no scale_prior)+docs",
-        1,
-        2,
-        20,
-        90,
-        32,
-        torch.float32,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=False, q_offset=70),
-    ),
-    (
-        "bf16 D64 T128 bam+ssmax(scale_prior)+docs",
-        1,
-        2,
-        128,
-        128,
-        64,
-        torch.bfloat16,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=True),
-    ),
-    (
-        "bf16 D48 T96 bam beta<0, no ssmax, length-1 documents",
-        1,
-        2,
-        96,
-        96,
-        48,
-        torch.bfloat16,
-        dict(prior="bam_negative", docs="short"),
-    ),
-    (
-        "fp16 D128 T64 bam+ssmax(scale_prior)",
-        1,
-        2,
-        64,
-        64,
-        128,
-        torch.float16,
-        dict(prior="bam", ssmax=True, scale_prior=True),
-    ),
-    (
-        "bf16 D128 T100 bam+ssmax(scale_prior)+docs, (B, T, H, D) memory layout",
-        1,
-        2,
-        100,
-        100,
-        128,
-        torch.bfloat16,
-        dict(prior="bam", docs=True, ssmax=True, scale_prior=True, noncontiguous=True),
-    ),
-]
-
-
-def _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, seed=0, prior="ggd"):
-    """Inputs of one check. opt["prior"]: "bam" is the --prior under test (GGD: random heads of
-    every shape), "bam_negative" GGD with theta_beta < 0 everywhere, "alibi" the fixed ALiBi
-    prior."""
-    from priors import BoundPrior, alibi_slopes, get_prior
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(B, H, Tq, D, generator=g)
-    k, v = (torch.randn(B, H, Tk, D, generator=g) for _ in range(2))
-    do = torch.randn(B, H, Tq, D, generator=g)
-    kw, frozen = {}, ()
-    if opt.get("prior") == "bam" and prior == "ggd":
-        kw["prior"] = (
-            torch.rand(H, generator=g) - 0.5,
-            torch.tensor([-1.5, -0.3, 0.0, 0.5, 1.0, 2.0] * H)[:H],
-            torch.where(torch.arange(H) % 2 == 0, 0.3, 0.0),
-        )
-    elif opt.get("prior") == "bam":
-        kw["prior"] = prior_params(prior, H)
-    elif opt.get("prior") == "bam_negative":
-        kw["prior"] = (torch.zeros(H), torch.full((H,), -1.5), torch.zeros(H))
-    elif opt.get("prior") == "alibi":
-        kw["prior"] = BoundPrior(get_prior("alibi"), (alibi_slopes(H),))
-        frozen = ("prior",)
-    if opt.get("docs"):
-        p = 0.3 if opt["docs"] == "short" else 0.005
-        ds = torch.zeros(B, Tk, dtype=torch.long)
-        for b in range(B):
-            for c in (torch.rand(Tk, generator=g) < p).nonzero().flatten().tolist():
-                ds[b, c:] = c
-        kw["doc_start"] = ds
-    if opt.get("ssmax"):
-        kw["row_scale"] = torch.rand(B, H, Tq, generator=g) + 0.5
-        kw["scale_prior"] = opt.get("scale_prior", False)
-    if "q_offset" in opt:
-        kw["q_offset"] = opt["q_offset"]
-    if opt.get(
-        "noncontiguous"
-    ):  # the model's layout: (B, T, H, D) in memory, viewed as (B, H, T, D)
-        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    return (q, k, v, do), kw, frozen
-
-
-def _run_once(fn, tensors, kw, frozen, dtype, device):
-    # fresh leaves (no shared .grad); preserve_format keeps a (B, T, H, D) memory layout
-    q, k, v, do = (t.detach().clone().to(device) for t in tensors)
-    q, k, v = (t.to(dtype).detach().requires_grad_(True) for t in (q, k, v))
-    named = {"q": q, "k": k, "v": v}
-    kw = dict(kw)
-    if "prior" in kw:
-        from priors import bind
-
-        bound = bind(kw["prior"])
-        pr = tuple(
-            t.detach().clone().to(device).requires_grad_("prior" not in frozen)
-            for t in bound.params
-        )
-        kw["prior"] = bound._replace(params=pr)
-        if "prior" not in frozen:
-            named.update(zip(bound.family.params, pr))
-    if "row_scale" in kw:
-        kw["row_scale"] = kw["row_scale"].detach().clone().to(device).requires_grad_(True)
-        named["row_scale"] = kw["row_scale"]
-    if "doc_start" in kw:
-        kw["doc_start"] = kw["doc_start"].to(device)
-    out = fn(q, k, v, **kw)
-    out.float().mul(do.float()).sum().backward()
-    return out.detach().float(), {n: t.grad.detach().float() for n, t in named.items()}
-
-
-def _check_case(name, B, H, Tq, Tk, D, dtype, opt, device, prior):
-    """One check: the kernel against the fp32 reference on the same (rounded) inputs; in half
-    precision also twice, bitwise (its backward is deterministic)."""
-    from attention import attention
-
-    attention_triton = functools.partial(attention, impl="triton")
-    attention_torch = functools.partial(attention, impl="torch")
-    tensors, kw, frozen = _check_inputs(B, H, Tq, Tk, D, dtype, opt, device, prior=prior)
-    o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, dtype, device)
-    ref_t = tuple(t.to(dtype).float() if i < 3 else t for i, t in enumerate(tensors))
-    o_r, g_r = _run_once(attention_torch, ref_t, kw, frozen, torch.float32, device)
-    tol_o, tol_g = (1e-4, 1e-3) if dtype == torch.float32 else (3e-2, 6e-2)
-    errs = {"out": _rel(o_k, o_r), **{n: _rel(g_k[n], g_r[n]) for n in g_r}}
-    entry = {"check": name, "max_abs_out": (o_k - o_r).abs().max().item(), "rel_errors": errs}
-    finite = bool(torch.isfinite(o_k).all()) and all(
-        bool(torch.isfinite(t).all()) for t in g_k.values()
-    )
-    ok = finite and errs["out"] <= tol_o and all(e <= tol_g for n, e in errs.items() if n != "out")
-    if dtype != torch.float32:
-        entry["deterministic"] = all(
-            torch.equal(g_k[n], g)
-            for n, g in _run_once(attention_triton, tensors, kw, frozen, dtype, device)[1].items()
-        )
-        ok = ok and entry["deterministic"]
-    return dict(entry, status="PASS" if ok else "FAIL")
-
-
-def _check_empty_row(device, T):
-    """A query with no visible key (doc_start after it): output 0, finite gradients."""
-    from attention import attention
-
-    attention_triton = functools.partial(attention, impl="triton")
-    tensors, kw, frozen = _check_inputs(
-        1, 2, T, T, 64, torch.bfloat16, dict(prior="bam_negative"), device
-    )
-    kw["doc_start"] = torch.zeros(1, T, dtype=torch.long)
-    kw["doc_start"][0, T // 3 :] = T // 3
-    kw["doc_start"][0, T // 2] = T // 2 + 1
-    o_k, g_k = _run_once(attention_triton, tensors, kw, frozen, torch.bfloat16, device)
-    ok = bool(o_k[:, :, T // 2].eq(0).all()) and all(
-        bool(torch.isfinite(t).all()) for t in (o_k, *g_k.values())
-    )
-    return {"check": "row without visible keys -> 0, no NaN", "status": "PASS" if ok else "FAIL"}
-
-
-def run_check(device="cuda", checks=CHECKS, prior="ggd", empty_row_len=300):
-    """The Triton kernel against the fp32 reference on every check: outputs and every gradient."""
-    from attention import impl_error
-    from priors import get_prior
-
-    refused = impl_error("triton", get_prior(prior), device, grad=True)
-    if refused:
-        print(f"[REFUSED] {refused}")
-        return [{"check": "all", "status": f"refused: {refused}"}], 1
-    if (
-        prior != "ggd"
-    ):  # the all-negative GGD case is the GGD kernel's numerics, not another prior's
-        checks = [c for c in checks if c[-1].get("prior") != "bam_negative"]
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-        False  # a full fp32 reference
-    )
-    cases = [(c[0], lambda c=c: _check_case(*c, device, prior)) for c in checks]
-    cases.append(("row without visible keys", lambda: _check_empty_row(device, empty_row_len)))
-    results = []
-    for name, case in cases:
-        t0 = time.time()
-        try:
-            entry = case()
-        except Exception as e:  # noqa: BLE001 -- one failing check must not end the others
-            entry = {"check": name, "status": f"ERROR {type(e).__name__}: {e}"}
-            traceback.print_exc()
-        entry["seconds"] = round(time.time() - t0, 1)
-        print(f"[{entry['status'][:5]:<5}] {entry['check']}  ({entry['seconds']}s)")
-        if "rel_errors" in entry:
-            print(
-                "        max|err|/max|ref|: "
-                + "  ".join(f"{n}={e:.1e}" for n, e in entry["rel_errors"].items())
-                + (f"  deterministic={entry['deterministic']}" if "deterministic" in entry else "")
-            )
-        results.append(entry)
-    failed = sum(r["status"] != "PASS" for r in results)
-    print(f"\n{len(results) - failed}/{len(results)} checks passed")
-    return results, failed
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()
-
-
-def check_on_cpu(prior):
-    """--check without a GPU: CPU_CHECKS under Triton's interpreter, which must be chosen before
-    triton is imported."""
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print(
-            "bench_attention.py: error: triton was imported before its interpreter could be "
-            "switched on; "
-            "run with TRITON_INTERPRET=1",
-            file=sys.stderr,
-        )
-        return 1
-    os.environ["TRITON_INTERPRET"] = "1"
-    print(
-        "no CUDA device: checking the kernel under Triton's interpreter on the CPU, at small sizes"
-    )
-    return 1 if run_check("cpu", CPU_CHECKS, prior=prior, empty_row_len=100)[1] else 0
-
-
 def main(argv=None):
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    if args.check and not cuda:
-        return check_on_cpu(args.prior)
     out = {
         "env": dict(
             gpu=cuda and torch.cuda.get_device_name(),
@@ -774,12 +419,8 @@ def main(argv=None):
         ),
         "args": vars(args),
     }
-    status = 0
     if args.cpu or not cuda:
         out["cpu_table"] = run_cpu_table(args)
-    elif args.check:
-        out["check"], failed = run_check(prior=args.prior)
-        status = 1 if failed else 0
     else:
         torch.manual_seed(0)
         out["table"], out["ratios"] = run_table(args)
@@ -788,7 +429,7 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.out}")
-    return status
+    return 0
 
 
 if __name__ == "__main__":

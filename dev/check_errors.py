@@ -1,8 +1,8 @@
 """
-The errors behind attention.CHECK_TOLERANCE: check_kernel's problem for every registered prior,
-SSMax off, on, and scaling the prior, a few seeds, in each dtype. Prints one line per problem and
-the largest error of each kind per dtype. Through Triton's interpreter on a CPU (about 10 minutes
-per head_dim), compiled on a GPU.
+The errors behind attention_kernel.CHECK_TOLERANCE: check_kernel's problem for every registered
+prior, SSMax off, on, and scaling the prior, a few seeds, in each dtype. Prints one line per problem
+and the largest error of each kind per dtype. Through Triton's interpreter on a CPU (about 10
+minutes per head_dim), compiled on a GPU.
 
     TRITON_INTERPRET=1 python dev/check_errors.py --head_dim 64
 """
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import attention  # noqa: E402
+import attention_kernel as ak  # noqa: E402
 from priors import PRIORS  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -25,11 +25,12 @@ PLACEMENTS = ((False, False), (True, False), (True, True))
 
 def errors_of(family, head_dim, dtype, ssmax, scale_prior, seed, device):
     """check_kernel's errors {name: error} on its problem drawn from `seed`, with gradients."""
-    inputs = attention._check_inputs(family, head_dim, dtype, ssmax, True, seed=seed)
-    run = (family, family.trainable, scale_prior and family.scaled_by_ssmax, device, True)
-    kernel = attention._check_run("triton", inputs, *run)
-    reference = attention._check_run("torch", inputs, *run)
-    return attention._check_errors(kernel, reference, family)
+    problem = ak._check_problem(
+        family, family.trainable, head_dim, dtype, ssmax, scale_prior, documents=True, seed=seed
+    )
+    kernel = ak._check_outputs("triton", problem, device, True)
+    reference = ak._check_outputs("torch", problem, device, True)
+    return ak._check_errors(kernel, reference, family)
 
 
 def main():
@@ -37,12 +38,15 @@ def main():
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
-    device = "cpu" if attention.interpreting() else "cuda"
+    device = "cpu" if ak.interpreting() else "cuda"
 
     for dtype in DTYPES:
         worst = {}
         for family in PRIORS.values():
             for ssmax, scale_prior in PLACEMENTS:
+                # a BAM model's SSMax scales a prior iff it has trained parameters
+                if scale_prior and not family.trainable:
+                    continue
                 for seed in range(args.seeds):
                     errors = errors_of(
                         family, args.head_dim, dtype, ssmax, scale_prior, seed, device
@@ -50,7 +54,7 @@ def main():
                     text = " ".join(f"{name} {error:.1e}" for name, error in errors.items())
                     print(f"{dtype} {family.name} ssmax={ssmax} scale_prior={scale_prior} {text}")
                     for name, error in errors.items():
-                        kind = attention.check_kind(name)
+                        kind = ak.check_kind(name)
                         worst[kind] = max(worst.get(kind, 0.0), error)
         print(f"largest, {dtype}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 

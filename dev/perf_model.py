@@ -3,7 +3,7 @@ A performance model of the Triton attention kernel, from its compiled code: no G
 
     python dev/perf_model.py                      # every variant for sm_90 and sm_80: the table
     python dev/perf_model.py --out dev/results/perf_model   # also perf_model.json, .csv and .md
-    python dev/perf_model.py --before main        # + another revision's kernels (rows "... @main")
+    python dev/perf_model.py --before 9cf1f8d     # + the kernels of another git revision
     python dev/perf_model.py --archs 90 --head_dims 64 --compare results/gpu/bench_attention.json
                                                   # prediction next to bench_attention.py's measured
                                                   # ratios
@@ -92,24 +92,24 @@ def load_kernel_module(rev=None):
 def _signature(fn, constexprs):
     """Triton signature of a kernel from the file's naming convention: upper-case arguments but H
     are pointers (q, k, v, o and their gradients bf16; doc_start and block tables int32; the rest
-    fp32), strides along head_dim (s..d) are 1 (Triton specialises them so at launch), the softmax
-    scale is fp32, other scalars int32 (older revisions' names too: tab_stride, sm_scale)."""
+    fp32), the softmax scale is fp32, other scalars int32. The tables' length per head (table_len;
+    table_stride in revisions up to 9cf1f8d) is a multiple of 16, which Triton specialises on, as
+    it does the strides of those revisions; their strides along head_dim (s..d) are 1."""
     sig, const, attrs = {}, dict(constexprs), {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
         elif name.isupper() and name != "H":  # H: the number of heads
             bf16 = name in ("Q", "K", "V", "O", "OUT", "DO", "DQ", "DK", "DV")
-            int32 = name in ("DS", "DOC", "QEND", "QCLEAN")
+            int32 = name in ("DOC", "QEND", "QCLEAN")
             sig[name] = "*bf16" if bf16 else "*i32" if int32 else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("table_stride", "tab_stride"):
-            # the tables' copy stride: a multiple of 16, which Triton specialises on
+        elif name in ("table_len", "table_stride"):
             sig[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.startswith("s") and name.endswith("d") and len(name) <= 5:
             sig[name], const[name] = "constexpr", 1
-        elif name in ("softmax_scale", "sm_scale"):
+        elif name == "softmax_scale":
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -156,8 +156,6 @@ def kernel_launches(ak, variant, head_dim):
     import torch
 
     prior, trained, ssmax = VARIANTS[variant]
-    if prior is not None and prior not in getattr(ak, "_KERNEL_FORMS", {prior: None}):
-        return []  # a kernel from before the prior tables that does not compute this prior
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     cfg = ak._configs(block_d, torch.bfloat16)
     common = dict(
@@ -167,27 +165,17 @@ def kernel_launches(ak, variant, head_dim):
         HAS_PRIOR=prior is not None,
         HAS_ROW_SCALE=ssmax,
         SCALE_PRIOR=ssmax,
-        # older revisions' names for the row scale's flags
-        HAS_RS=ssmax,
-        FUSE_RS=prior is not None and ssmax,
-        EPS=1e-5,
         DOT_PREC="tf32",
     )
+    # the K derivative tables, how dQ sums the prior's gradient (per score or per diagonal), and
+    # whether it takes Delta from its own P (a first pass)
     K = n_directions(prior, trained)
-    # N_GRAD: the K derivative tables; NEED_PRIOR_GRAD, ACC_B (and EPS): the flags of kernels from
-    # before them
     dq_flags = dict(
         N_GRAD=K,
         NEED_ROW_SCALE_GRAD=ssmax,
-        NEED_RS_GRAD=ssmax,
-        ACC_DPP=K > 0 or ssmax,
-        NEED_PRIOR_GRAD=K > 0,
-        ACC_B=prior is not None and (K > 0 or ssmax),
+        OWN_DELTA=ak._own_delta(K, ssmax),
+        **ak._grad_path(K),
     )
-    if hasattr(ak, "_grad_path"):  # how dQ sums the prior's gradient (per score or per diagonal)
-        dq_flags.update(ak._grad_path(K))
-    if hasattr(ak, "_own_delta"):  # whether dQ takes Delta from its own P (a first pass)
-        dq_flags["OWN_DELTA"] = ak._own_delta(K, ssmax)
     out = []
     kernels = (
         ("fwd", ak._attn_fwd, {}),
@@ -197,10 +185,6 @@ def kernel_launches(ak, variant, head_dim):
     for name, fn, extra in kernels:
         bm, bn, warps, stages = cfg[name]
         flags = {k: v for k, v in {**common, **extra}.items() if k in fn.arg_names}
-        if "STAGES" in fn.arg_names:
-            flags["STAGES"] = ak._dq_stages(cfg, K)
-        if "REG_TABLES" in fn.arg_names:  # revisions with register table reads (dev/README.md)
-            flags["REG_TABLES"] = (bm if name == "dkdv" else bn) >= ak.REG_TABLE_MIN_COLS
         out.append((name, fn, dict(flags, BLOCK_M=bm, BLOCK_N=bn), (bm, bn, warps, stages)))
     return out
 
@@ -341,9 +325,8 @@ def measure(ak, tag, archs, head_dims, variants):
         for D in head_dims:
             for variant in variants:
                 for kname, fn, const, (bm, bn, warps, stages) in kernel_launches(ak, variant, D):
-                    # compiled as the kernel's launches do (kernels from before FP_FUSION: fusion
-                    # off)
-                    fusion = getattr(ak, "FP_FUSION", False)
+                    # compiled as the kernel's launches do
+                    fusion = ak.FP_FUSION
                     k = compile_kernel(fn, const, arch, warps, stages, fusion)
                     ins, res = sass(k.asm["cubin"])
                     loops = [(kname, hot_loop(ins))]

@@ -25,6 +25,7 @@ from data import (
     shard_tokenizer,
     write_shard,
 )
+from runtime import LOCK_NAME
 
 SMALL = ["--tokenizer", "byte", "--shard_size", "1000", "--val_tokens", "500", "--gap_tokens", "0"]
 WORDS = "the quick brown fox jumps over a lazy dog naïve café 日本語 🙂 <|endoftext|> 42\n".split(
@@ -308,7 +309,7 @@ def test_prepare_input_errors(tmp_path):
     (tmp_path / "other.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match="--text_column"):
         prepare(tmp_path / "d2", [str(tmp_path / "other.jsonl")])
-    assert os.listdir(tmp_path / "d2") == ["meta.json"]  # nothing half-written
+    assert os.listdir(tmp_path / "d2") == [LOCK_NAME]  # nothing written
     os.makedirs(tmp_path / "d3")
     # not ours: no meta.json
     write_shard(str(tmp_path / "d3" / "demo_train_000001.bin"), [256, 1], "byte")
@@ -401,7 +402,7 @@ def test_prepare_max_tokens_then_extend(corpus, tmp_path):
     np.testing.assert_array_equal(stream(d), stream(corpus["dir"])[:2200])
     prepare(d, [corpus["path"]])  # a larger budget extends the preparation
     assert shard_bytes(d) == shard_bytes(corpus["dir"])
-    # and a smaller one cuts it, removing the extra shards
+    # and a smaller one starts it over, without the shards past it
     prepare(d, [corpus["path"]], "--max_tokens", "1500")
     assert len(stream(d)) == 1500 and len(shard_paths(d, "train")) == 1
 

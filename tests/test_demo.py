@@ -1,6 +1,6 @@
-"""The CPU demo: its corpus (prepare_demo.py), the prior figure (plot_prior.py) and a reduced `make
-demo` end to end (two variants, a few steps, two lengths; eval_passkey.py writes its per-seed
-table)."""
+"""The CPU demo: its corpus (prepare_demo.py), the prior figure (analysis/plot_prior.py) and a
+reduced `make demo` end to end (two variants, a few steps, two lengths; eval_passkey.py writes its
+per-seed table)."""
 
 import json
 import math
@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-import passkey
-import plot_prior
+import eval_passkey as passkey
 import prepare_demo
-from model import load_model, save_checkpoint
+from analysis import plot_prior
 from data import EOT, TokenLoader, get_tokenizer, open_shard
-from model import GPT, GPTConfig
+from eval_common import EvalError
+from model import GPT, GPTConfig, load_model
+from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENC = get_tokenizer("byte")
@@ -136,7 +137,7 @@ def test_plot_prior_draws_the_model_prior(tmp_path):
         )
     )
     save_checkpoint(str(tmp_path / "rope" / "ckpt_0000001.pt"), rope, step=1)
-    with pytest.raises(SystemExit, match="no positional prior"):
+    with pytest.raises(EvalError, match="no positional prior"):
         plot_prior.main(["--ckpt", str(tmp_path / "rope")])
 
 

@@ -4,7 +4,6 @@ killed by SIGKILL (real processes), and two evaluations started into one --out (
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -14,10 +13,8 @@ import torch
 
 import eval_passkey
 import prepare_fineweb
-from model import CheckpointError, load_checkpoint, save_checkpoint
-from data import atomic_file, remove_stale_temporaries
-from eval_common import LOCK_NAME
 from model import GPT, GPTConfig
+from runtime import LOCK_NAME, CheckpointError, atomic_file, load_checkpoint, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -208,8 +205,8 @@ def prepare_args(tmp_path):
     "target,unlisted", [(r"_train_000002\.bin", set()), (r"meta\.json", {"docs_val_000000.bin"})]
 )
 def test_prepare_fineweb_on_a_full_disk_resumes(tmp_path, target, unlisted):
-    """The disk fills inside a shard, or inside the ledger right after the first shard: one line,
-    exit 1, no partial shard under a shard's name (a whole one the ledger does not list yet is
+    """The disk fills inside a shard, or inside meta.json right after the first shard: one line,
+    exit 1, no partial shard under a shard's name (a whole one meta.json does not vouch for yet is
     written again); the rerun resumes and ends byte-identical."""
     args = prepare_args(tmp_path)
     prepare_fineweb.main([*args, "--out_dir", str(tmp_path / "reference")])
@@ -219,9 +216,11 @@ def test_prepare_fineweb_on_a_full_disk_resumes(tmp_path, target, unlisted):
     one_line_error(proc, "prepare_fineweb.py", f"no space left in {out} (", "resumes")
     assert not temporaries(out)
     with open(out / "meta.json") as f:
-        listed = {entry["file"] for entry in json.load(f)["shards"]}
+        vouched = json.load(f)["resume"]["shards"]
     shards = {name for name in os.listdir(out) if name.endswith(".bin")}
-    assert listed <= shards and shards - listed == unlisted
+    index = {name: int(prepare_fineweb.SHARD_RE.match(name).group(3)) for name in shards}
+    listed = {name for name in shards if index[name] < vouched}
+    assert len(listed) == vouched and shards - listed == unlisted
 
     prepare_fineweb.main([*args, "--out_dir", str(out)])
     for name in os.listdir(tmp_path / "reference"):
@@ -229,66 +228,52 @@ def test_prepare_fineweb_on_a_full_disk_resumes(tmp_path, target, unlisted):
             assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
 
 
-# ---- Debris of dead writers ----------------------------------------------------------------------
-WRITER = r"""
+# ---- One writer per folder ----------------------------------------------------------------------
+OWNER = r"""
 import sys, time
-from data import atomic_file
+import runtime
 
-with atomic_file(sys.argv[1]) as f:
-    f.write(b"half a checkpoint")
-    f.flush()
-    print("writing", flush=True)
-    time.sleep(120)
+runtime.own_folder(sys.argv[1])
+print("owning", flush=True)
+time.sleep(120)
 """
 
 
-def start_writer(path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline() == "writing\n"
-    return proc
-
-
-def test_a_killed_writers_temporary_is_removed_a_live_ones_is_not(tmp_path):
-    killed = start_writer(tmp_path / "ckpt_0000001.pt")
-    alive = start_writer(tmp_path / "ckpt_0000002.pt")
-    try:
-        assert remove_stale_temporaries(tmp_path) == []
-
-        killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=30)
-        host = socket.gethostname()
-        left = f"ckpt_0000001.pt.tmp.{host}.{killed.pid}"
-        assert left in os.listdir(tmp_path)
-
-        assert remove_stale_temporaries(tmp_path) == [left]
-        assert os.listdir(tmp_path) == [f"ckpt_0000002.pt.tmp.{host}.{alive.pid}"]
-    finally:
-        alive.kill()
-        alive.wait(timeout=30)
-
-
-def test_older_temporaries_are_stale_and_other_files_stay(tmp_path):
-    names = [
-        "ckpt_0000100.pt.tmp.4242",
-        "fw_train_000001.bin.tmp",
-        "meta.json.tmp",
-        "kjv.jsonl.tmp",
-    ]
-    kept = ["ckpt_0000100.pt", "notes.tmp", "notes.tmp.old"]
+def test_the_owner_removes_temporaries_and_a_second_owner_is_refused(tmp_path):
+    names = ["ckpt_0000100.pt.tmp", "fw_train_000001.bin.tmp", "meta.json.tmp"]
+    kept = ["ckpt_0000100.pt", "notes.tmp.old"]
     for name in names + kept:
         (tmp_path / name).write_text("x")
-    (tmp_path / "a.tmp.1").mkdir()
 
-    assert remove_stale_temporaries(tmp_path) == sorted(names)
-    assert sorted(os.listdir(tmp_path)) == sorted(["a.tmp.1", *kept])
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        notes = [owner.stdout.readline() for _ in names]
+        assert owner.stdout.readline() == "owning\n"
+        assert notes == [
+            f"note: removed {name} from {tmp_path}, left by a writer that ended\n"
+            for name in sorted(names)
+        ]
+        assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME, *kept])
+
+        # a second process is refused, naming the owner
+        refused = run("-c", "import runtime, sys; runtime.own_folder(sys.argv[1])", str(tmp_path))
+        assert "FolderBusy" in refused.stderr
+        assert f"is in use by another process (pid {owner.pid} on" in refused.stderr
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+
+    # the kernel dropped the lock with the process: the folder is free again
+    again = run("-c", "import runtime, sys; runtime.own_folder(sys.argv[1])", str(tmp_path))
+    assert again.returncode == 0, again.stderr
 
 
 def test_atomic_file_replaces_a_dead_writer_of_the_same_name(tmp_path):
-    """A requeued job in a container can get its killed predecessor's pid and host name."""
+    """A killed writer's temporary under the same name is overwritten."""
     path = tmp_path / "meta.json"
-    (tmp_path / f"meta.json.tmp.{socket.gethostname()}.{os.getpid()}").write_text("stale")
+    (tmp_path / "meta.json.tmp").write_text("stale")
     with atomic_file(path, "w") as f:
         f.write("{}")
     assert os.listdir(tmp_path) == ["meta.json"] and path.read_text() == "{}"
@@ -308,19 +293,15 @@ def test_atomic_file_leaves_nothing_on_an_exception(tmp_path):
 # eval_passkey.py whose evaluation waits, once it holds its --out, until the file $GO exists.
 HELD = r"""
 import os, sys, time
-import eval_common, eval_passkey
+import eval_common, eval_passkey, runtime
 
-sweep = eval_common.remove_stale_temporaries
-
-def wait_then_sweep(folder):
-    print("holding", flush=True)
-    while not os.path.exists(os.environ["GO"]):
-        time.sleep(0.05)
-    return sweep(folder)
-
-eval_common.remove_stale_temporaries = wait_then_sweep
 sys.argv = ["eval_passkey.py", *sys.argv[1:]]
-eval_common.run_script(eval_passkey.main, "eval_passkey.py")
+runtime.own_folder(sys.argv[sys.argv.index("--out") + 1])
+print("holding", flush=True)
+while not os.path.exists(os.environ["GO"]):
+    time.sleep(0.05)
+runtime.errors_in_one_line("eval_passkey.py", eval_common.EXPECTED_ERRORS, "free some")
+eval_passkey.main(sys.argv[1:])
 """
 
 
@@ -346,8 +327,8 @@ def test_a_second_evaluation_into_a_busy_folder_refuses(tmp_path, ckpts):
     line = one_line_error(second, "eval_passkey.py")
     holder = f"pid {first.pid} on {socket.gethostname()}: eval_passkey.py --ckpt {ckpts[0]}"
     assert line == (
-        f"eval_passkey.py: error: {out} is in use by another evaluation ({holder} "
-        f"{' '.join(args)}); wait for it to end, or give this one another --out"
+        f"eval_passkey.py: error: {out} is in use by another process ({holder} "
+        f"{' '.join(args)}); wait for it to end, or give this one another folder"
     )
 
     # the first ends as if alone: every sample of its checkpoint, its summary row
@@ -359,6 +340,6 @@ def test_a_second_evaluation_into_a_busy_folder_refuses(tmp_path, ckpts):
     with open(out / "passkey_summary.json") as f:
         assert [row["label"] for row in json.load(f)] == ["runA"]
 
-    # once the first has ended, the folder is free; the lock file stays, empty
+    # once the first has ended, the folder is free
     eval_passkey.main(["--ckpt", ckpts[1], *args])
-    assert (out / LOCK_NAME).read_text() == ""
+    assert (out / LOCK_NAME).exists()

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from model import save_checkpoint
 from data import get_tokenizer, write_shard
 from model import GPT, GPTConfig
+from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVALS = ("eval_passkey.py", "eval_ppl.py", "eval_ruler.py")
@@ -200,38 +200,12 @@ def test_prepare_fineweb_no_text_column(tmp_path):
     assert_one_line_error(r, "prepare_fineweb.py", "no column 'text'", "--text_column")
 
 
-def test_a_driver_too_old_for_torch_is_named(tmp_path, monkeypatch):
-    """torch built for CUDA 13 under a 570 driver finds no GPU and says only that: resolve_device
-    names the driver it needs. The driver's version is read from /proc/driver/nvidia/version."""
-    import hardware
-
-    version = tmp_path / "version"
-    version.write_text(
-        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 16 2025\n"
-        "GCC version:  gcc version 12.2.0\n"
-    )
-    assert hardware.driver_version(str(version)) == (570, 86, 15)
-    assert hardware.driver_version(str(tmp_path / "absent")) is None
-
-    monkeypatch.setattr(hardware, "driver_version", lambda: (570, 86, 15))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    with pytest.raises(ValueError, match=r"needs NVIDIA driver 580\.65\.6 or newer.*570\.86\.15"):
-        hardware.resolve_device("auto")
-    assert hardware.resolve_device("cpu") == torch.device("cpu")  # asked for on purpose
-
-    monkeypatch.setattr(torch.version, "cuda", None)
-    assert "CPU build" in hardware.gpu_problem()
-    monkeypatch.setattr(hardware, "driver_version", lambda: None)  # no NVIDIA driver at all
-    assert hardware.gpu_problem() is None
-
-
 def test_a_gpu_without_native_bfloat16_is_told_apart(monkeypatch):
     """A T4 (compute capability 7.5) emulates bfloat16; torch.cuda.is_bf16_supported() says yes."""
     import eval_common
-    import hardware
+    import runtime
 
     for capability, native in (((7, 5), False), ((8, 0), True), ((10, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
-        assert hardware.native_bf16("cuda") is native
+        assert runtime.native_bf16("cuda") is native
         assert eval_common.resolve_dtype("cuda") == ("bfloat16" if native else "float16")

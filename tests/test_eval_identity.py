@@ -12,9 +12,9 @@ import eval_common as ec
 import eval_passkey
 import eval_ppl
 import eval_ruler
-from model import save_checkpoint
 from data import EOT, write_shard
 from model import GPT, GPTConfig
+from runtime import save_checkpoint
 
 
 def save_tiny(path, seed):

@@ -1,6 +1,6 @@
-"""eval_lm.py, offline: the bam-gpt adapter through lm_eval.simple_evaluate on the local tasks of
-tests/lm_tasks (multiple choice, loglikelihood_rolling, generate_until), its scores against the
-model's own cross-entropy and greedy decoding without the cache, batch-size invariance, and the
+"""analysis/eval_lm.py, offline: the bam-gpt adapter through lm_eval.simple_evaluate on the local
+tasks of tests/lm_tasks (multiple choice, loglikelihood_rolling, generate_until), its scores against
+the model's own cross-entropy and greedy decoding without the cache, batch-size invariance, and the
 command line with its one-line errors."""
 
 import csv
@@ -17,12 +17,12 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
-import eval_lm
-from model import save_checkpoint
+from analysis import eval_lm
+from analysis.eval_lm import BamGPT, main
 from data import get_tokenizer
 from eval_common import EvalError
-from eval_lm import BamGPT, main
 from model import GPT, POS_ENCODINGS, GPTConfig
+from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "lm_tasks")
@@ -40,7 +40,7 @@ def tiny_model(pe="bam", ssmax=True, seed=0, block_size=32):
         block_size=block_size,
         pos_encoding=pe,
         ssmax=ssmax,
-        bam_init="alibi",
+        bam_init="alibi" if pe == "bam" else "zero",
     )
     return GPT(cfg).eval()
 
@@ -349,7 +349,7 @@ def test_unknown_task_names_close_matches(ckpt, tmp_path, monkeypatch):
 
 def run_script(*args):
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "eval_lm.py"), *map(str, args)],
+        [sys.executable, os.path.join(ROOT, "analysis", "eval_lm.py"), *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,

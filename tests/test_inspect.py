@@ -1,23 +1,28 @@
-"""inspect_attention.py: the needle's key tokens, the metrics of one attention row, a model whose
-attention is known in closed form, the answer row against the model's own attention output, and the
-command line end to end."""
+"""analysis/inspect_attention.py: the needle's key tokens, the metrics of one attention row, a model
+whose attention is known in closed form, the answer row against the model's own attention output,
+and the command line end to end."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from test_passkey import merging_tokenizer
 
-import inspect_attention as ia
-import passkey
-import plot_prior
-from model import save_checkpoint
+import eval_passkey as passkey
+from analysis import inspect_attention as ia
+from analysis import plot_prior
 from data import get_tokenizer
+from eval_common import EvalError
 from model import GPT, GPTConfig
 from priors import Prior, alibi_slopes, register
+from runtime import save_checkpoint
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = passkey.TEMPLATES["demo"]
 PAPER = passkey.TEMPLATES["paper"]
 DIGITS = range(ord("0"), ord("9") + 1)  # the byte tokenizer's digit tokens
@@ -160,7 +165,7 @@ def test_answer_row_is_the_models_own_attention(pos_encoding, ssmax):
         block_size=16,
         pos_encoding=pos_encoding,
         ssmax=ssmax,
-        bam_init="linear",
+        bam_init="linear" if pos_encoding == "bam" else "zero",
     )
     model = GPT(cfg).eval()
     if pos_encoding == "bam":
@@ -204,7 +209,7 @@ def ckpts(tmp_path_factory):
             block_size=32,
             pos_encoding=pos,
             ssmax=pos == "bam",
-            bam_init="linear",
+            bam_init="linear" if pos == "bam" else "zero",
         )
         save_checkpoint(str(root / name / "ckpt_10.pt"), GPT(cfg), step=10)
         paths.append(str(root / name))
@@ -287,15 +292,42 @@ def test_end_to_end(tmp_path, ckpts, capsys):
 
 def test_errors_are_one_line(tmp_path, ckpts, capsys):
     argv = ["--ckpt", ckpts[0], "--template", "demo", "--lengths", "4", "--out", str(tmp_path)]
-    with pytest.raises(
-        SystemExit, match=r"^inspect_attention.py: error: length 4 is shorter than the demo prompt"
-    ):
+    with pytest.raises(EvalError, match=r"^length 4 is shorter than the demo prompt"):
         ia.main(argv)
-    with pytest.raises(SystemExit, match=r"\.py: error: no checkpoint at"):
-        ia.main(["--ckpt", str(tmp_path / "missing"), "--lengths", "64", "--out", str(tmp_path)])
+    with pytest.raises(EvalError, match=r"^--digit must be between 1 and"):
+        ia.main(argv[:-4] + ["--lengths", "64", "--digit", "6", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         ia.main(["--ckpt", ckpts[0], "--out", str(tmp_path)])
     assert "the following arguments are required: --lengths" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # nothing written
+
+    script = os.path.join(ROOT, "analysis", "inspect_attention.py")
+    missing = str(tmp_path / "missing")
+    r = subprocess.run(
+        [sys.executable, script, "--ckpt", missing, "--lengths", "64", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr == (
+        f"inspect_attention.py: error: no checkpoint at {missing!r}: pass a .pt file or a run "
+        "directory written by train.py\n"
+    )
+
+
+def test_a_length_out_of_memory_is_an_error_that_says_so(tmp_path, ckpts, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB\nmore")
+
+    monkeypatch.setattr(ia, "answer_row_probs", out_of_memory)
+    argv = ["--ckpt", ckpts[0], "--template", "demo", "--lengths", "64", "--samples", "1"]
+    with pytest.raises(
+        EvalError,
+        match=r"^bam_ssmax at 64 tokens: out of memory \(CUDA out of memory\. Tried to allocate "
+        r"64\.00 GiB\); drop that length$",
+    ):
+        ia.main(argv + ["--out", str(tmp_path / "oom"), "--no_progress"])
 
 
 def test_a_prior_with_only_the_required_fields_works_in_plot_prior_and_inspect(tmp_path, capsys):
@@ -341,3 +373,19 @@ def test_a_prior_with_only_the_required_fields_works_in_plot_prior_and_inspect(t
     assert [r["shape"] for r in rows if r["target_length"] == 64] == pytest.approx([-1.0, 1.0])
     assert "θw=" in capsys.readouterr().out
     assert (tmp_path / "inspect" / "attention_heads.png").exists()
+
+
+def test_prior_summary_reports_every_layer():
+    sizes = dict(vocab_size=257, n_layer=2, n_head=4, n_embd=32, block_size=16, tokenizer="byte")
+    bam = GPT(GPTConfig(**sizes))
+    with torch.no_grad():
+        bam.blocks[0].attn.theta_beta[0] = -0.8
+    rows = plot_prior.prior_summary(bam)
+    assert len(rows) == 2 and len(rows[0]["theta_beta"]) == 4 and len(rows[0]["ssmax_s"]) == 4
+    assert rows[0]["theta_beta"][0] == pytest.approx(-0.8) and rows[0]["mu"] == [0.0] * 4
+    assert rows[0]["prior"] == "ggd"
+    rope = GPT(GPTConfig(**sizes, pos_encoding="rope", ssmax=False))
+    assert plot_prior.prior_summary(rope) == []
+    alibi = GPT(GPTConfig(**sizes, pos_encoding="alibi", ssmax=False))
+    row = plot_prior.prior_summary(alibi)[0]
+    assert row["prior"] == "alibi" and row["slope"] == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]

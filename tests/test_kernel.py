@@ -8,6 +8,7 @@ ragged tiles, the staged (unmasked / masked) loops and block sizes with BLOCK_M 
 exercised.
 """
 
+import ast
 import functools
 import inspect
 import math
@@ -17,7 +18,8 @@ import torch
 
 import attention as attention_mod
 import attention_kernel as ak
-from attention import KernelMismatch, attention, check_kernel, dense_attention, impl_error
+from attention import attention, dense_attention, impl_error
+from attention_kernel import KernelMismatch, check_kernel
 from priors import BoundPrior, Prior, alibi_slopes, get_prior, register
 
 pytest.importorskip("triton")
@@ -271,8 +273,8 @@ CASES = {
             row_scale=torch.rand(2, 2, 1, generator=GEN),
         ),
     ),
-    # SSMax scaling the prior with row scales of either sign and 0 (the forward folds the sign of
-    # r into its table reads and row max), documents of length 1 among them
+    # SSMax scaling the prior with row scales of either sign and 0, documents of length 1 among
+    # them
     "signed_row_scale_scale_prior_docs": (
         2,
         2,
@@ -369,9 +371,9 @@ def signed_row_scale(batch, length, doc_start, gen):
     ],
 )
 def test_kernel_half_precision_signed_row_scales(dtype, scale_prior):
-    """16-bit inputs with SSMax row scales of both signs and -0.0 (scaling the prior, the sign
-    folded into the table reads, or not): values and every gradient. The prior's and the row
-    scale's gradients, sums over every score, match to fp32 rounding (see _own_delta)."""
+    """16-bit inputs with SSMax row scales of both signs and -0.0 (scaling the prior or not):
+    values and every gradient. The prior's and the row scale's gradients, sums over every score,
+    match to fp32 rounding (see _own_delta)."""
     gen = torch.Generator().manual_seed(4)
     B, H, T, D = 2, 3, 100, 32
     ds = torch.stack(
@@ -391,24 +393,36 @@ def test_kernel_half_precision_signed_row_scales(dtype, scale_prior):
 
 
 def test_kernel_offsets_past_2_31():
-    """A query row stride whose offsets pass 2^31 elements (a million tokens of a wide model): the
-    kernels' row offsets are 64-bit. On the CPU the storage is allocated, not touched (virtual
-    memory); on a GPU it takes 5.3 GB."""
-    T, D, stride = 80, 16, 2**31 // 64
+    """The last head's keys start past 2^31 elements (B H T D of a long context): the kernels'
+    base offsets are 64-bit. Its query sees the last 64 keys only (its document), so the forward is
+    that of those keys alone, bitwise. On the CPU the keys are allocated, not touched (virtual
+    memory) but for those 64; on a GPU they take 13 GB."""
+    H, Tk, D = 3, 2**26, 16
     gen = torch.Generator().manual_seed(0)
-    q_values, k, v, dout = (
-        torch.randn(1, 1, T, D, generator=gen).half().to(DEVICE) for _ in range(4)
-    )
-    storage = torch.empty((T - 1) * stride + D, dtype=torch.float16, device=DEVICE)
-    wide_q = storage.as_strided((1, 1, T, D), (0, 0, stride, 1)).detach()
-    wide_q.copy_(q_values)
-    results = []
-    for q in (wide_q.requires_grad_(), q_values.clone().requires_grad_()):
-        out = attention(q, k, v, impl="triton")
-        (out.float() * dout.float()).sum().backward()
-        results.append((out, q.grad))
-    assert torch.equal(results[0][0], results[1][0])
-    assert torch.equal(results[0][1], results[1][1])
+    q = torch.randn(1, H, 1, D, generator=gen).half().to(DEVICE)
+    k = torch.empty(1, H, Tk, D, dtype=torch.float16, device=DEVICE)
+    v = torch.empty_like(k)
+    for t in (k, v):
+        t[:, :, -64:] = torch.randn(1, H, 64, D, generator=gen).half().to(DEVICE)
+    assert 2 * Tk * D >= 2**31
+    doc_start = torch.full((1, 1), Tk - 64, device=DEVICE).expand(1, Tk)
+    with torch.no_grad():
+        out = attention(q, k, v, doc_start=doc_start, impl="triton")
+        alone = attention(q, k[:, :, -64:], v[:, :, -64:], impl="triton")
+    assert torch.equal(out, alone)
+
+
+def test_kernel_jit_functions_take_at_most_40_parameters():
+    """Contiguous inputs with derived offsets keep every kernel and helper's signature short (the
+    Triton tutorial's longest takes 29)."""
+    tree = ast.parse(inspect.getsource(ak))
+    counts = {
+        node.name: len(node.args.args)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        and any("jit" in ast.unparse(d) for d in node.decorator_list)
+    }
+    assert "_attn_bwd_dq" in counts and max(counts.values()) <= 40, counts
 
 
 # the GPU's tile configuration of every (dtype, head_dim) class of _configs, each with a prior whose
@@ -423,25 +437,31 @@ GPU_TILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,head_dim,name,scale_prior", GPU_TILE_CASES)
-def test_self_check_passes_on_the_gpu_tiles(monkeypatch, dtype, head_dim, name, scale_prior):
-    """The self-check a GPU run makes before it trusts the kernel (attention.check_kernel), with the
-    GPU's own tiles (INTERPRET_BLOCKS = None), so that a CPU test executes each of them."""
-    monkeypatch.setattr(ak, "INTERPRET_BLOCKS", None)
-    family = get_prior(name)
-    line = check_kernel(
-        impl="triton",
-        family=family,
-        trained=family.trainable,
-        head_dim=head_dim,
-        dtype=dtype,
-        device=DEVICE,
+def attention_layer(name, head_dim, scale_prior):
+    """A model's attention layer with the prior `name`, SSMax and two heads of head_dim, on the
+    kernel: what train.py hands check_kernel."""
+    import model as model_mod
+
+    cfg = model_mod.GPTConfig(
+        n_head=2,
+        n_embd=2 * head_dim,
+        prior=name,
+        bam_init="default",
         ssmax=True,
         scale_prior=scale_prior,
-        training=True,
-        documents=True,
     )
+    return model_mod.Attention(cfg, 0, "triton").to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype,head_dim,name,scale_prior", GPU_TILE_CASES)
+def test_self_check_passes_on_the_gpu_tiles(monkeypatch, dtype, head_dim, name, scale_prior):
+    """The self-check a GPU run makes before it trusts the kernel (check_kernel), with the GPU's
+    own tiles (INTERPRET_BLOCKS = None), so that a CPU test executes each of them."""
+    monkeypatch.setattr(ak, "INTERPRET_BLOCKS", None)
+    monkeypatch.setattr(ak, "_checked", set())
+    line = check_kernel(attention_layer(name, head_dim, scale_prior), dtype, training=True)
     assert f"{ak.check_length(head_dim, dtype)} tokens" in line and ": ok in " in line, line
+    assert check_kernel(attention_layer(name, head_dim, scale_prior), dtype, True) is None
 
 
 @pytest.mark.parametrize("dtype,misread", [(torch.float32, "table"), (torch.bfloat16, "dtable")])
@@ -457,20 +477,9 @@ def test_self_check_catches_a_misread_table(monkeypatch, dtype, misread):
         return table, dtable.roll(1, -1), theta, table_start
 
     monkeypatch.setattr(ak, "_prior_tables", misreading)
-    family = get_prior("ggd")
+    monkeypatch.setattr(ak, "_checked", set())
     with pytest.raises(KernelMismatch, match="disagrees with the reference"):
-        check_kernel(
-            impl="triton",
-            family=family,
-            trained=family.trainable,
-            head_dim=32,
-            dtype=dtype,
-            device=DEVICE,
-            ssmax=True,
-            scale_prior=True,
-            training=True,
-            documents=True,
-        )
+        check_kernel(attention_layer("ggd", 32, True), dtype, training=True)
 
 
 @pytest.mark.parametrize("theta_beta", [-1.5, 0.7])
@@ -918,3 +927,17 @@ def test_kernel_speed_of_every_prior_is_that_of_its_tables():
         "fwd+bwd ms at B4 H16 T4096 D64 bf16, BAM + SSMax:", {n: round(t, 3) for n, t in ms.items()}
     )
     assert all(t < 1.15 * ms["ggd"] for t in ms.values()), ms
+
+
+def test_no_jit_kernel_takes_more_than_40_parameters():
+    """Contiguous inputs and strides derived in the kernel keep every signature short."""
+    import ast
+
+    source = open(ak.__file__).read()
+    counts = {
+        node.name: len(node.args.args) + len(node.args.kwonlyargs)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef)
+        and any("jit" in ast.unparse(d) for d in node.decorator_list)
+    }
+    assert len(counts) >= 4 and max(counts.values()) <= 40, counts

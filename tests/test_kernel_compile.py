@@ -83,14 +83,12 @@ def test_kernel_compiled_model_has_no_graph_break_and_equals_eager(small_tiles):
 def test_kernel_custom_ops_pass_opcheck(small_tiles):
     """torch.library.opcheck: schema, fake-tensor implementation (shapes, strides, dtypes), autograd
     registration and AOT dispatch of the forward and backward ops, on inputs with every option
-    (documents, a prior's table and derivative tables, SSMax)."""
+    (documents, a prior's table and derivative tables, SSMax), laid out as attention_triton hands
+    them over (contiguous; the queries' doc_start as int32)."""
     gen = torch.Generator().manual_seed(0)
     B, H, T, D = 1, 2, 20, 16
-    q, k, v = (
-        torch.randn(B, T, H, D, generator=gen).transpose(1, 2).to(DEVICE).requires_grad_()
-        for _ in range(3)
-    )
-    ds = torch.zeros(B, T, dtype=torch.long, device=DEVICE)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen).to(DEVICE).requires_grad_() for _ in range(3))
+    ds = torch.zeros(B, T, dtype=torch.int32, device=DEVICE)
     ds[:, 7:] = 7
     params = tuple(
         torch.tensor(x, device=DEVICE, requires_grad=True) for x in ([1.0, -0.5], [0.0, 1.2])

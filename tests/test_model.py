@@ -14,18 +14,9 @@ from attention import (
     dense_attention,
 )
 from configurator import ConfigError, configure
-from model import (
-    GPT,
-    MODEL_SIZES,
-    POS_ENCODINGS,
-    CheckpointError,
-    GPTConfig,
-    KVCache,
-    load_model,
-    load_state,
-    save_checkpoint,
-)
+from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
+from runtime import CheckpointError, save_checkpoint
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
 
@@ -580,15 +571,16 @@ def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
         load_model(str(tmp_path / "bad.pt"))
 
 
-def test_prior_summary_reports_every_layer():
+def test_prior_record_gives_the_shape_per_layer():
     model = make(tiny("bam", True))
-    rows = model.prior_summary()
-    assert len(rows) == 2 and len(rows[0]["theta_beta"]) == 4 and len(rows[0]["ssmax_s"]) == 4
-    assert rows[0]["theta_beta"][0] == pytest.approx(-0.8) and rows[0]["mu"] == [0.0] * 4
-    assert GPT(tiny("rope", False)).prior_summary() == []
-    assert rows[0]["prior"] == "ggd"
-    alibi = GPT(tiny("alibi", False)).prior_summary()[0]
-    assert alibi["prior"] == "alibi" and alibi["slope"] == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]
+    record = model.prior_record()
+    assert len(record["theta_beta"]) == 2 and record["theta_beta"][0][0] == pytest.approx(-0.8)
+    assert all(lo <= median <= hi for lo, median, hi in record["theta_beta"])
+    assert record["heads_highlighted"] == int(
+        sum((b.attn.theta_beta < 0).sum() for b in model.blocks)
+    )
+    assert GPT(tiny("rope", False)).prior_record() == {}
+    assert GPT(tiny("alibi", False)).prior_record() == {}
 
 
 def test_bad_config_values_fail_clearly():

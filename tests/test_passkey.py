@@ -17,12 +17,11 @@ import attention_kernel as ak
 import eval_common
 import eval_passkey as ep
 import model as model_mod
-import passkey
-from model import load_model, save_checkpoint
 from data import get_tokenizer, tiktoken_tokenizer
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, load_model
+from runtime import save_checkpoint
 
-PAPER = passkey.TEMPLATES["paper"]
+PAPER = ep.TEMPLATES["paper"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -108,12 +107,12 @@ def test_length_grids():
 # ---- prompts (byte tokenizer) --------------------------------------------------------------------
 @pytest.mark.parametrize("target", [300, 512, 1000, 4096, 8192])
 def test_prompt_layout_byte(enc, target):
-    n = passkey.filler_units(enc, PAPER, target)
+    n = ep.filler_units(enc, PAPER, target)
     task = enc.encode_ordinary(PAPER["task"])
     filler = enc.encode_ordinary(" " + PAPER["filler"])
     question = enc.encode_ordinary(" " + PAPER["question"])
     for k in sorted({0, n // 3, n // 2, n}):
-        tokens, answer, info = passkey.build_prompt(enc, PAPER, target, 12345, k)
+        tokens, answer, info = ep.build_prompt(enc, PAPER, target, 12345, k)
         assert len(tokens) == info["length"] <= target
         assert len(tokens) + len(filler) > target  # N is the most filler that fits
         assert (info["k"], info["n_filler"]) == (k, n)
@@ -130,28 +129,28 @@ def test_prompt_layout_byte(enc, target):
 
 
 def test_prompt_too_short_is_an_error(enc):
-    shortest = passkey.min_prompt_length(enc, PAPER)
-    passkey.build_prompt(enc, PAPER, shortest, 12345, 0)
+    shortest = ep.min_prompt_length(enc, PAPER)
+    ep.build_prompt(enc, PAPER, shortest, 12345, 0)
     with pytest.raises(ValueError, match="shorter than the prompt"):
-        passkey.build_prompt(enc, PAPER, shortest - 1, 12345, 0)
+        ep.build_prompt(enc, PAPER, shortest - 1, 12345, 0)
     with pytest.raises(ValueError, match="digits"):
-        passkey.build_prompt(enc, PAPER, 1000, 1234, 0)
+        ep.build_prompt(enc, PAPER, 1000, 1234, 0)
 
 
 def test_samples_are_seeded_and_per_length(enc):
-    a = passkey.make_samples(enc, PAPER, 2000, 8, seed=5)
-    b = passkey.make_samples(enc, PAPER, 2000, 8, seed=5)
-    c = passkey.make_samples(enc, PAPER, 2000, 8, seed=6)
+    a = ep.make_samples(enc, PAPER, 2000, 8, seed=5)
+    b = ep.make_samples(enc, PAPER, 2000, 8, seed=5)
+    c = ep.make_samples(enc, PAPER, 2000, 8, seed=6)
     assert [x[0] for x in a] == [x[0] for x in b]
     keys = [x[2]["key"] for x in a]
     assert keys != [x[2]["key"] for x in c]
     assert all(10_000 <= k <= 99_999 for k in keys) and len(set(keys)) > 1
     depths = [x[2]["depth"] for x in a]
     assert depths[0] == 0.0 and depths[-1] == 1.0 and depths == sorted(depths)
-    n = passkey.filler_units(enc, PAPER, 2000)  # k = linspace(0, N, samples).long(), as the authors
+    n = ep.filler_units(enc, PAPER, 2000)  # k = linspace(0, N, samples).long(), as the authors
     assert [x[2]["k"] for x in a] == torch.linspace(0, n, 8).long().tolist()
     # the same (seed, length) gives the same prompts whatever else is evaluated
-    assert [x[2]["key"] for x in passkey.make_samples(enc, PAPER, 2000, 8, seed=5)] == keys
+    assert [x[2]["key"] for x in ep.make_samples(enc, PAPER, 2000, 8, seed=5)] == keys
 
 
 def merging_tokenizer():
@@ -175,7 +174,7 @@ def merging_tokenizer():
 
 def test_prompt_with_merging_tokenizer():
     enc = merging_tokenizer()
-    answer, n_given = passkey.answer_tokens(enc, 12345)
+    answer, n_given = ep.answer_tokens(enc, 12345)
     # all answer tokens scored
     assert [enc.decode([t]) for t in answer] == [
         " 123",
@@ -183,10 +182,10 @@ def test_prompt_with_merging_tokenizer():
     ] and n_given == 0
     reduced = 0
     for target in range(300, 1400, 13):
-        n = passkey.filler_units(enc, PAPER, target)
+        n = ep.filler_units(enc, PAPER, target)
         for key in (12345, 45678, 99999):
             for k in (0, n):
-                tokens, ans, info = passkey.build_prompt(enc, PAPER, target, key, k)
+                tokens, ans, info = ep.build_prompt(enc, PAPER, target, key, k)
                 assert len(tokens) <= target
                 assert info["n_filler"] <= n and info["k"] <= k
                 reduced += info["n_filler"] < n
@@ -223,7 +222,7 @@ class StubModel(nn.Module):
 
 
 def test_score_sample_on_stub(enc):
-    prompt, answer, info = passkey.build_prompt(enc, PAPER, 600, 31415, 2)
+    prompt, answer, info = ep.build_prompt(enc, PAPER, 600, 31415, 2)
     digits = answer[info["n_given"] :]
     assert digits == list(b"31415")
 
@@ -253,7 +252,7 @@ def test_mistral_scores_exactly_the_five_digits():
     5 digit tokens are scored. Pieces start at a word boundary on their own, so no separator is
     added."""
     enc = get_tokenizer("mistral")
-    prompt, answer, info = passkey.build_prompt(enc, PAPER, 1000, 12345, 2)
+    prompt, answer, info = ep.build_prompt(enc, PAPER, 1000, 12345, 2)
     scored = answer[info["n_given"] :]
     assert info["n_given"] == 1 and [enc.decode([t]) for t in scored] == list("12345")
     assert answer == enc.encode_ordinary(" 12345") and enc.decode(answer[:1]) == " "
@@ -264,17 +263,17 @@ def test_mistral_scores_exactly_the_five_digits():
     assert text.endswith("again. " + PAPER["question"]) and "  " not in text
     assert len(prompt) <= 1000
     six = dict(PAPER, digits=6, given_digits=1)  # the extreme preset: the first digit is given too
-    _, answer, info = passkey.build_prompt(enc, six, 1000, 123456, 0)
+    _, answer, info = ep.build_prompt(enc, six, 1000, 123456, 0)
     assert info["n_given"] == 2 and [enc.decode([t]) for t in answer[2:]] == list("23456")
     byte = get_tokenizer("byte")
-    assert passkey.answer_tokens(byte, 123456, 1) == (list(b" 123456"), 2)
+    assert ep.answer_tokens(byte, 123456, 1) == (list(b" 123456"), 2)
     # " 123" merges the given digit: scored
-    assert passkey.answer_tokens(merging_tokenizer(), 123456, 1)[1] == 0
+    assert ep.answer_tokens(merging_tokenizer(), 123456, 1)[1] == 0
 
 
 def test_score_batch_all_answer_tokens_when_space_merges():
     enc = merging_tokenizer()
-    prompt, answer, info = passkey.build_prompt(enc, PAPER, 700, 12345, 1)
+    prompt, answer, info = ep.build_prompt(enc, PAPER, 700, 12345, 1)
     stub = StubModel(answer, vocab=300)
     assert score_sample(stub, prompt, answer, info["n_given"]) == (True, answer)
     assert stub.calls[0][1] == 2  # " 123" and "45": both scored
@@ -314,9 +313,7 @@ def test_end_to_end_two_checkpoints(tmp_path, ckpts, enc, capsys):
     # each record's prediction equals an independent full-logits forward of the rebuilt prompt
     model, _ = load_model(ckpts[0])
     for r in (by[("runA", 400, 0)], by[("runA", 700, 3)]):
-        prompt, answer, info = passkey.build_prompt(
-            enc, PAPER, r["target_length"], r["key"], r["k"]
-        )
+        prompt, answer, info = ep.build_prompt(enc, PAPER, r["target_length"], r["key"], r["k"])
         with torch.no_grad():
             logits, _ = model(torch.tensor([prompt + answer[:-1]]))
         pred = logits[0, len(prompt) - 1 + info["n_given"] :, :257].argmax(-1).tolist()
@@ -378,7 +375,7 @@ def test_end_to_end_accuracy_with_an_oracle(tmp_path, ckpts, monkeypatch):
             r
             for r in recs
             if r["target_length"] == d["target_length"]
-            and ep.depth_bin(r["depth"], 10) == round(d["depth_lo"] * 10)
+            and min(int(r["depth"] * 10), 9) == round(d["depth_lo"] * 10)
         ]
         assert all(d["depth_lo"] <= r["depth"] <= d["depth_hi"] for r in cell)
         assert d["n"] == len(cell) and d["accuracy"] == np.mean([r["correct"] for r in cell])
@@ -393,28 +390,18 @@ def test_end_to_end_accuracy_with_an_oracle(tmp_path, ckpts, monkeypatch):
 
 
 def test_digit_accuracy_reads_the_answer_character_by_character(enc):
+    def right(key, predicted_text, scored):
+        return ep.digits_right(
+            dict(key=key, predicted_text=predicted_text, answer_tokens=scored), enc
+        )
+
     # a digit dropped: every digit after it is misread
-    rec = dict(key=48924, predicted_text="4894!")
-    assert ep.digits_right(rec, " ") == [True, True, True, False, False]
-    assert ep.digits_right(dict(key=66462, predicted_text="6?462"), " ") == [
-        True,
-        False,
-        True,
-        True,
-        True,
-    ]
+    assert right(48924, "4894!", list(b"48924")) == [True, True, True, False, False]
+    assert right(66462, "6?462", list(b"66462")) == [True, False, True, True, True]
     # the extreme preset's byte answer gives the space and the first digit: that digit is not scored
-    assert ep.digits_right(dict(key=123456, predicted_text="23956"), " 1") == [
-        None,
-        True,
-        True,
-        False,
-        True,
-        True,
-    ]
+    assert right(123456, "23956", list(b"23456")) == [None, True, True, False, True, True]
     # gpt2 scores every answer token: nothing is given, the predicted text starts with the space
-    assert ep.digits_right(dict(key=12345, predicted_text=" 12345"), "") == [True] * 5
-    assert ep.given_text(enc, dict(key=12345, answer_tokens=list(b"12345"))) == " "
+    assert right(12345, " 12345", list(b" 12345")) == [True] * 5
 
 
 def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
@@ -561,27 +548,62 @@ def test_batched_equals_one_by_one(tmp_path, ckpts, monkeypatch):
     assert strip_timing(batched["records"]) == strip_timing(single["records"])
 
 
-def test_lengths_that_cannot_run_are_skipped(tmp_path, ckpts, monkeypatch, capsys):
-    real = eval_common.memory_shortfall
+def out_of_memory_above(tokens, calls=None):
+    """A stand-in for eval_passkey.score_batch whose forward fails as the CPU allocator does when a
+    batch holds more than `tokens` tokens; it records each batch's size in `calls`."""
+    real = ep.score_batch
 
-    def fake_shortfall(model, length, device, batch=1):
-        if length * batch < 1000:
-            return None
-        # the real message, as if no memory were free
-        monkeypatch.setattr(eval_common, "MEMORY_FRACTION", 0.0)
-        return real(model, length, device)
+    def score_batch(model, prompts, answers, n_given=0):
+        if calls is not None:
+            calls.append(len(prompts))
+        if sum(len(p) for p in prompts) > tokens:
+            raise RuntimeError(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 "
+                "bytes. Error code 12 (Cannot allocate memory)\nmore detail"
+            )
+        return real(model, prompts, answers, n_given)
 
-    monkeypatch.setattr(ep, "memory_shortfall", fake_shortfall)
-    res = run_main(tmp_path / "res", ckpts[:1], "--lengths", "100", "500", "2000", "--samples", "2")
-    err = capsys.readouterr().err
-    assert "skipping length 100" in err and "shorter than the prompt" in err
-    assert "skipping length 2000" in err and "free on cpu" in err
+    return score_batch
+
+
+def test_a_length_out_of_memory_is_skipped_and_the_others_scored(tmp_path, ckpts, monkeypatch):
+    """A forward that runs out of memory halves the batch down to one sample; a length where one
+    sample does not fit is skipped with the error's first line, and the other lengths are
+    scored."""
+    calls = []
+    monkeypatch.setattr(ep, "score_batch", out_of_memory_above(1500, calls))
+    res = run_main(tmp_path / "res", ckpts[:1], "--lengths", "100", "300", "2000", "--samples", "4")
     status = {s["target_length"]: s for s in res["summary"]}
-    assert status[500]["status"] == "ok" and status[500]["n"] == 2
-    for L in (100, 2000):
-        assert status[L]["accuracy"] is None and status[L]["status"].startswith("skipped")
-    assert {r["target_length"] for r in res["records"]} == {500}
+    assert status[300]["status"] == "ok" and status[300]["n"] == 4
+    assert status[100]["status"].startswith("skipped: shorter than the prompt")
+    assert status[2000]["accuracy"] is None
+    assert status[2000]["status"] == (
+        "skipped: out of memory (DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 8589934592 bytes. Error code 12 (Cannot allocate memory))"
+    )
+    assert calls == [4, 4, 2, 1]  # 300: one batch of 4; 2000: 4, then 2, then 1 sample
+    assert {r["target_length"] for r in res["records"]} == {300}
+    skipped = {(s["target_length"], s["reason"][:13]) for s in res["meta"]["skipped"]}
+    assert skipped == {(100, "shorter than "), (2000, "out of memory")}
     assert (tmp_path / "res" / "passkey_accuracy.png").exists()
+
+
+def test_a_batch_out_of_memory_is_halved_until_it_fits(tmp_path, ckpts, monkeypatch):
+    reference = run_main(tmp_path / "a", ckpts[:1], "--lengths", "600", "--samples", "4")
+    calls = []
+    monkeypatch.setattr(ep, "score_batch", out_of_memory_above(1300, calls))
+    halved = run_main(tmp_path / "b", ckpts[:1], "--lengths", "600", "--samples", "4")
+    assert calls == [4, 2, 2] and {r["batch"] for r in halved["records"]} == {2}
+    assert strip_timing(halved["records"]) == strip_timing(reference["records"])
+
+
+def test_another_error_is_not_taken_for_a_lack_of_memory(tmp_path, ckpts, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(ep, "score_batch", broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        run_main(tmp_path / "res", ckpts[:1], "--lengths", "500", "--samples", "2")
 
 
 def test_default_grid_from_the_training_length(tmp_path, ckpts, capsys):
@@ -595,7 +617,7 @@ def test_default_grid_from_the_training_length(tmp_path, ckpts, capsys):
         256,
         512,
     ]
-    shortest = passkey.min_prompt_length(get_tokenizer("byte"), PAPER)
+    shortest = ep.min_prompt_length(get_tokenizer("byte"), PAPER)
     for L, s in rows.items():
         assert (s["status"] == "ok") == (L >= shortest)
         assert s["n"] == (2 if L >= shortest else 0)
@@ -620,8 +642,45 @@ def test_triton_evaluation_checks_the_kernel_first(tmp_path, ckpts, capsys, monk
         return (table.roll(1, -1), *rest)
 
     monkeypatch.setattr(ak, "_prior_tables", misread)
+    monkeypatch.setattr(ak, "_checked", set())  # the check runs once per configuration and process
     with pytest.raises(
         eval_common.EvalError, match=r"disagrees with the reference.*--attn_impl torch"
     ):
         run_main(tmp_path / "wrong", ckpts[:1], *args)
     assert not (tmp_path / "wrong").exists() or not os.listdir(tmp_path / "wrong")
+
+
+def test_a_second_evaluation_into_a_busy_out_is_refused_in_one_line(tmp_path, ckpts):
+    """An evaluation owns its --out for its lifetime (runtime.own_folder): a second one is refused
+    in one line, exit 1, before it writes anything."""
+    out = tmp_path / "res"
+    hold = (
+        "import sys, runtime; runtime.own_folder(sys.argv[1]); print('held', flush=True); input()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(out)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = ["--ckpt", ckpts[0], "--lengths", "400", "--samples", "1", "--out", str(out)]
+        proc = subprocess.run(
+            [sys.executable, "eval_passkey.py", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.communicate("\n", timeout=60)
+
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert re.fullmatch(
+        rf"eval_passkey\.py: error: {re.escape(str(out))} is in use by another process \(pid "
+        rf"{holder.pid} on .+\); wait for it to end, or give this one another folder\n",
+        proc.stderr,
+    ), proc.stderr
+    assert os.listdir(out) == [".lock"]

@@ -4,17 +4,19 @@ paths, main(), resume."""
 import csv
 import json
 import os
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 
 import eval_ppl
-from model import save_checkpoint
 from data import EOT, write_shard
 from eval_common import EvalError
 from eval_ppl import full_token_losses, hf_sequences, window_sums
 from model import GPT, GPTConfig
+from runtime import save_checkpoint
 
 
 def tiny_model(pe="bam", ssmax=True, seed=0, block_size=32):
@@ -108,23 +110,37 @@ def test_hf_sequences_takes_first_long_enough_texts_in_order():
         hf_sequences(iter(texts), tok, seq_len=100, num_seqs=2)
 
 
-def test_hf_offline_is_a_clear_error(monkeypatch):
-    datasets = pytest.importorskip("datasets")
+def fake_datasets(monkeypatch, load_dataset):
+    """A stand-in for the `datasets` package (streaming needs the network)."""
+    module = types.ModuleType("datasets")
+    module.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", module)
 
+
+def test_hf_streams_the_first_long_enough_texts(setup, monkeypatch):
+    asked = []
+
+    def load_dataset(name, config, split, streaming):
+        asked.append((name, config, split, streaming))
+        return iter([{"text": "short"}, {"text": "x" * 200}, {"text": "y" * 300}])
+
+    fake_datasets(monkeypatch, load_dataset)
+    spec = "hf:wikimedia/wikipedia:20231101.en"
+    rows = eval_ppl.main(argv(setup)[:-2] + ["--data", spec, "--num_seqs", "2"])
+    assert asked == [("wikimedia/wikipedia", "20231101.en", "train", True)]
+    assert rows[-1]["data"] == spec and rows[-1]["n_seqs"] == 2
+
+
+def test_hf_offline_is_a_clear_error(monkeypatch):
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'wikimedia/wikipedia' on the Hub")
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
+    fake_datasets(monkeypatch, offline)
     with pytest.raises(EvalError, match="network access"):
-        list(eval_ppl.hf_texts("wikimedia/wikipedia", "20231101.en"))
-    for spec in ("hf:", "hf:a:b:c", "wikipedia"):  # and anything that is not val
-        with pytest.raises(EvalError, match="expected val, hf:NAME"):
-            eval_ppl.parse_hf(spec)
-    assert eval_ppl.parse_hf("hf:wikimedia/wikipedia:20231101.en") == (
-        "wikimedia/wikipedia",
-        "20231101.en",
-    )
-    assert eval_ppl.parse_hf("hf:c4") == ("c4", None)
+        list(eval_ppl.hf_texts("hf:wikimedia/wikipedia:20231101.en"))
+    for spec in ("hf:", "wikipedia"):
+        with pytest.raises(SystemExit):
+            eval_ppl.main(["--ckpt", "x", "--data", spec])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,11 +252,19 @@ def test_fewer_sequences_than_asked_and_none_at_all(setup, capsys):
         eval_ppl.main(argv(setup) + ["--seq_len", "100000"])
 
 
-def test_memory_check_skips_before_starting(setup, monkeypatch):
-    monkeypatch.setattr(
-        eval_ppl, "memory_shortfall", lambda *a, **k: "needs ~931 GiB, more than 90% of the 1 GiB"
-    )
-    monkeypatch.setattr(eval_ppl, "full_token_losses", lambda *a: pytest.fail("should not run"))
+def test_a_forward_out_of_memory_is_skipped_with_its_reason(setup, monkeypatch):
+    def out_of_memory(*args):
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 931 GiB.\nmore"
+        )
+
+    monkeypatch.setattr(eval_ppl, "full_token_losses", out_of_memory)
     rows = eval_ppl.main(argv(setup))
-    assert [r["scope"] for r in rows] == ["skipped"] and "needs" in rows[0]["note"]
+    assert [r["scope"] for r in rows] == ["skipped"]
+    assert rows[0]["note"] == (
+        "skipped: a forward over 100 tokens ran out of memory (DefaultCPUAllocator: can't "
+        "allocate memory: you tried to allocate 931 GiB.)"
+    )
     assert not os.path.exists(os.path.join(setup["out"], "ppl_vs_position.png"))
+    with open(os.path.join(setup["out"], "ppl_summary.json")) as f:
+        assert json.load(f) == rows

@@ -17,7 +17,7 @@ from test_disk import on_a_full_disk
 from test_train import ROOT, data_dir, metrics, tiny  # noqa: F401 (data_dir is a fixture)
 
 import runtime
-from model import checkpoints, load_checkpoint
+from runtime import checkpoints, load_checkpoint
 
 TRAIN_PY = os.path.join(ROOT, "train.py")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

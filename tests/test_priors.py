@@ -15,9 +15,8 @@ import attention_kernel as ak
 import eval_passkey
 import priors
 from attention import attention, attention_probs, dense_attention, impl_error, pick_impl
-from model import CheckpointError, load_model, save_checkpoint
 from eval_common import EXPECTED_ERRORS
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, load_model
 from priors import (
     LOG_PRIOR_FLOOR,
     PRIORS,
@@ -28,6 +27,7 @@ from priors import (
     get_prior,
     register,
 )
+from runtime import CheckpointError, save_checkpoint
 
 
 # ----------------------------------------------------------------------- a prior no other test uses
@@ -271,26 +271,6 @@ def tiny(**kw):
     return GPTConfig(
         vocab_size=257, tokenizer="byte", n_layer=2, n_head=2, n_embd=16, block_size=16, **kw
     )
-
-
-def test_old_checkpoint_without_prior_loads_as_ggd(tmp_path):
-    """Checkpoints written before the registry have no `prior`: they are GGD (and ALiBi's slopes
-    were never saved), and load to the same outputs."""
-    x = torch.randint(0, 257, (1, 12))
-    for pos in ("bam", "alibi"):
-        torch.manual_seed(0)
-        model = GPT(tiny(pos_encoding=pos)).eval()
-        save_checkpoint(str(tmp_path / pos / "ckpt_0000001.pt"), model, step=1)
-        path = tmp_path / pos / "ckpt_0000001.pt"
-        ckpt = torch.load(path, weights_only=True)
-        del ckpt["model_args"]["prior"]
-        torch.save(ckpt, path)
-        loaded, _ = load_model(str(path))
-        assert loaded.config.prior == "ggd" and loaded.attn_impl == "auto"
-        with torch.no_grad():
-            torch.testing.assert_close(loaded(x)[0], model(x)[0])
-    assert set(loaded.state_dict()) == set(ckpt["model"])  # alibi: still nothing positional saved
-    assert "blocks.0.attn.theta_beta" in torch.load(tmp_path / "bam" / "ckpt_0000001.pt")["model"]
 
 
 def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, capsys):

@@ -7,21 +7,19 @@ commands marked GPU or internet are parsed, never run. Every relative link and i
 file that exists, and no line of a README's prose is over 120 characters."""
 
 import importlib
-import importlib.util
 import json
 import os
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import attention_kernel
-import model as checkpoint
 import model
 import priors
+import runtime
 import train
 from attention import attention
 from configurator import ConfigError, configure
@@ -32,7 +30,7 @@ STARTS = ("python ", "torchrun ", "bash ", "make ", "OMP_NUM_THREADS=", "TRITON_
 RUN = (
     "eval_passkey.py",
     "eval_ppl.py",
-    "plot_prior.py",
+    "analysis/plot_prior.py",
 )  # cheap on tiny checkpoints: run as written
 WITH_COMMANDS = (
     "README.md",
@@ -114,14 +112,7 @@ def script_and_args(argv):
 def load_script(script):
     """The module of a script given by its path from the repo root (dev/bench.py,
     eval_passkey.py)."""
-    if "/" not in script:
-        return importlib.import_module(script[:-3])
-    name = script[:-3].replace("/", "_")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+    return importlib.import_module(script[:-3].replace("/", "."))
 
 
 def check_parses(command):
@@ -312,7 +303,7 @@ def stand_ins(tmp_path):
         for run in [f"{name}-s1"] + (
             ["prior_lr_1e-2-s2"] if name == "bam_ssmax" else []
         ):  # results/demo/README
-            checkpoint.save_checkpoint(
+            runtime.save_checkpoint(
                 str(tmp_path / "out" / "demo" / run / "ckpt_0003000.pt"), gpt, step=3000
             )
 
@@ -334,7 +325,7 @@ def text_stand_ins(tmp_path):
         gpt = tiny_byte_gpt(pe, ssmax)
         for seed in (1, 2, 3):
             path = tmp_path / "out" / "text" / f"{name}-s{seed}" / "ckpt_0002000.pt"
-            checkpoint.save_checkpoint(str(path), gpt, step=2000, config={"data_dir": "data/text"})
+            runtime.save_checkpoint(str(path), gpt, step=2000, config={"data_dir": "data/text"})
     tokens = torch.randint(0, 256, (262_144,), generator=torch.Generator().manual_seed(0)).numpy()
     for data_dir in ("text", "demo/s1"):  # dev/README.md scores a demo model on the demo's data
         os.makedirs(tmp_path / "data" / data_dir)

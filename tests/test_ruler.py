@@ -16,10 +16,10 @@ import torch
 
 import eval_ruler as R
 import model as model_mod
-from model import save_checkpoint
 from data import get_tokenizer, write_shard
 from eval_common import EvalError
 from model import GPT, GPTConfig
+from runtime import save_checkpoint
 
 ENC = get_tokenizer("byte")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -596,3 +596,37 @@ def test_scores_with_an_oracle_model(tmp_path, monkeypatch):
     rows = R.main(base + ["--preset", "paper", "--out", str(tmp_path / "paper")])
     recs = [json.loads(line) for line in open(tmp_path / "paper" / "ruler_samples.jsonl")]
     assert all(r["stop_rule"] == "eot" and "0000000" in r["output"] for r in recs)
+
+
+def test_a_run_out_of_memory_at_a_length_is_skipped_there(tmp_path, monkeypatch):
+    """A generation that runs out of memory skips that run at that length, every task, with the
+    error's first line; the other run, and the shorter length, are scored."""
+    a = tiny_ckpt(tmp_path / "runA" / "ckpt_0.pt", 0)
+    b = tiny_ckpt(tmp_path / "runB" / "ckpt_0.pt", 1)
+    real_generate = model_mod.GPT.generate
+    real_start = R.start
+
+    def generate(self, idx, *args, **kwargs):
+        if self.label == "runB" and idx.shape[1] > 700:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        return real_generate(self, idx, *args, **kwargs)
+
+    def start(args):
+        runs, enc, device, dtype = real_start(args)
+        for run in runs:
+            run["model"].label = run["label"]
+        return runs, enc, device, dtype
+
+    monkeypatch.setattr(model_mod.GPT, "generate", generate)
+    monkeypatch.setattr(R, "start", start)
+    argv = ["--ckpt", a, "--ckpt", b, "--tasks", "niah_single_1,niah_multikey_2", "--lengths"]
+    argv += ["640,1100", "--samples", "2", "--out", str(tmp_path / "res"), "--device", "cpu"]
+    rows = R.main(argv)
+    status = {(r["label"], r["task"], r["target_length"]): r["status"] for r in rows}
+    why = "skipped: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+    for task in ("niah_single_1", "niah_multikey_2"):
+        assert status[("runA", task, 1100)] == status[("runB", task, 640)] == "ok"
+        assert status[("runB", task, 1100)] == why
+    assert status[("runB", "average", 1100)] == "0/2 tasks"
+    recs = [json.loads(line) for line in open(tmp_path / "res" / "ruler_samples.jsonl")]
+    assert len(recs) == 2 * 2 * 2 + 2 * 2  # runA at both lengths, runB at 640 only

@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 
-from model import load_model
 from data import DOC_START, get_tokenizer, open_shard, shard_paths
+from model import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ def check_corpus(data):
     """prepare_text.py's output in data/: the 66 books as documents, their identity, the shards."""
     identity = json.loads((data / "corpus.json").read_text())
 
-    texts = [json.loads(line)["text"] for line in open(data / "source" / "kjv.jsonl")]
+    texts = [json.loads(line)["text"] for line in open(data / "kjv.jsonl")]
     assert len(texts) == identity["documents"] == 66
     assert texts[0].startswith(
         "The First Book of Moses, called Genesis\n\nIn the beginning God created"

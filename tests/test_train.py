@@ -19,7 +19,8 @@ import model as model_module
 import train
 from configurator import ConfigError, configure
 from data import TokenLoader, get_tokenizer, write_shard
-from model import GPT, POS_ENCODINGS, GPTConfig, load_checkpoint, load_model
+from model import GPT, POS_ENCODINGS, GPTConfig, load_model
+from runtime import load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]

@@ -283,8 +283,7 @@ def test_ssmax_scales_a_learned_prior_and_leaves_a_fixed_one():
         cfg = GPTConfig(
             vocab_size=64, n_layer=1, n_head=2, n_embd=16, prior=name, bam_init="default"
         )
-        attn = GPT(cfg).blocks[0].attn
-        return attn.attention_kwargs(None, torch.zeros(1, 8))["scale_prior"]
+        return GPT(cfg).blocks[0].attn.scale_prior
 
     assert [scale_prior(n) for n in ("ggd", "kerple_log", "t5_bucket", "sandwich")] == [
         True,

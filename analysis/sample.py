@@ -2,9 +2,10 @@
 Text from a checkpoint, nanoGPT's sample.py: a prompt, then --num_samples continuations decoded with
 the KV cache.
 
-    python sample.py --ckpt out/demo/bam_ssmax-s1 --start "@bgnfmheldi#12345bgnf?" --top_k=1
-    python sample.py --ckpt RUN --start FILE:prompt.txt --num_samples 3 --max_new_tokens 200 \
-        --temperature 0.8
+    python analysis/sample.py --ckpt out/demo/bam_ssmax-s1 --start "@bgnfmheldi#12345bgnf?" \
+        --top_k=1
+    python analysis/sample.py --ckpt RUN --start FILE:prompt.txt --num_samples 3 \
+        --max_new_tokens 200 --temperature 0.8
 
 The prompt is one document, as in training: it follows the tokenizer's document-start token. A
 sample ends at end of text or after --max_new_tokens tokens. --top_k=1 (or --temperature=0) is
@@ -13,13 +14,20 @@ greedy decoding: every sample is the same, whatever the seed. Any other setting 
 """
 
 import argparse
+import os
+import sys
 
 import torch
 
-from model import load_model
-from data import get_tokenizer
-from eval_common import check_kernel, pick_device, resolve_dtype, run_script
-from runtime import autocast
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from eval_common import (  # noqa: E402
+    EXPECTED_ERRORS,
+    FULL_DISK_REMEDY,
+    load_runs,
+    pick_device,
+    resolve_dtype,
+)
+from runtime import autocast, errors_in_one_line, return_large_allocations  # noqa: E402
 
 SEPARATOR = "---------------"
 
@@ -33,6 +41,7 @@ def build_parser():
     p.add_argument(
         "--start", default="", help='the prompt, or FILE:path to read it from a file (default: "")'
     )
+
     p.add_argument("--num_samples", type=int, default=10)
     p.add_argument("--max_new_tokens", type=int, default=500)
     p.add_argument(
@@ -45,6 +54,7 @@ def build_parser():
         "--top_k", type=int, default=200, help="sample from the k most likely tokens; 1 = greedy"
     )
     p.add_argument("--seed", type=int, default=1337)
+
     return p
 
 
@@ -65,6 +75,7 @@ def read_start(start):
     if start.startswith("FILE:"):
         with open(start[len("FILE:") :], encoding="utf-8") as f:
             return f.read()
+
     return start
 
 
@@ -82,6 +93,7 @@ def generate(model, tok, prompt, args, device, dtype):
 
     if new and new[-1] == tok.eot_token:
         new = new[:-1]
+
     return tok.decode(prompt[1:] + new)
 
 
@@ -90,10 +102,9 @@ def main(argv=None):
     prompt_text = read_start(args.start)
     device = pick_device("auto")
     dtype = resolve_dtype(device)
-    model, _ = load_model(args.ckpt, device)
-    check_kernel(model, args.ckpt, dtype)
+    (run,), tok = load_runs([args.ckpt], device, dtype=dtype)
 
-    tok = get_tokenizer(model.config.tokenizer)
+    model = run["model"]
     prompt = [tok.doc_start] + tok.encode_ordinary(prompt_text)
 
     torch.manual_seed(args.seed)
@@ -102,8 +113,11 @@ def main(argv=None):
         samples.append(generate(model, tok, prompt, args, device, dtype))
         print(samples[-1])
         print(SEPARATOR, flush=True)
+
     return samples
 
 
 if __name__ == "__main__":
-    run_script(main, "sample.py")
+    return_large_allocations()
+    errors_in_one_line("sample.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    main()

@@ -2,8 +2,9 @@
 Downstream tasks: every checkpoint as a model of EleutherAI's lm-evaluation-harness (lm-eval 0.4.x),
 registered as "bam-gpt", on the paper's MMLU, ARC and HellaSwag (arXiv 2505.22842) or a local task.
 
-    python eval_lm.py --ckpt RUN [--ckpt RUN2 ...] --tasks arc_easy,arc_challenge,mmlu,hellaswag
-        [--num_fewshot N] [--max_length N] [--include_path DIR] --out DIR
+    python analysis/eval_lm.py --ckpt RUN [--ckpt RUN2 ...]
+        --tasks arc_easy,arc_challenge,mmlu,hellaswag [--num_fewshot N] [--max_length N]
+        [--include_path DIR] --out DIR
 
 Every request is one document, as in training. Writes <label>.json per checkpoint (lm-eval's
 results and the checkpoint's identity) and lm_eval_summary (.json/.csv/.md) to --out.
@@ -23,20 +24,27 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 from tqdm import tqdm
 
-from data import atomic_file, get_tokenizer
-from eval_common import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from data import get_tokenizer  # noqa: E402
+from eval_common import (  # noqa: E402
+    EXPECTED_ERRORS,
+    FULL_DISK_REMEDY,
     EvalError,
     checkpoint_fields,
-    claim_out,
     load_runs,
     markdown_table,
     model_device,
     pick_device,
     resolve_dtype,
-    run_script,
     write_table,
 )
-from runtime import autocast
+from runtime import (  # noqa: E402
+    atomic_file,
+    autocast,
+    errors_in_one_line,
+    own_folder,
+    return_large_allocations,
+)
 
 # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
 MAX_GEN_TOKS = 256
@@ -142,6 +150,7 @@ class BamGPT(LM):
         model's outputs at the real positions do not depend on what follows them. Only the positions
         that predict a scored token get logits, so no (batch x length x vocab) tensor is built."""
         T = max(len(s) for s in seqs) - 1
+
         x = torch.zeros(len(seqs), T, dtype=torch.long)
         for row, seq in enumerate(seqs):
             x[row, : len(seq) - 1] = torch.tensor(seq[:-1])
@@ -177,6 +186,7 @@ class BamGPT(LM):
         fit in max_length."""
         until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
+
         max_gen = int(gen_kwargs.get("max_gen_toks", MAX_GEN_TOKS))
         # greedy, unless the task samples
         temperature = 0.0
@@ -219,6 +229,7 @@ class BamGPT(LM):
     def get_model_info(self):
         """Recorded by lm-eval in its results' "config"."""
         cfg = self.model.config
+
         return dict(
             pos_encoding=cfg.pos_encoding,
             ssmax=cfg.ssmax,
@@ -247,6 +258,7 @@ def build_parser():
         help="comma-separated task, group or tag names, e.g. "
         "arc_easy,arc_challenge,mmlu,hellaswag (lm-eval's), or a local task of --include_path",
     )
+
     p.add_argument(
         "--num_fewshot",
         type=int,
@@ -266,17 +278,20 @@ def build_parser():
     p.add_argument(
         "--out", required=True, help="output directory for the results JSON, CSV and Markdown"
     )
+
     return p
 
 
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
+
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks:
         p.error("--tasks names no task")
     if args.max_length is not None and args.max_length < 2:
         p.error("--max_length must be >= 2")
+
     return args
 
 
@@ -387,22 +402,25 @@ def main(argv=None):
     device = pick_device("auto")
     runs, _ = load_runs(args.ckpt, device)
 
-    with claim_out(args.out):
-        rows = []
-        for run in runs:
-            rows += evaluate(run, args, tm, device)
+    own_folder(args.out)
 
-        prefix = os.path.join(args.out, "lm_eval_summary")
-        write_table(rows, prefix)
-        table = markdown_summary(rows)
-        with atomic_file(prefix + ".md", "w") as f:
-            f.write(table + "\n")
+    rows = []
+    for run in runs:
+        rows += evaluate(run, args, tm, device)
 
-        print(table)
-        written = ", ".join(os.path.join(args.out, run["label"] + ".json") for run in runs)
-        print(f"wrote {written}, {prefix}.csv, {prefix}.md")
-        return rows
+    prefix = os.path.join(args.out, "lm_eval_summary")
+    write_table(rows, prefix)
+    table = markdown_summary(rows)
+    with atomic_file(prefix + ".md", "w") as f:
+        f.write(table + "\n")
+
+    print(table)
+    written = ", ".join(os.path.join(args.out, run["label"] + ".json") for run in runs)
+    print(f"wrote {written}, {prefix}.csv, {prefix}.md")
+    return rows
 
 
 if __name__ == "__main__":
-    run_script(main, "eval_lm.py")
+    return_large_allocations()
+    errors_in_one_line("eval_lm.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    main()

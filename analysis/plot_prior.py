@@ -3,7 +3,7 @@ The learned positional prior of a checkpoint: per layer (a panel) and head (a li
 B_h(d) that the registered prior (priors.py) adds to the logits, against the distance |d| on a log
 axis, out to 64 times the training length. bam and alibi only.
 
-    python plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png]
+    python analysis/plot_prior.py --ckpt out/demo/bam_ssmax-s1 [--out results/demo/prior.png]
 
 Heads the prior's highlight rule picks (GGD: theta_beta < 0, anti-local) are drawn thick and warm;
 SSMax's s_h is in the legend. Writes the PNG and <out>.json with the same numbers.
@@ -17,9 +17,11 @@ import sys
 import numpy as np
 import torch
 
-from model import load_model
-from data import atomic_file
-from eval_common import _plt, run_script, save_figure
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from eval_common import EXPECTED_ERRORS, FULL_DISK_REMEDY, EvalError, pyplot, save_figure  # noqa: E402
+from model import load_model  # noqa: E402
+from priors import ggd_mu  # noqa: E402
+from runtime import atomic_file, errors_in_one_line  # noqa: E402
 
 # the curves reach this multiple of the training length
 MAX_DISTANCE_MULTIPLE = 64
@@ -33,10 +35,34 @@ def distances(max_distance, per_octave=8):
 
 
 @torch.no_grad()
+def prior_summary(model):
+    """Per layer with a prior or SSMax: the prior's name, its parameters per head (ggd also mu),
+    SSMax's s."""
+    rows = []
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        family = attn.family
+        row = {"layer": i}
+
+        if family is not None:
+            row["prior"] = family.name
+            for name in family.params:
+                row[name] = getattr(attn, name).float().tolist()
+            if family.name == "ggd":
+                row["mu"] = ggd_mu(attn.theta_mu.float()).tolist()
+
+        if attn.ssmax_s is not None:
+            row["ssmax_s"] = attn.ssmax_s.float().tolist()
+        if len(row) > 1:
+            rows.append(row)
+    return rows
+
+
+@torch.no_grad()
 def prior_tables(model, dist):
     """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0,
     bias}]}] per layer with a prior; bias[k] = B(d = -dist[k])."""
-    summary = {row["layer"]: row for row in model.prior_summary()}
+    summary = {row["layer"]: row for row in prior_summary(model)}
     # d = j - i <= 0
     offsets = -torch.tensor([0] + list(dist), dtype=torch.float64)
 
@@ -94,7 +120,7 @@ def head_label(h, prior):
 
 def plot(layers, dist, block_size, prior, title, path):
     """A panel per layer, a curve per head: highlighted heads thick and warm, the others dashed."""
-    plt = _plt()
+    plt = pyplot()
     n_layers = len(layers)
     fig, axes = plt.subplots(1, n_layers, figsize=(4.6 * n_layers, 4.4), squeeze=False, sharey=True)
     warm = plt.get_cmap("autumn")
@@ -155,9 +181,9 @@ def main(argv=None):
     model, ckpt = load_model(args.ckpt)
     cfg = model.config
     if cfg.pos_encoding not in ("bam", "alibi"):
-        sys.exit(
-            f"plot_prior.py: error: {ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, "
-            "which has no positional prior to plot (bam and alibi do)"
+        raise EvalError(
+            f"{ckpt['path']} uses pos_encoding={cfg.pos_encoding!r}, which has no positional prior "
+            "to plot (bam and alibi do)"
         )
 
     out = args.out or os.path.join(os.path.dirname(ckpt["path"]), "prior.png")
@@ -204,4 +230,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_script(main, "plot_prior.py")
+    errors_in_one_line("plot_prior.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    main()

@@ -1,7 +1,7 @@
 """
 Which heads read the passkey needle, and how far each head looks, on eval_passkey.py's own prompts.
 
-    python inspect_attention.py --ckpt out/demo/bam_ssmax-s1 [--ckpt out/demo/alibi-s1 ...]
+    python analysis/inspect_attention.py --ckpt out/demo/bam_ssmax-s1 [--ckpt out/demo/alibi-s1 ...]
         --template demo --lengths 64 256 1024 4096 [--samples 20] [--out results/inspect]
 
 At the query that predicts the first answer digit (--digit K: the K-th), per layer and head, means
@@ -16,32 +16,44 @@ import os
 import re
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import attention_probs
-from data import atomic_file, disk_full
-from eval_common import (
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import model as model_code  # noqa: E402
+from analysis.plot_prior import prior_summary  # noqa: E402
+from attention import attention_probs  # noqa: E402
+from eval_common import (  # noqa: E402
     EXPECTED_ERRORS,
-    _plt,
+    FULL_DISK_REMEDY,
+    EvalError,
     add_common_args,
-    claim_out,
-    full_disk_line,
-    load_runs,
-    memory_shortfall,
-    mmap_large_allocations,
-    pick_device,
+    out_of_memory,
     plot_curves,
-    resolve_dtype,
+    pyplot,
     save_figure,
+    start,
     write_table,
 )
-from eval_passkey import DEFAULT_SAMPLES, SEED
-from runtime import autocast
-from passkey import TEMPLATES, make_samples, min_prompt_length, template_hash
-from priors import get_prior
+from eval_passkey import (  # noqa: E402
+    DEFAULT_SAMPLES,
+    SEED,
+    TEMPLATES,
+    make_samples,
+    min_prompt_length,
+    template_hash,
+)
+from priors import get_prior  # noqa: E402
+from runtime import (  # noqa: E402
+    atomic_file,
+    autocast,
+    errors_in_one_line,
+    own_folder,
+    return_large_allocations,
+)
 
 READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens
 
@@ -69,6 +81,7 @@ def key_positions(enc, tokens, info):
     if not positions:
         needle = text.decode(errors="replace")
         raise ValueError(f"the key {info['key']} does not occur in the needle {needle!r}")
+
     return positions
 
 
@@ -85,28 +98,24 @@ def row_metrics(p, query_pos, key_pos):
 @torch.no_grad()
 def answer_row_probs(model, idx):
     """((n_layer, B, H, T) attention weights of the last query per layer, its logits) from one
-    forward: a pre-hook per layer recomputes q and k and asks attention_probs for that row alone
-    (memory linear in the length)."""
+    forward: each layer's own call to attention() is intercepted, and attention_probs computes that
+    row alone from the same arguments (memory linear in the length)."""
     rows = []
+    attention = model_code.attention
 
-    def hook(attn, args):
-        x, rope, doc_start, log_n = args[:4]
-        q, k, _ = attn.qkv(x, rope)
-        kwargs = attn.attention_kwargs(doc_start, log_n)
+    def attention_and_answer_row(q, k, v, *, impl, row_scale=None, **kwargs):
         # SSMax: the answer row's own scale
-        if kwargs.get("row_scale") is not None:
-            kwargs["row_scale"] = kwargs["row_scale"][..., -1:]
-
+        answer_scale = None if row_scale is None else row_scale[..., -1:]
         n_keys = k.shape[2]
-        probs = attention_probs(q[:, :, -1:], k, q_offset=n_keys - 1, **kwargs)
+        probs = attention_probs(
+            q[:, :, -1:], k, q_offset=n_keys - 1, row_scale=answer_scale, **kwargs
+        )
         rows.append(probs[:, :, 0])
 
-    handles = [block.attn.register_forward_pre_hook(hook) for block in model.blocks]
-    try:
+        return attention(q, k, v, impl=impl, row_scale=row_scale, **kwargs)
+
+    with mock.patch.object(model_code, "attention", attention_and_answer_row):
         logits, _ = model(idx, logits_at=1)
-    finally:
-        for h in handles:
-            h.remove()
 
     return torch.stack(rows), logits[:, -1]
 
@@ -115,7 +124,7 @@ def head_priors(model):
     """{layer: [per head: the prior's name, parameters, shape_param and shape, highlight (GGD:
     theta_beta < 0), ssmax_s]}; layers without a prior give only ssmax_s, or nothing."""
     out = {}
-    for row in model.prior_summary():
+    for row in prior_summary(model):
         prior = get_prior(row["prior"]) if "prior" in row else None
         marked = None
         if prior is not None and prior.highlight is not None:
@@ -132,6 +141,7 @@ def head_priors(model):
             if "ssmax_s" in row:
                 head["ssmax_s"] = row["ssmax_s"][h]
         out[row["layer"]] = heads
+
     return out
 
 
@@ -148,7 +158,7 @@ def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, di
     keys = key_positions(enc, prompt, info)
     one_token_per_digit = len(keys) == template["digits"]
     if digit > 1 and not one_token_per_digit:
-        raise ValueError(
+        raise EvalError(
             f"--digit {digit} needs one token per key digit; this tokenizer merges digits"
         )
 
@@ -167,6 +177,7 @@ def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, di
     metrics = torch.cat([metrics, digit_mass], -1)
 
     prompt_stats = [len(tokens), query - float(np.mean(keys)), len(keys) / (query + 1)]
+
     return metrics, torch.tensor(prompt_stats, dtype=torch.float64), correct
 
 
@@ -177,6 +188,7 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
     metric_sums = None
     stat_sums = None
     n_correct = 0
+
     for prompt, answer, info in make_samples(enc, template, length, samples, seed):
         metrics, stats, correct = inspect_prompt(
             run["model"], enc, template, prompt, answer, info, device, dtype, digit
@@ -188,6 +200,7 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
             bar.update(1)
 
     rows = head_rows(run, length, samples, digit, metric_sums / samples, stat_sums / samples)
+
     return rows, n_correct / samples
 
 
@@ -221,6 +234,7 @@ def head_rows(run, length, samples, digit, metrics, stats):
                     **(priors[layer][head] if layer in priors else {}),
                 )
             )
+
     return rows
 
 
@@ -253,6 +267,7 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
                 curve=best_head_curve(mine, best, lengths, accuracy, run["label"]),
             )
         )
+
     return out
 
 
@@ -278,6 +293,7 @@ def best_head_curve(mine, best, lengths, accuracy, label):
                 first_token_accuracy=accuracy[(label, L)],
             )
         )
+
     return curve
 
 
@@ -286,13 +302,14 @@ def head_label(row):
     """'θbeta=-0.42' for a head with a prior (its shape parameter), '' without one."""
     if "shape_param" not in row:
         return ""
+
     return f"{row['shape_param'].replace('theta_', 'θ')}={row['shape']:+.2g}"
 
 
 def plot_heads(rows, runs, length, path):
     """Per checkpoint, layers x heads coloured by needle mass at `length`, labelled with shape
     parameter and mass; highlighted heads framed red."""
-    plt = _plt()
+    plt = pyplot()
     panels = []
     for run in runs:
         cell = [x for x in rows if x["label"] == run["label"] and x["target_length"] == length]
@@ -372,114 +389,7 @@ def plot_needle_vs_length(summary, path):
     )
 
 
-# ---- Command line --------------------------------------------------------------------------------
-def build_parser():
-    ap = argparse.ArgumentParser(
-        description="Per-head attention on the passkey needle: mass, distance, entropy."
-    )
-    add_common_args(ap, default_out="results/inspect")
-    ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
-    ap.add_argument(
-        "--lengths",
-        type=int,
-        nargs="+",
-        required=True,
-        help="prompt lengths of the needle-vs-length curve; the heatmap and the best head are "
-        "chosen at the largest",
-    )
-    ap.add_argument(
-        "--samples",
-        type=int,
-        default=DEFAULT_SAMPLES,
-        help="prompts per length (equidistant depths)",
-    )
-    ap.add_argument(
-        "--digit",
-        type=int,
-        default=1,
-        help="inspect the query that predicts this answer digit "
-        "(1 = the first; digit_mass is the attention on the needle digit it copies)",
-    )
-    ap.add_argument("--no_progress", action="store_true", help="no progress bar")
-    return ap
-
-
-def check_lengths(args, runs, enc, template, device):
-    """--lengths sorted, once each; a ValueError for one that a prompt or the memory cannot take."""
-    lengths = sorted(set(args.lengths))
-
-    shortest = min_prompt_length(enc, template)
-    if lengths[0] < shortest:
-        raise ValueError(
-            f"length {lengths[0]} is shorter than the {args.template} prompt without filler "
-            f"({shortest} tokens)"
-        )
-
-    for L in lengths:
-        for run in runs:
-            why = memory_shortfall(run["model"], L, device)
-            if why:
-                raise ValueError(f"{run['label']} at {L} tokens {why}; drop that length")
-    return lengths
-
-
-def inspect_all(runs, enc, template, lengths, args, device, dtype):
-    """(rows of every checkpoint and length, {(label, length): first-answer-token accuracy})."""
-    total = len(runs) * len(lengths) * args.samples
-    bar = tqdm(
-        total=total, desc="inspect", unit="prompt", file=sys.stderr, disable=args.no_progress
-    )
-
-    rows = []
-    accuracy = {}
-    for run in runs:
-        for L in lengths:
-            bar.set_description(f"inspect {run['label']} L={L}")
-            cell, accuracy[(run["label"], L)] = inspect_length(
-                run, enc, template, L, args.samples, SEED, device, dtype, bar, args.digit
-            )
-            rows += cell
-    bar.close()
-    return rows, accuracy
-
-
-def run(args):
-    template = TEMPLATES[args.template]
-    if args.samples < 1:
-        raise ValueError("--samples must be positive")
-    if not 1 <= args.digit <= template["digits"]:
-        raise ValueError(
-            f"--digit must be between 1 and the template's {template['digits']} digits"
-        )
-
-    t0 = time.perf_counter()
-    device = pick_device(args.device)
-    dtype = resolve_dtype(device)
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl, dtype)
-    lengths = check_lengths(args, runs, enc, template, device)
-    length = lengths[-1]
-
-    with claim_out(args.out):
-        rows, accuracy = inspect_all(runs, enc, template, lengths, args, device, dtype)
-        summary = summarize(rows, accuracy, runs, lengths, length)
-
-        settings = dict(
-            template=args.template,
-            template_hash=template_hash(template),
-            seed=SEED,
-            samples=args.samples,
-            digit=args.digit,
-            depths="equidistant",
-            length=length,
-            lengths=lengths,
-            dtype=dtype,
-            device=str(device),
-            tokenizer=runs[0]["tokenizer"],
-        )
-        write_outputs(args, rows, summary, runs, settings, t0)
-        return rows, summary
-
-
+# ---- Results -----------------------------------------------------------------------------------
 def write_outputs(args, rows, summary, runs, settings, t0):
     """attention_heads.{json,csv,png}, attention_needle_vs_length.png, attention_summary.json."""
     write_table(rows, os.path.join(args.out, "attention_heads"))
@@ -521,15 +431,100 @@ def report(summary):
         print(f"  best head's needle mass by length: {curve}")
 
 
+# ---- Command line --------------------------------------------------------------------------------
+def build_parser():
+    ap = argparse.ArgumentParser(
+        description="Per-head attention on the passkey needle: mass, distance, entropy."
+    )
+    add_common_args(ap, default_out="results/inspect")
+    ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        required=True,
+        help="prompt lengths of the needle-vs-length curve; the heatmap and the best head are "
+        "chosen at the largest",
+    )
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help="prompts per length (equidistant depths)",
+    )
+    ap.add_argument(
+        "--digit",
+        type=int,
+        default=1,
+        help="inspect the query that predicts this answer digit "
+        "(1 = the first; digit_mass is the attention on the needle digit it copies)",
+    )
+    ap.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def inspect_all(runs, enc, template, lengths, args, device, dtype):
+    """(rows of every checkpoint and length, {(label, length): first-answer-token accuracy}). A
+    length that runs out of memory is an EvalError that says so."""
+    total = len(runs) * len(lengths) * args.samples
+    bar = tqdm(
+        total=total, desc="inspect", unit="prompt", file=sys.stderr, disable=args.no_progress
+    )
+
+    rows = []
+    accuracy = {}
+    for run in runs:
+        for L in lengths:
+            bar.set_description(f"inspect {run['label']} L={L}")
+            try:
+                cell, accuracy[(run["label"], L)] = inspect_length(
+                    run, enc, template, L, args.samples, SEED, device, dtype, bar, args.digit
+                )
+            except RuntimeError as error:
+                reason = out_of_memory(error, device)
+                if reason is None:
+                    raise
+                raise EvalError(f"{run['label']} at {L} tokens: {reason}; drop that length")
+            rows += cell
+    bar.close()
+    return rows, accuracy
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    template = TEMPLATES[args.template]
+    if args.samples < 1:
+        raise EvalError("--samples must be positive")
+    if not 1 <= args.digit <= template["digits"]:
+        raise EvalError(f"--digit must be between 1 and the template's {template['digits']} digits")
 
-    # library code raises ValueError and RuntimeError too: an expected failure here, one line
-    try:
-        rows, summary = run(args)
-    except (*EXPECTED_ERRORS, ValueError, RuntimeError, OSError) as e:
-        line = full_disk_line(e) if disk_full(e) else e
-        sys.exit(f"inspect_attention.py: error: {line}")
+    t0 = time.perf_counter()
+    runs, enc, device, dtype = start(args)
+    lengths = sorted(set(args.lengths))
+    shortest = min_prompt_length(enc, template)
+    if lengths[0] < shortest:
+        raise EvalError(
+            f"length {lengths[0]} is shorter than the {args.template} prompt without filler "
+            f"({shortest} tokens)"
+        )
+    own_folder(args.out)
+
+    rows, accuracy = inspect_all(runs, enc, template, lengths, args, device, dtype)
+    summary = summarize(rows, accuracy, runs, lengths, lengths[-1])
+    settings = dict(
+        template=args.template,
+        template_hash=template_hash(template),
+        seed=SEED,
+        samples=args.samples,
+        digit=args.digit,
+        depths="equidistant",
+        length=lengths[-1],
+        lengths=lengths,
+        dtype=dtype,
+        device=str(device),
+        tokenizer=runs[0]["tokenizer"],
+    )
+    write_outputs(args, rows, summary, runs, settings, t0)
 
     report(summary)
     print(
@@ -540,5 +535,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    mmap_large_allocations()
+    return_large_allocations()
+    errors_in_one_line("inspect_attention.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
     main()
