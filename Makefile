@@ -113,7 +113,7 @@ $(DEMO_OUT)/%/done: $(DEMO_OUT)/config.sha256 $(DEMO_DATA)/s$$(call demo_seed,$$
 	$(call train_run,config/demo_cpu.py,$(DEMO_OUT),$*,$(DEMO_DATA)/s$(call demo_seed,$*),$(DEMO_TRAIN_ARGS))
 
 # ---- the text demo -----------------------------------------------------------------------------------
-# Real English (the King James Bible, extracted by prepare_text.py from an installed package, byte
+# Real English (the King James Bible, extracted by prepare_fineweb.py from an installed package, byte
 # tokens), six runs (the five encodings and BAM + SSMax) trained at a 64-token context
 # (config/text_cpu.py, DEMO_JOBS trainings at a time on one thread each), then perplexity along the position axis to 64x that length (eval_ppl.py),
 # with the per-seed table at 1x..64x, and the learned BAM priors (analysis/plot_prior.py). Everything is
@@ -139,8 +139,9 @@ demo-text: deps
 	cp $(TEXT_DATA)/corpus.json $(TEXT_RESULTS)/corpus.json
 	$(foreach r,$(filter bam%,$(text_runs)),$(PYTHON) analysis/plot_prior.py --ckpt $(TEXT_OUT)/$(r) --out $(TEXT_RESULTS)/prior_$(r).png && ) true
 
-$(TEXT_DATA)/corpus.json: prepare_text.py
-	$(PYTHON) prepare_text.py --out_dir $(TEXT_DATA) $(TEXT_PREPARE_ARGS)
+$(TEXT_DATA)/corpus.json: prepare_fineweb.py
+	$(PYTHON) prepare_fineweb.py --dataset kjv --tokenizer byte --val_tokens 262144 --gap_tokens 0 \
+	  --num_proc 1 --out_dir $(TEXT_DATA) $(TEXT_PREPARE_ARGS)
 $(TEXT_DATA)/content.sha256: $(TEXT_DATA)/corpus.json
 	@$(call content_stamp,$(@D)/corpus.json $(@D)/kjv_*.bin,$@)
 $(TEXT_OUT)/config.sha256: config/text_cpu.py

@@ -1,20 +1,20 @@
 """
-The attention of bam-gpt: one function, one formula, several implementations of it.
+bam-gpt's attention: one function, one formula, several implementations.
 
-attention() is causal softmax attention with a log-prior over the distance from query to key (the
-paper's BAM), SSMax's row scale and document boundaries. dense_attention writes the formula out as
-the specification; "torch" is the chunked reference (any prior, any device), "sdpa" the CPU
-evaluation path (attention_sdpa.py), "triton" the fused kernel (attention_kernel.py), and "auto"
-the fastest that can. impl_error is the one place that says which impl can compute what:
+attention() is causal softmax attention plus a log-prior of query-key distance (the paper's BAM),
+SSMax's row scale and document boundaries. dense_attention is the formula, the spec; "torch" is
+the chunked reference (any prior, device), "sdpa" the CPU eval path (attention_sdpa.py), "triton"
+the fused kernel (attention_kernel.py), "auto" the fastest that can. impl_error alone says which
+impl can compute what:
 
-    impl     what it is                                        CPU                  CUDA
-    auto     triton on CUDA; on the CPU sdpa without gradients, else torch
-    torch    the chunked reference, every prior                train + evaluate     train + evaluate
-    sdpa     PyTorch's SDPA per query chunk, prior as a mask   evaluate             -
-    triton   the flash-attention kernel, every prior           TRITON_INTERPRET=1   train + evaluate
+    impl    what it is                                     CPU                 CUDA
+    auto    CUDA: triton; CPU: sdpa without gradients, else torch
+    torch   chunked reference, every prior                 train + evaluate    train + evaluate
+    sdpa    PyTorch's SDPA per query chunk, prior as mask  evaluate            -
+    triton  flash-attention kernel, every prior            TRITON_INTERPRET=1  train + evaluate
 
 sdpa also trains where the mask needs no gradient. An impl that cannot compute a call raises with
-the reason; none replaces one prior with another.
+the reason; none swaps in another prior.
 """
 
 import math
@@ -44,15 +44,14 @@ def attention(
 ):
     """Causal attention with a prior, computed by `impl` (resolved by pick_impl).
 
-    q is (B, H, Tq, D), k and v (B, H, Tk, D), Tq <= Tk; query t sits at position i = q_offset + t
-    (default Tk - Tq). With the content score l_ij = softmax_scale q_i . k_j (default 1/sqrt(D)):
+    q is (B, H, Tq, D), k and v (B, H, Tk, D), Tq <= Tk; query t is at position i = q_offset + t
+    (default Tk - Tq). With content score l_ij = softmax_scale q_i . k_j (default 1/sqrt(D)):
         s_ij = (l_ij + prior(j - i)) r_i     if scale_prior (BAM + SSMax)
         s_ij = l_ij r_i + prior(j - i)       else
         out_i = sum_j softmax_j(s_ij) v_j    over the keys doc_start[i] <= j <= i
-    prior: None (NoPE), a BoundPrior, or a bare GGD triple (theta_alpha, theta_beta, theta_mu) of
-    (H,) tensors; prior(d) is its table of log-priors by distance (priors.py). row_scale: r, of
-    shape (B or 1, H, Tq), SSMax's s_h log n_i, or None for 1. doc_start (B, Tk): the position
-    where each position's document starts."""
+    prior: None (NoPE), a BoundPrior, or a GGD triple (theta_alpha, theta_beta, theta_mu) of (H,)
+    tensors; prior(d) is its log-prior table by distance (priors.py). row_scale: r, (B or 1, H, Tq),
+    SSMax's s_h log n_i, or None for 1. doc_start (B, Tk): where each position's document starts."""
     args = AttentionArgs(doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale)
     args = args.resolve(q, k, v)
 
@@ -62,7 +61,7 @@ def attention(
 
 
 class AttentionArgs(NamedTuple):
-    """attention()'s keywords but impl. resolve() checks them and returns what every impl takes."""
+    """attention()'s keywords but impl; resolve() checks them, gives what every impl takes."""
 
     doc_start: Optional[torch.Tensor] = None
     prior: Optional[BoundPrior] = None
@@ -72,9 +71,9 @@ class AttentionArgs(NamedTuple):
     softmax_scale: Optional[float] = None
 
     def resolve(self, q, k, v):
-        """These arguments checked against q, k and v (a ValueError names what does not fit), the
-        prior bound (priors.bind: the one place that takes a GGD triple), q_offset an int (default
-        Tk - Tq: the queries are the last positions), softmax_scale a float (default 1/sqrt(D))."""
+        """Args checked against q, k, v (ValueError names the misfit); prior bound (priors.bind,
+        sole taker of GGD triples); q_offset int (default Tk - Tq: queries are the last positions);
+        softmax_scale float (default 1/sqrt(D))."""
         B, H, Tq, D = q.shape
         Tk = k.shape[2]
         if k.shape != (B, H, Tk, D) or v.shape != k.shape:
@@ -112,7 +111,7 @@ class AttentionArgs(NamedTuple):
         )
 
     def needs_grad(self, q, k, v):
-        """Whether autograd will want a gradient of any input (the prior's parameters too)."""
+        """Whether autograd wants a gradient of any input (prior params too)."""
         params = self.prior.params if self.prior is not None else ()
         tensors = (q, k, v, self.row_scale, *params)
         return torch.is_grad_enabled() and any(
@@ -120,8 +119,8 @@ class AttentionArgs(NamedTuple):
         )
 
     def query_chunks(self, Tq, rows):
-        """(start, stop, first_key) per chunk of `rows` query rows: rows start..stop-1, and the
-        first key any of them can see (the earliest document start among them)."""
+        """(start, stop, first_key) per chunk of `rows` query rows start..stop-1; first_key: first
+        key any of them sees (earliest document start)."""
         for start in range(0, Tq, rows):
             stop = min(start + rows, Tq)
             first_key = 0
@@ -132,8 +131,8 @@ class AttentionArgs(NamedTuple):
 
 
 def dense_attention(q, k, v, **kwargs):
-    """attention()'s formula for its keywords (impl aside), written out densely (Tq x Tk) in
-    float64: the specification the tests hold every impl to. Returns float64."""
+    """attention()'s formula for its keywords (impl aside), dense (Tq x Tk) in float64: the spec
+    the tests hold every impl to. Returns float64."""
     args = AttentionArgs(**kwargs).resolve(q, k, v)
     # query and key positions
     i = torch.arange(q.shape[2], device=q.device)[:, None] + args.q_offset
@@ -157,20 +156,20 @@ def dense_attention(q, k, v, **kwargs):
     return torch.softmax(scores, dim=-1) @ v.double()
 
 
-# ---- The reference (impl "torch") ----------------------------------------------------------------
-# dense_attention's math in fp32, a chunk of queries at a time, so that only a (chunk x Tk) block of
-# scores ever exists: memory is linear in the length. Any prior, any device.
+# ---- The reference (impl "torch")
+# dense_attention's math in fp32 per query chunk: only a (chunk x Tk) score block exists, so
+# memory is linear in length. Any prior, any device.
 def attention_torch(q, k, v, args, chunk_size=None):
-    """The reference implementation of attention() (impl "torch"), for its resolved AttentionArgs;
-    chunk_size: query rows per chunk (default: what fits a 256 MiB budget)."""
+    """attention()'s reference impl ("torch") for resolved AttentionArgs; chunk_size: query rows
+    per chunk (default: fits 256 MiB)."""
     chunks = _chunked_probs(q, k, args, chunk_size)
     outs = [probs @ v[:, :, first_key:end].float() for _, _, first_key, end, probs in chunks]
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
 def attention_probs(q, k, **kwargs):
-    """The attention weights softmax_j(s_ij) for attention()'s keywords (impl aside): (B, H, Tq,
-    Tk) float32, 0 on hidden keys. For inspecting a few rows."""
+    """Weights softmax_j(s_ij) for attention()'s keywords (impl aside): (B, H, Tq, Tk) float32, 0
+    on hidden keys. For inspecting a few rows."""
     args = AttentionArgs(**kwargs).resolve(q, k, k)
     all_probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
     for start, stop, first_key, end, probs in _chunked_probs(q, k, args):
@@ -179,9 +178,9 @@ def attention_probs(q, k, **kwargs):
 
 
 def _chunked_probs(q, k, args, chunk_size=None):
-    """(start, stop, first_key, end, softmax_j(s_ij)) per chunk of query rows start..stop-1, over
-    their keys first_key..end-1."""
-    # ~4 fp32 temporaries of shape (B, H, rows, Tk) are alive at once: scores, prior, mask, probs
+    """(start, stop, first_key, end, softmax_j(s_ij)) per chunk: query rows start..stop-1, keys
+    first_key..end-1."""
+    # ~4 live fp32 (B, H, rows, Tk) temporaries: scores, prior, mask, probs
     batch, heads, Tq, _ = q.shape
     budget_bytes = 256 * 2**20
     rows = chunk_size or max(1, budget_bytes // (16 * batch * heads * max(k.shape[2], 1)))
@@ -191,17 +190,16 @@ def _chunked_probs(q, k, args, chunk_size=None):
 
 
 def _chunk_scores(q, k, args, start, stop, first_key):
-    """The masked scores s of query rows start..stop-1 against keys first_key..q_offset + stop - 1:
+    """Masked scores s of query rows start..stop-1 vs keys first_key..q_offset + stop - 1:
     (B, H, stop - start, keys) fp32."""
-    # one past the last key any of these rows sees; then the query and key positions
+    # one past the last key these rows see; then query and key positions
     end = args.q_offset + stop
     i = torch.arange(args.q_offset + start, end, device=q.device)[:, None]
     j = torch.arange(first_key, end, device=q.device)[None, :]
     queries = args.softmax_scale * q[:, :, start:stop].float()
     content = queries @ k[:, :, first_key:end].float().transpose(-1, -2)
 
-    # a function of d = j - i alone: evaluated once per distance (the most negative one first),
-    # then gathered
+    # depends on d = j - i only: evaluated once per distance (most negative first), gathered
     log_prior = 0.0
     if args.prior is not None:
         nearest = first_key - (end - 1)
@@ -218,17 +216,15 @@ def _chunk_scores(q, k, args, start, stop, first_key):
     visible = j <= i
     if args.doc_start is not None:
         visible = visible & (j >= args.doc_start[:, i])[:, None]
-    # 0 where visible, -inf where hidden: faster on a CPU than masked_fill, and its backward is the
-    # identity
+    # 0 where visible, -inf where hidden: faster on CPU than masked_fill; backward is identity
     hidden = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, float("-inf"))
     return scores + hidden
 
 
-# ---- Which impl can compute which prior, where ---------------------------------------------------
+# ---- Which impl can compute which prior, where
 def ssmax_log_n(pos, doc_start=None):
-    """SSMax's log n_i of the queries at positions pos (1-D), n_i the keys query i sees: its
-    position in its document + 1 (as the authors). (B, T) with doc_start (B, T), else (1, T); the
-    row scale is then r_i = s_h log n_i."""
+    """SSMax's log n_i at query positions pos (1-D); n_i = keys query i sees = its position in its
+    document + 1 (as the authors). (B, T) with doc_start (B, T), else (1, T); r_i = s_h log n_i."""
     if doc_start is not None:
         n = pos[None, :] - doc_start + 1
     else:
@@ -237,17 +233,15 @@ def ssmax_log_n(pos, doc_start=None):
 
 
 def _trained(prior):
-    """A registered Prior with trainable parameters, or a BoundPrior whose parameters require
-    grad."""
+    """A registered Prior with trainable params, or a BoundPrior whose params require grad."""
     if isinstance(prior, Prior):
         return bool(prior.trainable)
     return prior is not None and any(t.requires_grad for t in prior.params)
 
 
 def impl_error(impl, prior, device, grad, dtype=None, head_dim=None):
-    """Why `impl` cannot compute `prior` (a Prior, a BoundPrior or None) on `device` ("cpu", "cuda"
-    or a torch.device) with gradients (grad=True) or without, for inputs of `dtype` and `head_dim`
-    (None: any); None if it can."""
+    """Why `impl` cannot compute `prior` (Prior, BoundPrior or None) on `device` ("cpu", "cuda",
+    torch.device), with gradients if grad, for `dtype`, `head_dim` (None: any); None if it can."""
     if impl not in IMPLS:
         return f"unknown attention impl {impl!r}; choose one of {', '.join(IMPLS)}"
 
@@ -278,8 +272,8 @@ def impl_error(impl, prior, device, grad, dtype=None, head_dim=None):
 
 
 def pick_impl(impl, prior, device, grad, dtype=None, head_dim=None):
-    """`impl` resolved: "auto" becomes the fastest impl that can (CUDA: triton; CPU: sdpa without
-    gradients, else torch); an impl that cannot raises ValueError with impl_error's message."""
+    """`impl` resolved: "auto" is the fastest that can (CUDA: triton; CPU: sdpa without gradients,
+    else torch); an impl that cannot raises ValueError(impl_error's message)."""
     if impl == "auto":
         if torch.device(device).type == "cuda":
             order = ("triton", "torch")

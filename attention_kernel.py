@@ -1,19 +1,16 @@
 """
-The Triton kernel of bam-gpt's attention (impl "triton"): flash attention with any registered prior
-and SSMax, forward and backward, registered as torch.library custom ops. attention.py holds the
-contract and the formula, and calls attention_triton with its resolved arguments. The file ends with
-the kernel's self-check, which every run on the kernel makes first.
+The Triton kernel of attention (impl "triton"): flash attention with any registered prior and
+SSMax, forward and backward, as torch.library custom ops. attention.py holds the contract and
+calls attention_triton; infra/kernel_check.py holds the self-check every run makes first.
 
-The kernels never see a prior's formula, only its table of log-priors by distance (and, for the
-gradients, the table's derivatives in its trained parameters), built here from the registry's
-BoundPrior.table. Their gradients are deterministic: partial sums per program, reduced in a fixed
-order, no atomics. The math and the numerics are written out above the kernels.
+The kernels see no prior's formula, only its table of log-priors by distance (and for gradients
+its derivatives in the trained parameters), built from the registry's BoundPrior.table. Gradients
+are deterministic: partial sums per program, reduced in a fixed order, no atomics.
 """
 
 import contextlib
 import math
 import os
-import time
 from typing import Optional
 
 import torch
@@ -29,8 +26,7 @@ except ImportError:  # the reference path works without triton
 
 
 def interpreting():
-    """Whether Triton's interpreter is on (TRITON_INTERPRET=1): the kernels then run, slowly, on CPU
-    tensors."""
+    """Whether Triton's interpreter is on (TRITON_INTERPRET=1): the kernels run on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -39,23 +35,20 @@ def triton_available():
     return triton is not None
 
 
-FP_FUSION = True  # every launch's enable_fp_fusion (dev/perf_model.py compiles with the same)
+FP_FUSION = True  # every launch's enable_fp_fusion
 
 # Structure (Triton's fused-attention tutorial): the forward is one online-softmax loop over key
-# blocks, in base 2 (log2 e folded into the scores). The backward is a preprocess Delta = rowsum(O
-# * dO), a kernel per key block that accumulates dK and dV over query blocks, and a kernel per
-# query block for dQ, which also sums the gradients of SSMax's row scale and of the prior's
-# parameters: score by score for a prior with a few trained entries per head (GGD: 2), along each
-# tile's diagonals for one with many (T5: 32 buckets; DIAGONAL_FROM). Every kernel visits its
-# blocks in three stages: the unmasked ones, then the masked ones before and after them (document
-# starts, the diagonal).
+# blocks in base 2 (log2 e folded into the scores). The backward: a preprocess Delta = rowsum(O
+# dO); a kernel per key block for dK, dV; a kernel per query block for dQ, which also sums the
+# gradients of SSMax's row scale and of the prior's parameters, score by score for a few trained
+# entries per head (GGD: 2), along tile diagonals for many (T5: 32; DIAGONAL_FROM). Each kernel
+# visits the unmasked blocks, then the masked ones before (document starts) and after (diagonal).
 #
-# Inputs are contiguous (B, H, T, D), the row scale (B, H, Tq) and the queries' doc_start (B, Tq):
-# each program moves its base pointers to its (batch, head) and derives every offset from the
-# shapes. The tables (_prior_tables) are one row per head: lp(d) in base 2, floored at
-# priors.LOG_PRIOR_FLOOR, and the derivative tables J_k(d) = d lp(d) / d theta_k of the K scalar
-# directions of the trained parameters (GGD: 2, T5: 32), K a compile-time constant. A tile's
-# log-prior depends on d = j - i only: a gathered load.
+# Inputs are contiguous (B, H, T, D), the row scale (B, H, Tq), the queries' doc_start (B, Tq):
+# a program moves its pointers to its (batch, head) and derives offsets from the shapes. Tables
+# (_prior_tables) are a row per head: lp(d) in base 2, floored at priors.LOG_PRIOR_FLOOR, and
+# J_k(d) = d lp(d) / d theta_k for the K trained directions (GGD: 2, T5: 32; K a compile-time
+# constant). A tile's log-prior depends on d = j - i only: a gathered load.
 #
 # Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
 # without SSMax):
@@ -66,22 +59,19 @@ FP_FUSION = True  # every launch's enable_fp_fusion (dev/perf_model.py compiles 
 #     dtheta_k = sum_ij w_i dS_ij J_k(d_ij),  w = r if scale_prior else 1
 #     dr_i = sum_j dS_ij x_ij,  x = l + lp if scale_prior else l
 #
-# Numerics: every kernel computes the scores alike (_tile_scores), so the backward's P is the
-# forward's. Without SCALE_PRIOR they are one explicit fma, s = fma(q.k, row_qk_scale_i, lp), which
-# fp fusion cannot change. With it, s = fma(q.k, c, lp) r, a product that the GPU compiler may fuse
-# into the backward's subtraction of the LSE, an ulp of s apart from the forward's; and the LSE is
-# kept as two values (_row_lse). A row with one visible key has P = 1 in real arithmetic, and its
-# gradients, exactly 0 there, are set to 0 (dQ, d theta, d row_scale), not left as rounding noise.
+# Numerics: every kernel computes scores alike (_tile_scores), so the backward's P is the
+# forward's. Without SCALE_PRIOR a score is one explicit fma, s = fma(q.k, row_qk_scale_i, lp),
+# that fp fusion cannot change. With it, s = fma(q.k, c, lp) r, which the compiler may fuse into
+# the backward's LSE subtraction (an ulp of s off), and the LSE is kept as two values (_row_lse).
+# A row with one visible key has P = 1: its gradients (dQ, d theta, d row_scale) are set to 0.
 #
-# d theta and d row_scale sum dS times a table or a score over every score, so each row's error in
-# Delta reaches them times the tables' size. The floor bounds every table, so that this is at most
-# |floor| times Delta's error, not times a prior of -3e7; and where it sums them, the dQ kernel
-# takes Delta from its own P (_own_delta: rowsum(O dO) is off by the rounding of P before P V, 8
-# bits in bf16) and sums dS x in fp32 rather than from its 16-bit dS product.
+# d theta and d row_scale sum dS times a table or score over all scores, so a row's error in
+# Delta reaches them times the tables' size: at most |floor| times it, not a prior of -3e7. There
+# dQ takes Delta from its own P (_own_delta: rowsum(O dO) carries P's rounding before P V, 8 bits
+# in bf16) and sums dS x in fp32, not from its 16-bit dS product.
 if triton is not None:
-    # Triton's interpreter multiplies bfloat16 blocks as their raw uint16 storage; there (only)
-    # tl.dot gets its bf16 operands upcast to fp32, which is exact, so the CPU tests still see bf16
-    # rounding of P and dS.
+    # Triton's interpreter multiplies bf16 blocks as raw uint16; there only, tl.dot upcasts bf16
+    # operands to fp32 (exact), so CPU tests still see the bf16 rounding of P and dS.
     _INTERPRET_BF16_UPCAST = tl.constexpr(interpreting())
     _LN2 = tl.constexpr(0.6931471805599453)
     _LOG2E = tl.constexpr(1.4426950408889634)
@@ -99,40 +89,41 @@ if triton is not None:
     @triton.jit
     def _tile(base, row0, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               TRANSPOSED: tl.constexpr):
-        """Pointers to rows row0 .. row0 + ROWS - 1 of a contiguous (T, HEAD_DIM) matrix at base,
-        as a (ROWS, BLOCK_D) tile or TRANSPOSED (BLOCK_D, ROWS), and the mask of the rows < T and
-        the columns < HEAD_DIM (BLOCK_D pads it to a power of two). The first row's offset is
-        64-bit (a head may hold more than 2^31 elements)."""
+        """Pointers to rows row0 .. row0 + ROWS - 1 of a contiguous (T, HEAD_DIM) matrix as a
+        (ROWS, BLOCK_D) tile, or TRANSPOSED, and the mask of rows < T and columns < HEAD_DIM
+        (BLOCK_D: a power of two). The row offset is 64-bit (a head may pass 2^31 elements)."""
         base = base + tl.cast(row0, tl.int64) * HEAD_DIM
         rows = tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_D)
         if TRANSPOSED:
             ptrs = base + rows[None, :] * HEAD_DIM + cols[:, None]
             mask = (cols < HEAD_DIM)[:, None] & (row0 + rows < T)[None, :]
-        else:  # (one return: the compiler types every return of a function alike)
+        else:  # one return: the compiler types all returns alike
             ptrs = base + rows[:, None] * HEAD_DIM + cols[None, :]
             mask = (row0 + rows < T)[:, None] & (cols < HEAD_DIM)[None, :]
         return ptrs, mask
 
     @triton.jit
-    def _load_tile(base, row0, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    def _load_tile(
+            base, row0, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr):
         """_tile's tile loaded, 0 where masked."""
         ptrs, mask = _tile(base, row0, T, ROWS, HEAD_DIM, BLOCK_D, TRANSPOSED)
         return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
     def _table_tile(table, rows, cols):
-        """A tile of the table at `table` (x = 0 of a head's row): entry t[col - row], the key
-        columns cols (1, N) and query rows rows (M, 1), or transposed for dK/dV."""
+        """A table tile (table: x = 0 of a head's row): t[col - row] for key columns cols (1, N)
+        and query rows rows (M, 1), or transposed for dK/dV."""
         return tl.load(table + (cols - rows))
 
     @triton.jit
-    def _row_state(DOC, ROW_SCALE, rows, row_ok, softmax_scale, HAS_DOC: tl.constexpr,
-                   HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr):
-        """A block of query rows' doc_start (0 without documents), row scale r (1 without SSMax)
-        and the qk scale of the scores' fma: softmax_scale log2(e), times r unless SCALE_PRIOR
-        (where r multiplies l + lp). DOC and ROW_SCALE point at this (batch, head)'s rows."""
+    def _row_state(
+            DOC, ROW_SCALE, rows, row_ok, softmax_scale, HAS_DOC: tl.constexpr,
+            HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr):
+        """Query rows' doc_start (0 without documents), row scale r (1 without SSMax) and the
+        scores' qk scale: softmax_scale log2(e), times r unless SCALE_PRIOR (r then scales l +
+        lp). DOC and ROW_SCALE point at this (batch, head)'s rows."""
         doc = tl.zeros_like(rows)
         if HAS_DOC:
             doc = tl.load(DOC + rows, mask=row_ok, other=0)
@@ -149,11 +140,11 @@ if triton is not None:
         return doc, row_scale, row_qk_scale
 
     @triton.jit
-    def _tile_scores(qk, lp, qpos, kpos, doc, row_qk_scale, row_scale, MASKED: tl.constexpr,
-                     HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr):
-        """A tile's scores in base 2 from its q.k products and log-prior tile lp, as every kernel
-        computes them, -inf where hidden (doc: the rows' doc_start). The other arguments broadcast
-        against qk (dK/dV passes them transposed)."""
+    def _tile_scores(
+            qk, lp, qpos, kpos, doc, row_qk_scale, row_scale, MASKED: tl.constexpr,
+            HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr, SCALE_PRIOR: tl.constexpr):
+        """A tile's scores in base 2 from q.k and the log-prior tile lp, alike in every kernel,
+        -inf where hidden. The arguments broadcast against qk (transposed in dK/dV)."""
         if HAS_PRIOR:
             s = tl.fma(qk, row_qk_scale, lp)
         else:
@@ -170,11 +161,9 @@ if triton is not None:
 
     @triton.jit
     def _row_lse(LSE, rows, row_ok, Tq, SCALE_PRIOR: tl.constexpr):
-        """The forward's log-sum-exp of a block of rows (LSE: this (batch, head)'s), as (hi, lo):
-        the rows' max and log2 of their sum, +inf and 0 for padded rows (whose P is then 0).
-        Without SCALE_PRIOR hi is their sum and lo unused; with it, r (l + lp) reaches |r| 1e4
-        where the prior is floored, and rounding hi + lo to fp32 would move every P of the row by
-        up to half an ulp of hi."""
+        """The rows' forward LSE as (hi, lo): their max and log2 of their sum (+inf and 0 when
+        padded: P = 0). Without SCALE_PRIOR hi is the sum. With it r (l + lp) reaches |r| 1e4
+        where the prior is floored: one fp32 LSE would move each P by half an ulp of hi."""
         hi = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
         lo = tl.load(LSE + Tq + rows, mask=row_ok, other=0.0)
         if not SCALE_PRIOR:
@@ -183,8 +172,7 @@ if triton is not None:
 
     @triton.jit
     def _tile_probs(s, hi, lo, SCALE_PRIOR: tl.constexpr):
-        """The backward's P of a tile of scores s, exactly as the forward took them: exp2(s -
-        LSE), with SCALE_PRIOR exp2((s - hi) - lo) (_row_lse)."""
+        """The backward's P, exactly the forward's: exp2(s - LSE), or exp2((s - hi) - lo)."""
         x = s - hi
         if SCALE_PRIOR:
             x = x - lo
@@ -192,8 +180,7 @@ if triton is not None:
 
     @triton.jit
     def _stage_blocks(stage: tl.constexpr, start, clean_start, clean_end, end):
-        """The blocks [lo, hi) of a stage: 0 the unmasked ones, 1 and 2 the masked ones before and
-        after."""
+        """The blocks [lo, hi) of a stage: 0 unmasked, 1 and 2 the masked ones before and after."""
         if stage == 0:
             return clean_start, clean_end
         elif stage == 1:
@@ -202,11 +189,11 @@ if triton is not None:
             return clean_end, end
 
     @triton.jit
-    def _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
-                          HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Key blocks of query block pid_m (forward and dQ): [start, end) holds every visible key;
-        blocks in [clean_start, clean_end) need no mask, those before hold document starts, those
-        after the diagonal."""
+    def _key_block_ranges(
+            pid_m, row_ok, doc, q_offset, Tq, Tk,
+            HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Key blocks of query block pid_m: [start, end) holds every visible key, and
+        [clean_start, clean_end) needs no mask (before it: document starts; after: the diagonal)."""
         q_first = q_offset + pid_m * BLOCK_M
         q_last = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
         end = q_last // BLOCK_N + 1  # the last key needed is the last valid query's own (causal)
@@ -225,14 +212,15 @@ if triton is not None:
         clean_start = tl.minimum(tl.maximum(doc_clean, start), clean_end)
         return start, clean_start, clean_end, end
 
-    # -------------------------------------------------------------------------------------- forward
+    # ---- forward
     @triton.jit
-    def _attn_fwd(Q, K, V, OUT, LSE, DOC, ROW_SCALE, TABLE,
-                  H, Tq, Tk, q_offset, softmax_scale, table_len,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                  HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+    def _attn_fwd(
+            Q, K, V, OUT, LSE, DOC, ROW_SCALE, TABLE,
+            H, Tq, Tk, q_offset, softmax_scale, table_len,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+            HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+            DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)  # 64-bit: B H T D may pass 2^31
         # this program's (batch, head)
@@ -246,12 +234,12 @@ if triton is not None:
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < Tq
         qpos = q_offset + rows
-        doc, row_scale, row_qk_scale = _row_state(DOC + (bh // H) * Tq, ROW_SCALE + bh * Tq, rows,
-                                                  row_ok, softmax_scale, HAS_DOC, HAS_ROW_SCALE,
-                                                  SCALE_PRIOR)
+        doc, row_scale, row_qk_scale = _row_state(
+            DOC + (bh // H) * Tq, ROW_SCALE + bh * Tq, rows, row_ok, softmax_scale, HAS_DOC,
+            HAS_ROW_SCALE, SCALE_PRIOR)
         q = _load_tile(Q, row0, Tq, BLOCK_M, HEAD_DIM, BLOCK_D, False)
-        start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
-                                                               HAS_DOC, BLOCK_M, BLOCK_N)
+        start, clean_start, clean_end, end = _key_block_ranges(
+            pid_m, row_ok, doc, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
 
         # the online softmax; row_max is -inf while a row sees nothing
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -268,9 +256,9 @@ if triton is not None:
                     lp = _table_tile(table, rows[:, None], cols[None, :])
 
                 qk = _dot(q, kT, None, DOT_PREC)
-                s = _tile_scores(qk, lp, qpos[:, None], cols[None, :], doc[:, None],
-                                 row_qk_scale[:, None], row_scale[:, None], stage > 0, HAS_DOC,
-                                 HAS_PRIOR, SCALE_PRIOR)
+                s = _tile_scores(
+                    qk, lp, qpos[:, None], cols[None, :], doc[:, None], row_qk_scale[:, None],
+                    row_scale[:, None], stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
 
                 # a row with nothing visible yet subtracts 0 instead (no -inf - -inf)
                 new_max = tl.maximum(row_max, tl.max(s, 1))
@@ -283,8 +271,7 @@ if triton is not None:
                 acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
                 row_max = new_max
 
-        # the rows' max and log2 of their sum, apart (_row_lse); a row with no visible key gives 0
-        # and max +inf (so that the backward's P is exactly 0)
+        # max and log2(sum) apart (_row_lse); a row that sees nothing stores +inf: backward P = 0
         has_mass = row_sum > 0.0
         safe_sum = tl.where(has_mass, row_sum, 1.0)
         LSE += bh * 2 * Tq
@@ -293,10 +280,11 @@ if triton is not None:
         out_ptrs, out_mask = _tile(OUT, row0, Tq, BLOCK_M, HEAD_DIM, BLOCK_D, False)
         tl.store(out_ptrs, (acc / safe_sum[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
 
-    # ------------------------------------------------------------------------------------- backward
+    # ---- backward
     @triton.jit
-    def _attn_bwd_preprocess(OUT, DO, DELTA, Tq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_M: tl.constexpr):
+    def _attn_bwd_preprocess(
+            OUT, DO, DELTA, Tq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_M: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         row0 = pid_m * BLOCK_M
@@ -307,12 +295,13 @@ if triton is not None:
         tl.store(DELTA + bh * Tq + rows, delta, mask=rows < Tq)
 
     @triton.jit
-    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DOC, ROW_SCALE, TABLE, QEND, QCLEAN,
-                       H, Tq, Tk, q_offset, softmax_scale, table_len, n_kblocks,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                       HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+    def _attn_bwd_dkdv(
+            Q, K, V, DO, DK, DV, LSE, DELTA, DOC, ROW_SCALE, TABLE, QEND, QCLEAN,
+            H, Tq, Tk, q_offset, softmax_scale, table_len, n_kblocks,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+            HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+            DOT_PREC: tl.constexpr):
         pid_n = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -334,8 +323,8 @@ if triton is not None:
         k = _load_tile(K, n0, Tk, BLOCK_N, HEAD_DIM, BLOCK_D, False)
         v = _load_tile(V, n0, Tk, BLOCK_N, HEAD_DIM, BLOCK_D, False)
 
-        # the query blocks that see this key block: [start, end), from the first query at or after
-        # n0 to the last block whose earliest document start is <= the block's last key (_kv_ranges)
+        # query blocks [start, end) see this key block: from the first query at or after n0 to
+        # the last block whose earliest doc start is <= the block's last key (_kv_ranges)
         n_qblocks = (Tq + BLOCK_M - 1) // BLOCK_M
         if HAS_DOC:
             end = tl.load(QEND + b * n_kblocks + pid_n)
@@ -344,8 +333,8 @@ if triton is not None:
             end = n_qblocks
             doc_clean = n_qblocks
         start = tl.minimum(tl.maximum(n0 - q_offset, 0) // BLOCK_M, end)
-        # the first query block whose first query is at or after the block's last key (a ragged last
-        # key block is thus always masked, where keys >= Tk are masked as being after every query)
+        # the first query block wholly at or after the block's last key (a ragged last key block
+        # is always masked: keys >= Tk count as after every query)
         causal_clean = (tl.maximum(n0 + BLOCK_N - 1 - q_offset, 0) + BLOCK_M - 1) // BLOCK_M
         clean_start = tl.minimum(tl.maximum(causal_clean, start), end)
         clean_end = tl.minimum(tl.maximum(doc_clean, clean_start), end)
@@ -363,9 +352,9 @@ if triton is not None:
                 hi, lo = _row_lse(LSE, rows, row_ok, Tq, SCALE_PRIOR)
                 delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
                 # doc_start is only needed (and loaded) for the masked tiles
-                doc, row_scale, row_qk_scale = _row_state(DOC, ROW_SCALE, rows, row_ok,
-                                                          softmax_scale, stage > 0 and HAS_DOC,
-                                                          HAS_ROW_SCALE, SCALE_PRIOR)
+                doc, row_scale, row_qk_scale = _row_state(
+                    DOC, ROW_SCALE, rows, row_ok, softmax_scale, stage > 0 and HAS_DOC,
+                    HAS_ROW_SCALE, SCALE_PRIOR)
                 lpT = 0.0
                 if HAS_PRIOR:  # the transposed tile: entry (key, query)
                     lpT = _table_tile(table, rows[None, :], cols[:, None])
@@ -391,10 +380,11 @@ if triton is not None:
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
-    def _dq_tile(q, K, V, table, n0, rows, q_offset, doc, row_qk_scale, row_scale, hi, lo, Tk,
-                 MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                 SCALE_PRIOR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    def _dq_tile(
+            q, K, V, table, n0, rows, q_offset, doc, row_qk_scale, row_scale, hi, lo, Tk,
+            MASKED: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+            SCALE_PRIOR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
         """What both of dQ's passes compute of key block n0: K^T, V^T, lp, q.k and P."""
         cols = n0 + tl.arange(0, BLOCK_N)
         kT = _load_tile(K, n0, Tk, BLOCK_N, HEAD_DIM, BLOCK_D, True)
@@ -404,17 +394,16 @@ if triton is not None:
             lp = _table_tile(table, rows[:, None], cols[None, :])
 
         qk = _dot(q, kT, None, DOT_PREC)
-        s = _tile_scores(qk, lp, q_offset + rows[:, None], cols[None, :], doc[:, None],
-                         row_qk_scale[:, None], row_scale[:, None], MASKED, HAS_DOC, HAS_PRIOR,
-                         SCALE_PRIOR)
+        s = _tile_scores(
+            qk, lp, q_offset + rows[:, None], cols[None, :], doc[:, None], row_qk_scale[:, None],
+            row_scale[:, None], MASKED, HAS_DOC, HAS_PRIOR, SCALE_PRIOR)
         return kT, vT, lp, qk, _tile_probs(s, hi[:, None], lo[:, None], SCALE_PRIOR)
 
     @triton.jit
     def _diagonal_sums(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """A (BLOCK_M, BLOCK_N) tile (BLOCK_M a multiple of BLOCK_N) as BLOCK_M / BLOCK_N square
-        blocks of rows, each summed along its diagonals: entry (q, u) sums x[q BLOCK_N + r, c] over
-        c - r = u - (BLOCK_N - 1), for u < 2 BLOCK_N - 1 (0 at u = 2 BLOCK_N - 1). Row r of a
-        block is gathered shifted by r, so that each diagonal becomes a column."""
+        """A (BLOCK_M, BLOCK_N) tile as BLOCK_M / BLOCK_N square blocks, each summed along its
+        diagonals: (q, u) sums x[q BLOCK_N + r, c] over c - r = u - (BLOCK_N - 1) (0 at u = 2
+        BLOCK_N - 1). Row r is gathered shifted by r, so each diagonal becomes a column."""
         N_SUB: tl.constexpr = BLOCK_M // BLOCK_N
         blocks = tl.reshape(x, (N_SUB, BLOCK_N, BLOCK_N))
         u = tl.arange(0, 2 * BLOCK_N)[None, None, :]
@@ -425,13 +414,13 @@ if triton is not None:
         return tl.sum(tl.where(inside, skewed, 0.0), 1)
 
     @triton.jit
-    def _prior_grad(dj_acc, g_acc, dscore, w, dtable, table_len, row0, n0, N_GRAD: tl.constexpr,
-                    BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-        """A tile's share of the prior's gradient: per score, dS J_k into dj_acc[k] (times w per
-        row after the loop), or BY_DIAGONAL the tile's w dS summed along its diagonals (d is
-        constant on each) times each derivative table's entries there, into g_acc (K_POW2,): 2
-        BLOCK_N loads per table and tile, and no accumulator per table."""
+    def _prior_grad(
+            dj_acc, g_acc, dscore, w, dtable, table_len, row0, n0, N_GRAD: tl.constexpr,
+            BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+        """A tile's share of the prior's gradient: per score dS J_k into dj_acc[k] (times w per
+        row later), or BY_DIAGONAL w dS summed along the tile's diagonals (d is constant on each)
+        times each table's entries there, into g_acc: 2 BLOCK_N loads per table, no accumulator."""
         if BY_DIAGONAL:
             diag = _diagonal_sums(dscore * w[:, None], BLOCK_M, BLOCK_N)  # (N_SUB, 2 BLOCK_N)
             u = tl.arange(0, 2 * BLOCK_N)[None, :]
@@ -451,20 +440,19 @@ if triton is not None:
             dj_acc = summed
         return dj_acc, g_acc
 
-    # The dQ kernel's sums over a row's visible keys are kept per score (2-D, reduced once after
-    # the loop, so that the loop does no cross-lane reductions): dx_acc = dS x (d row_scale, x = l +
-    # lp with scale_prior, else l: in fp32, not from dQ's product, whose dS is rounded to 16 bits
-    # for the tensor cores and whose row sums would cancel to that rounding), and the prior's
-    # (_prior_grad).
+    # dQ keeps its row sums per score (reduced once after the loop: no cross-lane reductions in
+    # it): dx_acc = dS x for d row_scale (x = l + lp with scale_prior, else l), in fp32 rather than
+    # from dQ's 16-bit dS product, whose row sums cancel to its rounding; and the prior's.
     @triton.jit
-    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, DOC, ROW_SCALE, TABLE, DTABLE, DROW_SCALE, PART,
-                     H, Tq, Tk, q_offset, softmax_scale, table_len, n_qblocks,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                     HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
-                     N_GRAD: tl.constexpr, NEED_ROW_SCALE_GRAD: tl.constexpr,
-                     BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, OWN_DELTA: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+    def _attn_bwd_dq(
+            Q, K, V, DO, DQ, LSE, DELTA, DOC, ROW_SCALE, TABLE, DTABLE, DROW_SCALE, PART,
+            H, Tq, Tk, q_offset, softmax_scale, table_len, n_qblocks,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
+            HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+            N_GRAD: tl.constexpr, NEED_ROW_SCALE_GRAD: tl.constexpr,
+            BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, OWN_DELTA: tl.constexpr,
+            DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         # this program's (batch, head)
@@ -479,14 +467,14 @@ if triton is not None:
         row0 = pid_m * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < Tq
-        doc, row_scale, row_qk_scale = _row_state(DOC + (bh // H) * Tq, ROW_SCALE + bh * Tq, rows,
-                                                  row_ok, softmax_scale, HAS_DOC, HAS_ROW_SCALE,
-                                                  SCALE_PRIOR)
+        doc, row_scale, row_qk_scale = _row_state(
+            DOC + (bh // H) * Tq, ROW_SCALE + bh * Tq, rows, row_ok, softmax_scale, HAS_DOC,
+            HAS_ROW_SCALE, SCALE_PRIOR)
         q = _load_tile(Q, row0, Tq, BLOCK_M, HEAD_DIM, BLOCK_D, False)
         do = _load_tile(DO, row0, Tq, BLOCK_M, HEAD_DIM, BLOCK_D, False)
         hi, lo = _row_lse(LSE + bh * 2 * Tq, rows, row_ok, Tq, SCALE_PRIOR)
-        start, clean_start, clean_end, end = _key_block_ranges(pid_m, row_ok, doc, q_offset, Tq, Tk,
-                                                               HAS_DOC, BLOCK_M, BLOCK_N)
+        start, clean_start, clean_end, end = _key_block_ranges(
+            pid_m, row_ok, doc, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
         if OWN_DELTA:  # Delta_i = sum_j P_ij dP_ij from this kernel's P, not the forward's O
@@ -494,10 +482,10 @@ if triton is not None:
             for stage in tl.static_range(3):
                 blk_lo, blk_hi = _stage_blocks(stage, start, clean_start, clean_end, end)
                 for blk in range(blk_lo, blk_hi):
-                    kT, vT, lp, qk, p = _dq_tile(q, K, V, table, blk * BLOCK_N, rows, q_offset, doc,
-                                                 row_qk_scale, row_scale, hi, lo, Tk, stage > 0,
-                                                 HAS_DOC, HAS_PRIOR, SCALE_PRIOR, HEAD_DIM,
-                                                 BLOCK_D, BLOCK_N, DOT_PREC)
+                    kT, vT, lp, qk, p = _dq_tile(
+                        q, K, V, table, blk * BLOCK_N, rows, q_offset, doc, row_qk_scale, row_scale,
+                        hi, lo, Tk, stage > 0, HAS_DOC, HAS_PRIOR, SCALE_PRIOR, HEAD_DIM, BLOCK_D,
+                        BLOCK_N, DOT_PREC)
                     delta_acc += p * _dot(do, vT, None, DOT_PREC)
             delta = tl.sum(delta_acc, 1)
         else:
@@ -550,25 +538,21 @@ if triton is not None:
     # fmt: on
 
 
-# --------------------------------------------------------------------------------------------------
-# Launch configuration, the prior's tables, and the custom ops
-# --------------------------------------------------------------------------------------------------
-# Fixed tiles per (head_dim, dtype) rather than triton.autotune: the backward's tile-skipping
-# tables depend on the block sizes, and autotuning would multiply the interpreter's test time.
-# Under the interpreter every kernel takes INTERPRET_BLOCKS; tests set it to None to run the GPU's
-# own tiles, and to smaller tiles where a few tokens must span several.
+# ---- Launch configuration, the prior's tables, and the custom ops
+# Fixed tiles per (head_dim, dtype), not triton.autotune: the tile-skipping tables depend on the
+# block sizes, and autotuning would multiply the interpreter's test time. The interpreter runs
+# INTERPRET_BLOCKS; tests set None (the GPU's tiles) or smaller tiles.
 INTERPRET_BLOCKS = (32, 32)
 
 
 def _configs(block_d, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward, dK/dV and dQ kernels. Chosen so
-    that the sm_90 builds (ptxas, all prior/SSMax/document flags on) spill no or almost no
-    registers; not tuned on hardware."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: sm_90 builds with every flag on spill
+    (almost) no registers. Not tuned on hardware."""
     if interpreting() and INTERPRET_BLOCKS is not None:
         bm, bn = INTERPRET_BLOCKS
         return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
 
-    # fp32: ieee dots run on FMA units, the exact path for gradient checks, not for speed
+    # fp32: ieee dots on FMA units, for exact gradient checks, not speed
     if dtype == torch.float32:
         if block_d <= 64:
             return dict(fwd=(64, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=64)
@@ -576,21 +560,20 @@ def _configs(block_d, dtype):
 
     if block_d <= 64:
         return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 2), pre=128)
-    # dK/dV: 64 keys per warpgroup, or Hopper's wgmma is not used (mma.sync from ldmatrix instead:
-    # the performance model's shared-memory bandwidth bound, dev/README.md)
+    # dK/dV: 64 keys per warpgroup, or Hopper falls back from wgmma to mma.sync (smem-bound)
     return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
 
 
 def check_length(head_dim, dtype):
-    """The length of check_kernel's problem: two full tiles of every kernel's configuration and a
-    ragged third, so that it runs unmasked, diagonal and ragged tiles."""
+    """The length of the self-check's problem (infra/kernel_check.py): two full tiles of every
+    kernel's configuration and a ragged third, to run unmasked, diagonal and ragged tiles."""
     cfg = _configs(_block_d(head_dim), dtype)
     largest = max(max(cfg[kernel][:2]) for kernel in ("fwd", "dkdv", "dq"))
     return 2 * largest + largest // 2 + 3
 
 
-# From this many derivative tables on, dQ sums the prior's gradient per tile diagonal
-# (_prior_grad): the per-score accumulators of many tables do not fit in registers.
+# From this many derivative tables on, dQ sums the prior's gradient per tile diagonal: per-score
+# accumulators for many tables do not fit in registers.
 DIAGONAL_FROM = 4
 
 
@@ -600,31 +583,22 @@ def _grad_path(n_grad):
 
 
 def _own_delta(n_grad, need_row_scale_grad):
-    """Whether dQ recomputes Delta from its own P (one more pass over the row's keys: two of its
-    three products) rather than reading rowsum(O * dO): whenever it sums d theta or d row_scale.
-    Those sum dS times a table (or a score) over every score, and each row's dS sums to its error in
-    Delta, not 0. With 16-bit inputs rowsum(O * dO) is off by the rounding of P before P V: on
-    check_kernel's bf16 problems these gradients were off by up to 40 %, and are within 1e-4 with
-    it. dK/dV, whose gradients are not sums over rows, keeps rowsum(O * dO)."""
+    """Whether dQ recomputes Delta from its own P (a second pass over the row's keys) rather than
+    reading rowsum(O * dO): whenever it sums d theta or d row_scale, sums over every score where
+    each row's error in Delta adds up (up to 40 % in bf16 without it: dev/README.md)."""
     return n_grad > 0 or need_row_scale_grad
 
 
-def _round_up(n, multiple):
-    return -(-n // multiple) * multiple
-
-
 def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
-    """The prior by distance for the kernels, which never evaluate a formula: (table, dtable, theta,
-    table_start). The kernels index a table by x = j - (i - q_offset) = d + q_offset, the key's
-    position minus the query's row: table (H, n) fp32 holds lp(d) log2(e) at x = table_start + t,
-    for every x a tile touches (table_start and n multiples of 16). dtable (H, K, n): the
-    derivative tables d lp / d theta_k in the K directions of _parameter_directions, by
-    forward-mode autograd (not allowed below the autograd key, where the ops run); theta (H, K) the
-    parameters' entries along them, whose gradient the ops return (None, None when K = 0). d > 0 is
-    never visible: 0 there, so that a prior undefined there cannot reach a gradient as 0 * inf."""
+    """The prior by distance for the kernels: (table, dtable, theta, table_start). A table is
+    indexed by x = j - (i - q_offset) = d + q_offset: table (H, n) fp32 holds lp(d) log2(e) at x =
+    table_start + t for every x a tile touches (table_start, n: multiples of 16). dtable (H, K, n)
+    holds d lp / d theta_k in _parameter_directions' K directions, by forward-mode autograd (not
+    allowed below the autograd key, where the ops run); theta (H, K) the entries whose gradient the
+    ops return (None, None if K = 0). d > 0 is never visible: 0 there, so no 0 * inf gradient."""
     pad = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
-    table_start = -_round_up(Tq + pad, 16)
-    table_stop = _round_up(Tk + pad, 16)
+    table_start = -triton.cdiv(Tq + pad, 16) * 16
+    table_stop = triton.cdiv(Tk + pad, 16) * 16
     d = torch.arange(table_start, table_stop, device=device) - q_offset
     future = d > 0
     params = tuple(t.detach() for t in prior.params)
@@ -645,13 +619,11 @@ def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
 
 
 def _parameter_directions(prior, H):
-    """The K scalar directions in which the kernels sum the prior's gradient, one per entry of a
-    trained parameter: (tangents, columns). A per-head parameter (H, ...) has one direction per
-    entry of a head's slice (its tangent: that entry set to 1 in every head, which moves head h's
-    curve by head h's parameter only); a shared one (Prior.shared) one per entry, moving every
-    head. columns[k] (H,) is the parameter's entry seen per head (a shared one expanded), so that
-    autograd takes the ops' (H, K) gradient back to the parameters, summing a shared entry's over
-    the heads. No directions without gradients."""
+    """(tangents, columns): the K scalar directions of the prior's gradient, one per entry of a
+    trained parameter. A per-head parameter (H, ...) has one per entry of a head's slice (that entry
+    1 in every head: head h's curve moves by head h's entry only); a shared one, one per entry.
+    columns[k] (H,) is the entry per head (a shared one expanded): autograd takes the ops' (H, K)
+    gradient back to the parameters, summing a shared entry's over heads. None without grad."""
     tangents, columns = [], []
     if not torch.is_grad_enabled():
         return tangents, columns
@@ -673,10 +645,9 @@ def _parameter_directions(prior, H):
 
 
 def _kv_ranges(doc_start, block_m, block_n, Tk):
-    """Per (batch, key block), from the queries' doc_start (batch, Tq): (q_end, q_clean). Query
-    blocks >= q_end see none of the key block (their earliest doc_start is after its last key);
-    query blocks < q_clean have every doc_start <= the block's first key, so documents need no mask
-    there. Exact for the usual non-decreasing doc_start, conservative otherwise."""
+    """(q_end, q_clean) per (batch, key block) from the queries' doc_start (batch, Tq): query
+    blocks >= q_end see none of it (earliest doc_start after its last key); those < q_clean need
+    no document mask. Exact for non-decreasing doc_start, conservative otherwise."""
     batch, Tq = doc_start.shape
     n_qb = triton.cdiv(Tq, block_m)
     pad = n_qb * block_m - Tq
@@ -706,8 +677,8 @@ def _device_of(t):
 
 
 def _flags(q, doc_start, table, row_scale, scale_prior):
-    """The compile-time flags every kernel launch shares. SCALE_PRIOR: SSMax's row scale multiplies
-    a prior too. The dots' input_precision only matters for fp32 inputs."""
+    """The compile-time flags of every launch. SCALE_PRIOR: the row scale multiplies the prior too.
+    DOT_PREC only matters for fp32 inputs."""
     has_prior = table is not None
     has_row_scale = row_scale is not None
     return dict(
@@ -723,8 +694,8 @@ def _flags(q, doc_start, table, row_scale, scale_prior):
 
 
 def _kernel_inputs(q, doc_start, row_scale, table, dtable, table_start):
-    """The optional inputs as the kernels take them: a dummy where absent, and the tables as views
-    that start at x = 0 (they read entries before it too); table_len, the entries per head."""
+    """The optional inputs as the kernels take them: a dummy where absent, the tables as views from
+    x = 0 (entries before it are read too), and table_len, the entries per head."""
     dummy = torch.zeros(1, device=q.device, dtype=torch.int32)
     inputs = dict(dummy=dummy, doc=dummy, row_scale=dummy, table=dummy, dtable=dummy, table_len=0)
     if doc_start is not None:
@@ -739,11 +710,9 @@ def _kernel_inputs(q, doc_start, row_scale, table, dtable, table_start):
     return inputs
 
 
-# The kernels are registered as two PyTorch custom ops, forward and backward, with fake-tensor
-# implementations (shapes only) and the autograd formula tying them together: torch.compile then
-# traces a model through attention as through any other op (no graph break) and Inductor fuses the
-# code around it. The ops are opaque: they run the kernels exactly as eager mode does, so compiled
-# and eager results are bitwise equal. They take contiguous inputs (attention_triton makes them so).
+# Two custom ops, forward and backward, with fake (shape-only) implementations and the autograd
+# formula between them: torch.compile traces attention like any op (no graph break). The ops run
+# the kernels as eager mode does, so compiled and eager results are bitwise equal.
 Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
 
 
@@ -752,10 +721,9 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: Op
                 dtable: OptTensor, theta: OptTensor, row_scale: OptTensor, scale_prior: bool,
                 q_offset: int, softmax_scale: float,
                 table_start: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The forward kernel: (O, LSE), LSE (batch, H, 2, Tq) fp32 the rows' log-sum-exp in base 2 as
-    two values (_row_lse), for the backward. doc_start: the queries' (batch, Tq) int32; row_scale
-    (batch, H, Tq) fp32; table, dtable, theta and table_start as _prior_tables makes them (dtable
-    and theta are only kept for the backward)."""
+    """The forward kernel: (O, LSE), LSE (batch, H, 2, Tq) fp32 in base 2 as two values
+    (_row_lse). doc_start: the queries' (batch, Tq) int32; row_scale (batch, H, Tq) fp32; the
+    tables as _prior_tables makes them (dtable and theta only for the backward)."""
     batch, H, Tq, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((batch, H, 2, Tq), device=q.device, dtype=torch.float32)
@@ -799,8 +767,8 @@ def _launch_dkdv(q, k, v, do, lse, delta, inputs, q_offset, softmax_scale, flags
 
 def _launch_dq(q, k, v, do, lse, delta, inputs, n_grad, need_row_scale_grad, q_offset,
                softmax_scale, flags):  # fmt: skip
-    """dQ, d row_scale and d theta: one program per query block, looping over its key blocks; the
-    programs' partial sums of d theta reduced in a fixed order (no atomics)."""
+    """dQ, d row_scale and d theta: a program per query block over its key blocks; partial sums
+    of d theta reduced in a fixed order (no atomics)."""
     batch, H, Tq, D = q.shape
     dq = torch.empty_like(q)
     bm, bn, warps, stages = _configs(_block_d(D), q.dtype)["dq"]
@@ -836,8 +804,7 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                 need_row_scale_grad: bool,
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The backward kernels: (dQ, dK, dV, d theta (H, K) fp64 from the derivative tables dtable
-    (H, K, n), d row_scale (batch, H, Tq) fp32). The last two are empty without dtable /
-    need_row_scale_grad."""
+    (H, K, n), d row_scale (batch, H, Tq) fp32), the last two empty where not asked for."""
     batch, H, Tq, D = q.shape
     n_grad = dtable.shape[1] if dtable is not None else 0
     inputs = _kernel_inputs(q, doc_start, row_scale, table, dtable, table_start)
@@ -853,8 +820,8 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
 
         common = (q, k, v, do, lse, delta, inputs)
         dk, dv = _launch_dkdv(*common, q_offset, softmax_scale, flags)
-        dq, g, drow_scale = _launch_dq(*common, n_grad, need_row_scale_grad, q_offset,
-                                       softmax_scale, flags)  # fmt: skip
+        dq, g, drow_scale = _launch_dq(
+            *common, n_grad, need_row_scale_grad, q_offset, softmax_scale, flags)  # fmt: skip
     return dq, dk, dv, g, drow_scale
 
 
@@ -890,10 +857,8 @@ _triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 def attention_triton(q, k, v, args):
-    """The Triton implementation of attention() (impl "triton"), for every registered prior, for
-    attention.py's resolved AttentionArgs (prior a BoundPrior or None, q_offset an int,
-    softmax_scale a float). Needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first
-    imported (then it runs, slowly, on CPU tensors)."""
+    """attention() with impl "triton" for any registered prior, on attention.py's resolved
+    AttentionArgs. Needs CUDA tensors, or TRITON_INTERPRET=1 before triton is imported (CPU)."""
     batch, H, Tq, D = q.shape
     Tk = k.shape[2]
     # nothing to attend from (still connected to autograd)
@@ -922,202 +887,3 @@ def attention_triton(q, k, v, args):
     options = (args.scale_prior, args.q_offset, args.softmax_scale, table_start)
     out, _ = _triton_fwd(*tensors, *options)
     return out
-
-
-# ---- The self-check ------------------------------------------------------------------------------
-# A compiled kernel can compute wrong numbers without an error on a GPU that no test ran on, so
-# every run that resolves to impl "triton" first compares it with the reference on one small problem
-# shaped like the run, the reference in fp32 on the same rounded inputs; the errors are relative
-# (_check_errors). A correct kernel differs by the roundings the reference does not make: with
-# 16-bit inputs, P before P V and dS before dS K and dS^T Q are rounded to 8 bits (bfloat16) or 11
-# (float16), and the output once more. The prior's and SSMax's gradients are sums in fp32
-# (_own_delta). Measured by dev/check_errors.py on every registered prior, SSMax off, on and scaling
-# the prior, three seeds, head_dim 32 and 64, the largest errors were:
-#   float32: output 2.3e-6, q k v 3.7e-6, parameters 2.9e-5
-#   float16: output 4.2e-4, q k v 1.2e-3, parameters 4.9e-5
-#   bfloat16: output 8.7e-3, q k v 3.3e-2, parameters 2.8e-5
-# The tolerances leave 3x to 40x over those; a misread table moves scores by a distance's worth of
-# prior, and the gradients of its parameters by far more than 1e-3 (tests/test_kernel.py's
-# test_self_check_catches_a_misread_table). (output, q k v, parameters) per dtype:
-CHECK_TOLERANCE = {
-    torch.float32: (1e-4, 1e-4, 1e-3),
-    torch.float16: (4e-3, 1e-2, 1e-3),
-    torch.bfloat16: (3e-2, 1e-1, 1e-3),
-}
-_checked = set()
-
-
-class KernelMismatch(RuntimeError):
-    """The Triton kernel disagrees with the reference on check_kernel's problem."""
-
-
-def _attention():
-    """attention.py, which imports this module at its top: imported here, when first needed."""
-    import attention
-
-    return attention
-
-
-def check_kernel(layer, dtype, training):
-    """Compare the kernel with the reference on a problem shaped like `layer`'s attention (a
-    model.Attention: its impl, prior and trained parameters, SSMax and its placement, head_dim), in
-    dtype, with documents and every gradient when training. Returns the line to print, or None where
-    the layer's impl is not the kernel or its configuration was checked before in this process;
-    raises KernelMismatch (the same line) where an error is over CHECK_TOLERANCE."""
-    family = layer.family
-    device = layer.wq.weight.device
-    impl = _attention().pick_impl(layer.attn_impl, family, device, training, dtype, layer.head_dim)
-    if impl != "triton":
-        return None
-
-    trained = ()
-    if family is not None and training:
-        trained = tuple(n for n in family.params if getattr(layer, n).requires_grad)
-    problem = (family, trained, layer.head_dim, dtype, layer.ssmax_s is not None, layer.scale_prior)
-    if (problem, str(device), training) in _checked:
-        return None
-    _checked.add((problem, str(device), training))
-
-    started = time.time()
-    inputs = _check_problem(*problem, documents=training)
-    kernel = _check_outputs("triton", inputs, device, training)
-    reference = _check_outputs("torch", inputs, device, training)
-    errors = _check_errors(kernel, reference, family)
-    line, ok = _check_line(errors, inputs, *problem)
-    if not ok:
-        raise KernelMismatch(f"the Triton kernel disagrees with the reference: {line}")
-    return f"{line}: ok in {time.time() - started:.1f} s"
-
-
-def check_kind(name):
-    """The kind of one of the self-check's results, each with its tolerance: the output, the inputs'
-    gradients (q, k, v) or the parameters' (the prior's, SSMax's s)."""
-    if name == "output":
-        return "output"
-    return "inputs" if name in ("q", "k", "v") else "parameters"
-
-
-def _check_problem(family, trained, head_dim, dtype, ssmax, scale_prior, documents, seed=0):
-    """The self-check's problem, on the CPU from its own generator (the run's RNG is untouched): a
-    dict of q, k, v (B, H, T, D) in dtype in the model's (B, T, H, D) layout, dout, doc_start
-    (three documents per row) or None, the prior (its default init moved at random: a constant
-    prior hides misreads) with its trained names, and SSMax's s, one sign per head."""
-    gen = torch.Generator().manual_seed(seed)
-    B, H, T, D = 2, 2, check_length(head_dim, dtype), head_dim
-    q, k, v = (torch.randn(B, T, H, D, generator=gen).to(dtype).transpose(1, 2) for _ in range(3))
-    # the output's gradient in its dtype, as autograd hands it to the kernel's backward
-    dout = torch.randn(B, H, T, D, generator=gen).to(dtype)
-
-    doc_start = None
-    if documents:
-        doc_start = torch.zeros(B, T, dtype=torch.long)
-        for b in range(B):
-            for start in sorted((torch.randperm(T - 1, generator=gen)[:2] + 1).tolist()):
-                doc_start[b, start:] = start
-
-    params = ()
-    if family is not None:
-        # some inits draw from the global RNG
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            params = tuple(t.float() for t in family.initial("default", H))
-        if family.trainable:
-            params = tuple(t + 0.5 * torch.randn(t.shape, generator=gen) for t in params)
-
-    # SSMax's s of both signs, whose row scales s log n are -0.0 where n = 1
-    s = torch.tensor([1.0, -0.6]) if ssmax else None
-    return dict(
-        q=q, k=k, v=v, dout=dout, doc_start=doc_start, family=family, params=params,
-        trained=trained, s=s, scale_prior=scale_prior,
-    )  # fmt: skip
-
-
-def _check_outputs(impl, problem, device, training):
-    """impl's output and, when training, its gradients {name: tensor} on the problem; the
-    reference takes fp32 copies of the same rounded q, k, v."""
-    family = problem["family"]
-    leaves = {name: problem[name] for name in ("q", "k", "v")}
-    if impl == "torch":
-        leaves = {name: t.float() for name, t in leaves.items()}
-    if family is not None:
-        named = zip(family.params, problem["params"])
-        leaves |= {n: t for n, t in named if n in problem["trained"]}
-    if problem["s"] is not None:
-        leaves["s"] = problem["s"]
-    leaves = {n: t.to(device, copy=True).requires_grad_(training) for n, t in leaves.items()}
-
-    prior = None
-    if family is not None:
-        values = [leaves.get(n, t.to(device)) for n, t in zip(family.params, problem["params"])]
-        prior = BoundPrior(family, tuple(values))
-    doc_start = problem["doc_start"]
-    if doc_start is not None:
-        doc_start = doc_start.to(device)
-    row_scale = None
-    if problem["s"] is not None:
-        positions = torch.arange(leaves["q"].shape[2], device=device)
-        log_n = _attention().ssmax_log_n(positions, doc_start)
-        row_scale = leaves["s"][None, :, None] * log_n[:, None, :]
-
-    with torch.set_grad_enabled(training):
-        out = _attention().attention(
-            leaves["q"],
-            leaves["k"],
-            leaves["v"],
-            doc_start=doc_start,
-            prior=prior,
-            row_scale=row_scale,
-            scale_prior=problem["scale_prior"],
-            impl=impl,
-        )
-        results = {"output": out.detach().float().cpu()}
-        if training:
-            (out.float() * problem["dout"].to(device)).sum().backward()
-            results |= {n: t.grad.float().cpu() for n, t in leaves.items()}
-    return results
-
-
-def _check_errors(kernel, reference, family):
-    """{name: max |kernel - reference| / scale}, the scale max |reference| (floored at 1e-3, so that
-    a gradient of 0 is compared absolutely), for the prior's parameters taken over all of them
-    together: each sums dS times a table of like size, while one may be near 0 by chance."""
-    params = [n for n in reference if family is not None and n in family.params]
-    scale = {n: reference[n].double().abs().max() for n in reference}
-    for name in params:
-        scale[name] = max(scale[p] for p in params)
-
-    errors = {}
-    for name in reference:
-        difference = (kernel[name].double() - reference[name].double()).abs().max()
-        errors[name] = (difference / scale[name].clamp_min(1e-3)).item()
-    return errors
-
-
-def _check_line(errors, problem, family, trained, head_dim, dtype, ssmax, scale_prior):
-    """The self-check's line, the largest error of each kind against its tolerance, and whether
-    every error is within its tolerance (NaN is not)."""
-    tolerances = dict(zip(("output", "inputs", "parameters"), CHECK_TOLERANCE[dtype]))
-    worst = {}
-    for name, error in errors.items():
-        kind = check_kind(name)
-        if kind not in worst or not error <= errors[worst[kind]]:
-            worst[kind] = name
-
-    what = family.name if family is not None else "no prior"
-    if ssmax:
-        what += " + SSMax" + (" scaling the prior" if scale_prior else "")
-    if problem["doc_start"] is not None:
-        what += ", documents"
-    parts = []
-    for kind, name in worst.items():
-        which = "" if kind == "output" else f" ({name})"
-        parts.append(f"{kind} {errors[name]:.1e}{which} (tolerance {tolerances[kind]:.0e})")
-
-    dtype_name = str(dtype).removeprefix("torch.")
-    length = problem["q"].shape[2]
-    line = (
-        f"attention kernel check ({dtype_name}, head_dim {head_dim}, {what}, {length} tokens): "
-        + ", ".join(parts)
-    )
-    ok = all(error <= tolerances[check_kind(name)] for name, error in errors.items())
-    return line, ok

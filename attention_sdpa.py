@@ -1,15 +1,14 @@
 """
-attention() on a CPU through PyTorch's fused scaled_dot_product_attention (impl "sdpa"), the prior
-as a float mask, a chunk of queries at a time. It scores long passkey prompts 4-5x faster than the
-reference. It evaluates; it cannot train a prior, since the mask enters the fused kernel as a
-constant (attention.impl_error says so).
+attention() on CPU via PyTorch's fused scaled_dot_product_attention (impl "sdpa"), prior as a float
+mask, per query chunk: 4-5x faster than the reference on long passkey prompts. Evaluation only: the
+mask is a constant to the fused kernel, so no prior trains (see attention.impl_error).
 
 Per chunk, r_i moves into the queries: s_ij = ((q_i r_i) . k_j) softmax_scale + M_ij, with
-M_ij = prior(j - i) r_i if scale_prior else prior(j - i), and -inf where key j is hidden. With
-the keys reversed, M is a Hankel matrix: a strided view of the reversed prior table, no copy. Only
-a mask that depends on more than the distance (SSMax scaling the prior, documents) is written,
-into one buffer that every chunk reuses (fresh ones cost more in page faults than the kernel); the
-buffer bounds the chunk, so memory stays linear in the length.
+M_ij = prior(j - i) r_i if scale_prior else prior(j - i), -inf where key j is hidden. With keys
+reversed, M is Hankel: a strided view of the reversed prior table, no copy. Only masks depending
+on more than distance (SSMax scaling the prior, documents) are written, to one buffer all chunks
+reuse (fresh ones cost more in page faults than the kernel); it bounds the chunk, so memory is
+linear in length.
 """
 
 import math
@@ -19,8 +18,8 @@ import torch.nn.functional as F
 
 
 def attention_sdpa(q, k, v, args, chunk_size=None):
-    """attention() for its resolved AttentionArgs, chunk_size query rows at a time. Under autograd
-    each chunk's mask is a fresh tensor that the backward keeps (training memory O(T^2))."""
+    """attention() for resolved AttentionArgs, chunk_size query rows at a time. Under autograd each
+    chunk's mask is fresh and kept for backward (training memory O(T^2))."""
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
     dtype = q.dtype
@@ -33,7 +32,7 @@ def attention_sdpa(q, k, v, args, chunk_size=None):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args.softmax_scale)
         return out.to(dtype)
 
-    # one fp32 (B, H, rows, Tk) mask buffer; the fused kernel's blocks want a few hundred rows
+    # one fp32 (B, H, rows, Tk) mask buffer; the fused kernel wants a few hundred rows
     budget_bytes = 128 * 2**20
     rows = chunk_size or int(min(512, max(64, budget_bytes // (4 * B * H * max(Tk, 1)))))
     scaled_prior = args.row_scale is not None and args.scale_prior and args.prior is not None
@@ -41,13 +40,13 @@ def attention_sdpa(q, k, v, args, chunk_size=None):
     buf = None
     if written and not args.needs_grad(q, k, v):
         buf = q.new_empty(B * H * min(rows, Tq) * Tk)
-    # key j sits at Tk - 1 - j
+    # key j at Tk - 1 - j
     k_rev = k.flip(2)
     v_rev = v.flip(2)
 
     outs = []
     for start, stop, first_key in args.query_chunks(Tq, rows):
-        # the chunk's queries sit at [first_query, end); keys before first_key are hidden from all
+        # queries at [first_query, end); keys before first_key are hidden from all
         first_query = args.q_offset + start
         end = args.q_offset + stop
         table = _reversed_table(args.prior, first_key - (end - 1), stop - start - 1, q)
@@ -72,8 +71,8 @@ def attention_sdpa(q, k, v, args, chunk_size=None):
 
 
 def _reversed_table(prior, nearest, farthest, like):
-    """The log-prior of distances farthest down to nearest, (H, farthest - nearest + 1), or zeros
-    (1, n) without a prior."""
+    """Log-prior at distances farthest down to nearest, (H, farthest - nearest + 1); no prior:
+    zeros (1, n)."""
     if prior is None:
         return like.new_zeros(1, farthest - nearest + 1)
 
@@ -82,19 +81,18 @@ def _reversed_table(prior, nearest, farthest, like):
 
 
 def _neg_inf_where(hidden):
-    # 0 where visible, -inf where hidden, added in place to a mask
+    # 0 where visible, -inf where hidden; added in place to a mask
     return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
 def _hankel_mask(reversed_table, rows, row_scale, doc_rows, newest_key, buf):
-    """One chunk's float mask, (B or 1, H or 1, rows, keys), keys in reverse order; a view of
-    reversed_table when it can be. reversed_table: (H or 1, rows + keys - 1), entry u for distance
-    d = rows - 1 - u; row_scale: (B or 1, H, rows, 1) when it scales the prior, else None; doc_rows:
-    (B, rows) document starts or None; newest_key: the position of the first (reversed) key; buf: a
-    reused buffer, or None under autograd."""
+    """One chunk's float mask (B or 1, H or 1, rows, keys), keys reversed; if possible a view of
+    reversed_table: (H or 1, rows + keys - 1), entry u at distance d = rows - 1 - u. row_scale:
+    (B or 1, H, rows, 1) if it scales the prior, else None; doc_rows: (B, rows) document starts or
+    None; newest_key: first (reversed) key's position; buf: reused buffer, None under autograd."""
     H, n = reversed_table.shape
     keys = n - rows + 1
-    # a function of the distance alone: causality (d > 0) is -inf table entries
+    # a mask of distance alone: causality (d > 0) as -inf table entries
     if row_scale is None:
         future = torch.arange(n, device=reversed_table.device) < rows - 1
         reversed_table = reversed_table.masked_fill(future, float("-inf"))
@@ -112,8 +110,7 @@ def _hankel_mask(reversed_table, rows, row_scale, doc_rows, newest_key, buf):
             mask = view.expand(shape) * row_scale
         else:
             mask = torch.mul(view.expand(shape), row_scale, out=mask)
-        # causality: key column c is after query row r iff r + c < rows - 1, in the first rows - 1
-        # columns
+        # causal: key column c follows query row r iff r + c < rows - 1 (first rows - 1 cols)
         idx = torch.arange(rows, device=mask.device)
         future = idx[:, None] + idx[None, : rows - 1] < rows - 1
         mask[..., : rows - 1].add_(_neg_inf_where(future))
@@ -121,7 +118,7 @@ def _hankel_mask(reversed_table, rows, row_scale, doc_rows, newest_key, buf):
     if doc_rows is None:
         return mask
 
-    # columns 0..shared of the reversed keys lie in every row's document; later ones may not
+    # reversed key columns 0..shared are in every row's document; later ones may not be
     shared = int(newest_key - doc_rows.max())
     if shared < keys - 1:
         key_pos = newest_key - torch.arange(shared + 1, keys, device=mask.device)

@@ -1,9 +1,8 @@
 """
-nanoGPT-style configuration: `configure(defaults, argv)` applies, in order, config files (a path:
-Python, executed; every name it assigns must be a setting) and --key=value arguments (parsed by
-ast.literal_eval, else a string: nothing typed on the command line is executed), e.g.
-`python train.py config/bam_120m.py --batch_size=32`. Each value must have its default's type (an
-int passes for a float; a None default takes anything).
+nanoGPT-style config: `configure(defaults, argv)` applies, in order, config files (a path: Python,
+run; each name it assigns must be a setting) and --key=value args (ast.literal_eval, else a string:
+command-line text never runs), e.g. `python train.py config/bam_120m.py --batch_size=32`. A value
+must have its default's type (an int passes for a float; a None default takes anything).
 """
 
 import ast
@@ -12,11 +11,11 @@ import sys
 
 
 class ConfigError(ValueError):
-    """A setting, argument or config file that cannot be used; scripts print it as one line."""
+    """An unusable setting, argument or config file; scripts print it on one line."""
 
 
 def _check(key, value, defaults, source):
-    """The value of a setting, checked against its default's type (an int becomes a float)."""
+    """A setting's value, type-checked against its default (an int becomes a float)."""
     if key not in defaults:
         close = ", ".join(difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5))
         hint = f" Did you mean {close}?" if close else ""
@@ -27,7 +26,7 @@ def _check(key, value, defaults, source):
         return value
 
     expected = (int, float) if isinstance(default, float) else type(default)
-    # bool is an int to isinstance: True must not pass for a number, nor 1 for a flag
+    # bool is an int to isinstance: True may not pass as a number, nor 1 as a flag
     if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, expected):
         raise ConfigError(
             f"config key {key!r} ({source}) expects {type(default).__name__} like its default "
@@ -37,7 +36,7 @@ def _check(key, value, defaults, source):
 
 
 def _run_file(path):
-    """The settings a config file assigns; one that cannot be read or run is a ConfigError."""
+    """A config file's settings; ConfigError if it cannot be read or run."""
     namespace = {}
     try:
         with open(path) as f:
@@ -50,7 +49,7 @@ def _run_file(path):
     except Exception as e:  # the file ran, and failed
         raise ConfigError(f"config file {path!r} failed: {type(e).__name__}: {e}") from None
 
-    # what it imported or defined along the way is not a setting
+    # its imports and definitions are no settings
     return {
         k: v
         for k, v in namespace.items()
@@ -59,19 +58,18 @@ def _run_file(path):
 
 
 def _parse_value(raw, default):
-    """The value of a --key=value argument: a Python literal, else the text as typed."""
+    """A --key=value arg's value: a Python literal, else the text as typed."""
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         return raw  # a bare string such as --pos_encoding=rope
     if isinstance(default, str) and not isinstance(value, str):
-        return raw  # a string setting keeps what was typed: --bam_init=0.5,-1 stays "0.5,-1"
+        return raw  # a string setting keeps the text: --bam_init=0.5,-1 stays "0.5,-1"
     return value
 
 
 def configure(defaults, argv=None):
-    """A copy of `defaults` updated by config files and --key=value arguments (see the module
-    docstring)."""
+    """A copy of `defaults` updated by config files, then --key=value arguments (see above)."""
     config = dict(defaults)
     for arg in sys.argv[1:] if argv is None else argv:
         if not arg.startswith("--"):  # a config file

@@ -2,12 +2,10 @@
 Tokenizers, the token shard format and the batch loader.
 
 Tokenizers: "mistral" (the authors' Mistral v3 SentencePiece model, offline from mistral-common),
-tiktoken "gpt2", and "byte" (the 256 byte values plus <|endoftext|> = 256, offline). A document is
-BOS ... EOS with mistral (as the authors store it), end-of-text + text with gpt2 and byte; its first
-token (DOC_START) starts the document mask. A shard, {prefix}_{split}_{i:06d}.bin, is a 256-byte
-header (magic, version, token count, tokenizer name) then uint16 tokens. Batches are consecutive
-windows in stream order (the authors do not shuffle), a pure function of (step, micro_step, rank),
-so a resumed run sees exactly the batches an uninterrupted one would.
+tiktoken "gpt2", "byte" (256 byte values + <|endoftext|> = 256, offline). A document is BOS ... EOS
+with mistral (as the authors store it), else end-of-text + text. A shard is a 256-byte header then
+uint16 tokens, named {prefix}_{split}_{i:06d}.bin. Batches are a pure function of (step,
+micro_step, rank): a resumed run sees the batches an uninterrupted one would.
 """
 
 import functools
@@ -21,19 +19,18 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from runtime import atomic_file
+from infra.runtime import atomic_file
 
 TOKENIZERS = ("gpt2", "byte", "mistral")
-# Known without building the tokenizer, so a trainer on an offline node can size the model from a
-# shard.
+# known without a tokenizer: offline, the model is sized from a shard
 VOCAB_SIZE = {"gpt2": 50257, "byte": 257, "mistral": 32768}
-# ends a text: end-of-text, or SentencePiece's EOS
+# ends a text: end-of-text or SentencePiece's EOS
 EOT = {"gpt2": 50256, "byte": 256, "mistral": 2}
-# opens every document and drives the document mask
+# opens each document; drives the document mask
 DOC_START = {"gpt2": 50256, "byte": 256, "mistral": 1}
-# closes every document (the authors' BOS ... EOS)
+# closes each document (the authors' BOS ... EOS)
 DOC_END = {"gpt2": None, "byte": None, "mistral": 2}
-# the validation split: the first 3,932,160 tokens of the stream (the authors' split)
+# validation: the stream's first tokens (the authors' split)
 VAL_TOKENS = 3_932_160
 MISTRAL_MODEL = ("mistral_common", "data/mistral_instruct_tokenizer_240323.model.v3")
 
@@ -47,30 +44,28 @@ RERUN = "rerun the preparation script that wrote it"
 
 
 class DataError(ValueError):
-    """A data directory or shard that cannot be used (corrupt, mixed, too short); the message says
-    what to do."""
+    """An unusable data directory or shard; the message says what to do."""
 
 
 def shard_name(prefix, split, index):  # SHARD_RE parses it back
     return f"{prefix}_{split}_{index:06d}.bin"
 
 
-# ---- Tokenizers ----------------------------------------------------------------------------------
+# ---- Tokenizers
 @dataclass(frozen=True)
 class Tokenizer:
-    """What every caller needs from a tokenizer, whichever library is behind it (tiktoken or
-    SentencePiece)."""
+    """What callers need of a tokenizer, tiktoken or SentencePiece."""
 
     name: str
     n_vocab: int
     eot_token: int  # ends a text: generation stops at it
-    doc_start: int  # the first token of every document
-    doc_end: Optional[int]  # the last token of every document (None: documents are not closed)
-    # every separately encoded text starts a word (SentencePiece's dummy prefix)
+    doc_start: int  # first token of each document
+    doc_end: Optional[int]  # last token of each document (None: not closed)
+    # each separately encoded text starts a word (SentencePiece's dummy prefix)
     word_boundary: bool
     encode_ordinary: Callable[[str], List[int]]  # text -> ids; special-token strings are plain text
     decode: Callable[[List[int]], str]  # ids -> text; a cut multi-byte character becomes U+FFFD
-    token_bytes: Callable[[int], bytes]  # the bytes one token stands for (b"" for a control token)
+    token_bytes: Callable[[int], bytes]  # a token's bytes (b"" for a control token)
 
     def document(self, text):
         """One document as the shards hold it: doc_start + tokens (+ doc_end)."""
@@ -80,9 +75,8 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str) -> Tokenizer:
-    """gpt2 (tiktoken; needs the network once), byte or mistral (see the module docstring). Decode
-    with tok.decode(tokens), never .decode() on raw bytes: a byte-level window can cut a
-    character."""
+    """gpt2 (needs the network once), byte or mistral. Decode with tok.decode(tokens), not
+    bytes.decode(): a byte-level window can cut a character."""
     if name == "mistral":
         return _sentencepiece(name)
 
@@ -98,7 +92,7 @@ def get_tokenizer(name: str) -> Tokenizer:
                 "--tokenizer mistral (the authors') or --tokenizer byte"
             ) from e
     elif name == "byte":
-        # no merges, so the split pattern cannot change the result; short chunks are the fastest
+        # no merges: the split pattern cannot change the result; short chunks are fastest
         enc = tiktoken.Encoding(
             "byte",
             pat_str=r"[\s\S]{1,64}",
@@ -111,8 +105,7 @@ def get_tokenizer(name: str) -> Tokenizer:
 
 
 def tiktoken_tokenizer(enc, eot):
-    """A tiktoken Encoding as a Tokenizer whose documents are eot + text (gpt2, byte, and tests' own
-    encodings)."""
+    """A tiktoken Encoding as a Tokenizer with eot + text documents."""
     return Tokenizer(
         name=enc.name,
         n_vocab=enc.n_vocab,
@@ -127,8 +120,7 @@ def tiktoken_tokenizer(enc, eot):
 
 
 def _sentencepiece(name):
-    """The model file ships inside the installed mistral-common wheel: nothing is downloaded or
-    copied."""
+    """The model file ships in the mistral-common wheel: nothing is downloaded."""
     import importlib.resources
 
     package, path = MISTRAL_MODEL
@@ -171,10 +163,9 @@ def _sentencepiece(name):
     )
 
 
-# ---- Shards --------------------------------------------------------------------------------------
+# ---- Shards
 def write_shard(path, tokens, tokenizer_name):
-    """Write tokens (any integer array) as a shard with atomic_file: never a partial shard under
-    the final name."""
+    """Write tokens (any integer array) as a shard, atomically (never partial)."""
     tokens = np.asarray(tokens)
     if tokens.size == 0:
         raise ValueError(f"refusing to write an empty shard: {path}")
@@ -194,7 +185,7 @@ def write_shard(path, tokens, tokenizer_name):
 
 
 def _read_header(path):
-    """(token count, tokenizer name) after checking magic, version and file size."""
+    """(token count, tokenizer name), magic, version and file size checked."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
 
@@ -221,8 +212,7 @@ def _read_header(path):
 
 
 def _check_tokenizer(what, name, tokenizer):
-    """A DataError if the tokenizer asked for (None: any) is not name, the one `what` was made
-    with."""
+    """A DataError if the asked-for tokenizer (None: any) is not name, the one `what` used."""
     if tokenizer is not None and tokenizer != name:
         raise DataError(
             f"{what} made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
@@ -231,8 +221,7 @@ def _check_tokenizer(what, name, tokenizer):
 
 
 def open_shard(path, tokenizer=None):
-    """The shard's tokens as a read-only uint16 memmap, after validating the header (and the
-    tokenizer, if given)."""
+    """The shard's tokens as a read-only uint16 memmap; header (and tokenizer) checked."""
     count, name = _read_header(path)
     _check_tokenizer(f"{path} was", name, tokenizer)
 
@@ -244,7 +233,7 @@ def shard_tokenizer(path):
 
 
 def shard_paths(data_dir, split):
-    """Sorted shard paths of one split. Errors, saying how to make them, if there are none."""
+    """Sorted shard paths of a split; if none, an error saying how to make them."""
     how = (
         "create them with `python prepare_fineweb.py` (FineWeb, mistral tokens, writes "
         "data/fineweb_mistral), `python prepare_demo.py` (the CPU demo data), or "
@@ -260,7 +249,7 @@ def shard_paths(data_dir, split):
         raise FileNotFoundError(f"no {split} shards (*_{split}_NNNNNN.bin) in {data_dir}; {how}")
 
     prefixes = sorted({m.group(1) for m in found})
-    if len(prefixes) > 1:  # two datasets in one directory would silently be mixed
+    if len(prefixes) > 1:  # else two datasets would be silently mixed
         raise DataError(
             f"{data_dir} holds {split} shards of several datasets (prefixes {prefixes}); "
             "keep one dataset per directory"
@@ -269,11 +258,10 @@ def shard_paths(data_dir, split):
 
 
 def _split_extents(data_dir, split, tokenizer=None):
-    """[(path, tokens used)] for a split, and the tokenizer name all its shards agree on. val is
-    capped at the first VAL_TOKENS tokens: every consumer measures on the same tokens whatever
-    --val_tokens wrote."""
+    """[(path, tokens used)] of a split, and its shards' tokenizer. val is capped at VAL_TOKENS:
+    every consumer measures the same tokens, whatever --val_tokens wrote."""
     extents = []
-    names = {}  # tokenizer name -> the first shard made with it
+    names = {}  # tokenizer -> first shard made with it
     budget = VAL_TOKENS if split == "val" else None
     for path in shard_paths(data_dir, split):
         count, name = _read_header(path)
@@ -296,8 +284,7 @@ def _split_extents(data_dir, split, tokenizer=None):
 
 
 def read_tokens(data_dir, split, n_tokens, offset=0):
-    """n_tokens consecutive tokens of a split's stream starting at offset, as int64 (across shards
-    in order)."""
+    """n_tokens of a split's stream from offset on, as int64."""
     extents, _ = _split_extents(data_dir, split)
     total = sum(n for _, n in extents)
     if offset < 0 or n_tokens < 0 or offset + n_tokens > total:
@@ -307,7 +294,7 @@ def read_tokens(data_dir, split, n_tokens, offset=0):
         )
 
     out = []
-    shard_start = 0  # the shard's first token in the stream
+    shard_start = 0  # the shard's stream position
     for path, n in extents:
         first = max(offset, shard_start) - shard_start
         end = min(offset + n_tokens, shard_start + n) - shard_start
@@ -317,19 +304,17 @@ def read_tokens(data_dir, split, n_tokens, offset=0):
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-# ---- Batches -------------------------------------------------------------------------------------
+# ---- Batches
 def doc_starts(x, start_token):
-    """For each position t, the last s <= t with x[s] == start_token (DOC_START of the tokenizer),
-    else 0. Key j is visible to query i iff doc_start[i] <= j <= i."""
+    """Per position t, the last s <= t with x[s] == start_token (the tokenizer's DOC_START),
+    else 0. Query i sees key j iff doc_start[i] <= j <= i."""
     pos = torch.arange(x.shape[-1], device=x.device).expand_as(x)
     return torch.where(x == start_token, pos, torch.zeros_like(pos)).cummax(dim=-1).values
 
 
 class TokenLoader:
     """Windows of block_size + 1 tokens at stride block_size (y is x shifted by one), in stream
-    order, no seed: row b of a batch is window
-    ((step * grad_accum + micro_step) * world_size + rank) * batch_size + b, modulo num_windows
-    (an epoch wraps around). Windows never straddle two shards."""
+    order as the authors read it, wrapping at the end; none straddles two shards."""
 
     def __init__(
         self, data_dir, split, block_size, batch_size, rank=0, world_size=1, tokenizer=None
@@ -364,14 +349,13 @@ class TokenLoader:
         return self.num_windows
 
     def check_enough(self, steps, tokens_per_step):
-        """A DataError where a run of `steps` would read past the end of this split: the loader
-        wraps around, and a run that reads its data twice is refused unless the user allows it."""
+        """A DataError if `steps` steps would wrap around this split, reading data twice."""
         needed = steps * tokens_per_step
         have = self.num_windows * self.block_size
         if needed <= have:
             return
 
-        # what prepare_fineweb.py should fetch: + validation, + what the shards' ends lose
+        # for prepare_fineweb.py: + validation, + what shard ends lose
         total = math.ceil((VAL_TOKENS + 1.001 * needed) / 1e8) * 1e8
         raise DataError(
             f"the run reads {needed:,} training tokens ({steps} steps x {tokens_per_step:,}) but "
@@ -383,12 +367,12 @@ class TokenLoader:
         )
 
     def window_indices(self, step, micro_step=0, grad_accum=1):
-        """The windows of one batch (one micro step of one rank)."""
+        """The windows of one batch (a micro step of a rank)."""
         first = ((step * grad_accum + micro_step) * self.world_size + self.rank) * self.batch_size
         return (first + np.arange(self.batch_size, dtype=np.int64)) % self.num_windows
 
     def get_batch(self, step, micro_step=0, grad_accum=1):
-        """(x, y, doc_start), each an int64 CPU tensor of shape (batch_size, block_size)."""
+        """(x, y, doc_start), each an int64 CPU tensor (batch_size, block_size)."""
         windows = self.window_indices(step, micro_step, grad_accum)
 
         shard_of = np.searchsorted(self.cum_windows, windows, side="right")
@@ -397,8 +381,7 @@ class TokenLoader:
         T = self.block_size
         buf = torch.empty(self.batch_size, T + 1, dtype=torch.int64)
         for shard in np.unique(shard_of):
-            # A fresh memmap per batch, as nanoGPT does: a long-lived one keeps every page it
-            # touched mapped, which shows up as resident memory growing through an epoch.
+            # a fresh memmap per batch (as nanoGPT): a long-lived one keeps all pages resident
             path, n = self.extents[shard]
             tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
             for row in np.flatnonzero(shard_of == shard):

@@ -1,12 +1,10 @@
 """
-What the evaluations (eval_passkey.py, eval_ruler.py, eval_ppl.py and analysis/) share: their
-options, checkpoints loaded with the kernel's self-check, the skip of a length that runs out of
-memory, resumable per-sample JSONL, summary tables, the per-seed tables and the figures.
+What eval_passkey.py, eval_ruler.py, eval_ppl.py and analysis/ share: options, checkpoints loaded
+with the kernel's self-check, the out-of-memory skip note, resumable results' settings, summary and
+per-seed tables, figures.
 """
 
-import contextlib
 import csv
-import hashlib
 import json
 import math
 import os
@@ -17,32 +15,26 @@ import sys
 import torch
 
 from attention import IMPLS, impl_error
-from attention_kernel import KernelMismatch, check_kernel
 from data import DataError, get_tokenizer
+from infra import runtime
+from infra.kernel_check import KernelMismatch, check_kernel
+from infra.runtime import CheckpointError, FolderBusy
 from model import load_model
-from runtime import (
-    CheckpointError,
-    FolderBusy,
-    atomic_file,
-    is_out_of_memory,
-    native_bf16,
-    resolve_device,
-)
 
 
 class EvalError(ValueError):
     """An evaluation cannot run as asked; the message says what to do."""
 
 
-# what an entry point turns into one line `<script>: error: ...` (anything else is a bug); a full
-# disk leaves nothing partial, so a rerun resumes
+# what an entry point prints as one line `<script>: error: ...` (others are bugs); a full disk
+# leaves nothing partial, so a rerun resumes
 EXPECTED_ERRORS = (EvalError, CheckpointError, DataError, FileNotFoundError, FolderBusy)
 FULL_DISK_REMEDY = "free some and run it again: it resumes where it stopped"
 
 
-# ---- options ------------------------------------------------------------------------------------
+# ---- options
 def add_common_args(parser, default_out):
-    """--ckpt and --out, and the two options a one-line error names as its remedy."""
+    """--ckpt, --out, and the two options one-line errors name as remedies."""
     add = parser.add_argument
     add("--ckpt", action="append", required=True, help="checkpoint or run directory; repeatable")
     add("--out", default=default_out, help="output directory")
@@ -52,7 +44,7 @@ def add_common_args(parser, default_out):
 
 
 def parse_lengths(values):
-    """--lengths: positive token counts, space or comma separated, sorted and without repeats."""
+    """--lengths: positive token counts, space/comma separated; sorted, deduplicated."""
     parts = " ".join(values).replace(",", " ").split()
     if not all(p.isdigit() and int(p) > 0 for p in parts):
         shown = " ".join(values)
@@ -74,41 +66,28 @@ def default_lengths(train_lengths, max_length=None):
 
 def pick_device(name="auto"):
     try:
-        return str(resolve_device(name))
+        return str(runtime.resolve_device(name))
     except ValueError as e:
         raise EvalError(f"--device {name} {e}; use --device cpu") from None
 
 
 def resolve_dtype(device, dtype="auto"):
-    """auto: bfloat16 on a GPU that has it natively, float16 on an older one, float32 on the CPU."""
+    """auto: bfloat16 on a GPU with native support, else float16; float32 on the CPU."""
     if dtype != "auto":
         return dtype
 
     if torch.device(device).type != "cuda":
         return "float32"
-    return "bfloat16" if native_bf16(device) else "float16"
+    return "bfloat16" if runtime.native_bf16(device) else "float16"
 
 
 def model_device(model):
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-# ---- checkpoints --------------------------------------------------------------------------------
-def checkpoint_digest(ckpt):
-    """sha256 of a checkpoint's model settings and weights (not of its file)."""
-    digest = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
-
-    for name in sorted(ckpt["model"]):
-        tensor = ckpt["model"][name]
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(flat.view(torch.uint8).numpy())
-
-    return digest.hexdigest()[:16]
-
-
+# ---- checkpoints
 def load_run(path, device, attn_impl, dtype):
-    """One checkpoint as a run, labelled by its run directory; its kernel checked."""
+    """A checkpoint as a run labelled by its run directory, its kernel checked."""
     model, ckpt = load_model(path, device, attn_impl=attn_impl)
     why = impl_error(model.attn_impl, model.config.family, device, grad=False)
     if why:
@@ -128,7 +107,7 @@ def load_run(path, device, attn_impl, dtype):
         model=model,
         ckpt_path=os.path.abspath(ckpt["path"]),
         ckpt_step=ckpt.get("step"),
-        ckpt_sha256=checkpoint_digest(ckpt),
+        ckpt_sha256=runtime.checkpoint_digest(ckpt),
         block_size=model.config.block_size,
         tokenizer=model.config.tokenizer,
         data_dir=ckpt.get("config", {}).get("data_dir"),
@@ -136,7 +115,7 @@ def load_run(path, device, attn_impl, dtype):
 
 
 def load_runs(paths, device, attn_impl="auto", dtype="float32"):
-    """(runs, tokenizer): every checkpoint as a run, all with one tokenizer (identical prompts)."""
+    """(runs, tokenizer): the checkpoints must share a tokenizer (identical prompts)."""
     runs = [load_run(path, device, attn_impl, dtype) for path in paths]
 
     names = {r["tokenizer"] for r in runs}
@@ -144,7 +123,7 @@ def load_runs(paths, device, attn_impl="auto", dtype="float32"):
         per_run = ", ".join(f"{r['label']}: {r['tokenizer']}" for r in runs)
         raise EvalError(f"the checkpoints use different tokenizers ({per_run}); compare separately")
 
-    # two run directories with the same name: told apart by index
+    # same-named run directories: suffixed with their index
     labels = [r["label"] for r in runs]
     for i, r in enumerate(runs):
         if labels.count(r["label"]) > 1:
@@ -153,7 +132,7 @@ def load_runs(paths, device, attn_impl="auto", dtype="float32"):
 
 
 def start(args, dtype="auto"):
-    """(runs, tokenizer, device, dtype) of --device, --ckpt and --attn_impl. Nothing written yet."""
+    """(runs, tokenizer, device, dtype) of --device, --ckpt, --attn_impl; writes nothing."""
     device = pick_device(args.device)
     dtype = resolve_dtype(device, dtype)
     runs, enc = load_runs(args.ckpt, device, args.attn_impl, dtype)
@@ -161,7 +140,7 @@ def start(args, dtype="auto"):
 
 
 def training_data_dir(runs, data_dir=None):
-    """data_dir if given, else the training data directory the checkpoints record (all alike)."""
+    """data_dir, else the training data directory that all checkpoints record."""
     if data_dir:
         return data_dir
 
@@ -178,46 +157,23 @@ def training_data_dir(runs, data_dir=None):
 
 
 def checkpoint_fields(run):
-    """What ties a result record to the checkpoint that produced it (not only to its path)."""
+    """Ties a result record to its checkpoint, not only to its path."""
     return dict(ckpt=run["ckpt_path"], ckpt_step=run["ckpt_step"], ckpt_sha256=run["ckpt_sha256"])
-
-
-def out_of_memory(error, device):
-    """'out of memory (<first line>)' for a failed allocation, else None."""
-    if not is_out_of_memory(error):
-        return None
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"out of memory ({first_line})"
-
-
-def fits(device, fn, *args):
-    """Run fn(*args): None, or why it is skipped when it runs out of memory (others are raised)."""
-    try:
-        fn(*args)
-    except RuntimeError as error:
-        reason = out_of_memory(error, device)
-        if reason is None:
-            raise
-        return reason
-    return None
 
 
 def skip_note(label, length, reason):
     print(f"skipping length {length} for {label}: {reason}", file=sys.stderr)
 
 
-# ---- results ------------------------------------------------------------------------------------
+# ---- results
 def check_settings(jsonl_path, settings):
     """Refuse to resume a JSONL made with other settings (kept in <jsonl>.settings.json)."""
     side = jsonl_path + ".settings.json"
-    # tuples -> lists, so that the comparison is exact
+    # tuples -> lists: an exact comparison
     settings = json.loads(json.dumps(settings))
 
     if not os.path.exists(jsonl_path) or os.path.getsize(jsonl_path) == 0:
-        with atomic_file(side, "w") as f:
+        with runtime.atomic_file(side, "w") as f:
             json.dump(settings, f, indent=1)
         return
 
@@ -234,84 +190,16 @@ def check_settings(jsonl_path, settings):
         )
 
 
-def whole_records(path):
-    """The records up to the first damaged line, and whether there is one."""
-    lines = []
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = f.readlines()
-
-    records = []
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            return records, True
-        if not line.endswith("\n"):
-            return records[:-1], True
-    return records, False
-
-
-class ResultLog:
-    """Append-only per-sample JSONL; reopening it resumes (`done`: the keys written), unless it
-    was made with other settings, and evaluates again a path that now holds another checkpoint."""
-
-    def __init__(self, path, key_fields, runs=(), settings=None):
-        self.path = path
-        self.key_fields = key_fields
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if settings is not None:
-            check_settings(path, settings)
-
-        # a path evaluated now with other weights: its records are dropped
-        digest_now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
-
-        def is_current(r):
-            return digest_now.get(r.get("ckpt"), r.get("ckpt_sha256")) == r.get("ckpt_sha256")
-
-        records, damaged = whole_records(path)
-        self.records = list(filter(is_current, records))
-        # a damaged tail goes first, else new records would be appended behind it and lost
-        if damaged or len(self.records) < len(records):
-            with atomic_file(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.records)
-        self.done = {self.key(r) for r in self.records}
-
-        for stale in dict.fromkeys(r["ckpt"] for r in records if not is_current(r)):
-            note = f"note: {stale} changed since {path} was written: its results are redone"
-            print(note, file=sys.stderr)
-
-    def key(self, record):
-        return tuple(record[k] for k in self.key_fields)
-
-    def add(self, record):
-        size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-        try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as e:
-            # cut a partial line now, so that the file only ever holds whole records
-            with contextlib.suppress(OSError):
-                os.truncate(self.path, size)
-            e.filename = e.filename or self.path
-            raise
-
-        self.records.append(record)
-        self.done.add(self.key(record))
-
-
 def write_table(rows, path_prefix):
-    """A list of flat dicts as <prefix>.json and <prefix>.csv (a list in a cell as JSON)."""
+    """Flat dicts as <prefix>.json and .csv (a list in a CSV cell as JSON)."""
     os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
-    with atomic_file(path_prefix + ".json", "w") as f:
+    with runtime.atomic_file(path_prefix + ".json", "w") as f:
         json.dump(rows, f, indent=1)
     if not rows:
         return
 
     fieldnames = list(dict.fromkeys(k for r in rows for k in r))
-    with atomic_file(path_prefix + ".csv", "w", newline="") as f:
+    with runtime.atomic_file(path_prefix + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         for r in rows:
@@ -324,13 +212,13 @@ def markdown_table(header, rows):
     return "\n".join(lines)
 
 
-# ---- the per-seed tables ------------------------------------------------------------------------
+# ---- the per-seed tables
 # <variant>-s<seed>[ ...]
 SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")
 
 
 def seed_split(name):
-    """(variant, seed) of a run name <variant>-s<seed>[ rest] (bam_ssmax-s3), else (name, None)."""
+    """(variant, seed) of <variant>-s<seed>[ rest] (bam_ssmax-s3), else (name, None)."""
     match = SEEDED_NAME.match(name)
     if not match:
         return name, None
@@ -339,10 +227,10 @@ def seed_split(name):
 
 
 def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
-    """The per-seed table of runs named <variant>-s<seed>: a row per run, then per variant the
-    median and the worst (("min", min) or ("max", max)) of its seeds. cells: {run label:
-    {multiple of the training length: value}}. Writes <path_prefix>.{md,csv,json} (and .png, given
-    figure); returns the markdown, or None (nothing written) when no label carries a seed."""
+    """Per-seed table of runs named <variant>-s<seed>: a row per run, then each variant's median
+    and worst (("min", min) or ("max", max)) over seeds. cells: {label: {multiple of the training
+    length: value}}. Writes <path_prefix>.{md,csv,json} (.png given figure); returns the markdown,
+    or None (nothing written) if no label has a seed."""
     by_run = {seed_split(label): values for label, values in cells.items()}
     if all(seed is None for _, seed in by_run):
         return None
@@ -355,7 +243,7 @@ def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
     for variant in dict.fromkeys(v for v, _ in by_run):
         seeds = sorted((s for v, s in by_run if v == variant), key=lambda s: (s is None, s))
         runs = [by_run[(variant, s)] for s in seeds]
-        # over the seeds that have the cell (a length can be skipped for lack of memory)
+        # over seeds that have the cell (a length may be skipped for lack of memory)
         per_mult = {m: [r[m] for r in runs if m in r] for m in mults}
         per_mult = {m: v for m, v in per_mult.items() if v}
 
@@ -388,14 +276,14 @@ def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
         plot_curves(series, (), path_prefix + ".png", xlabel, bands=bands, **figure)
 
     text = markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\n{caption}\n"
-    with atomic_file(path_prefix + ".md", "w") as f:
+    with runtime.atomic_file(path_prefix + ".md", "w") as f:
         f.write(text)
     return text
 
 
-# ---- figures ------------------------------------------------------------------------------------
+# ---- figures
 def pyplot():
-    """matplotlib's pyplot, drawing to files only (no display needed)."""
+    """matplotlib's pyplot, drawing to files (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -405,16 +293,16 @@ def pyplot():
 
 
 def save_figure(fig, path, **savefig_args):
-    """fig.savefig through atomic_file (the format from path's extension), then close it."""
+    """fig.savefig via runtime.atomic_file (format from path's extension), then close."""
     try:
-        with atomic_file(path) as f:
+        with runtime.atomic_file(path) as f:
             fig.savefig(f, format=os.path.splitext(path)[1][1:] or None, **savefig_args)
     finally:
         pyplot().close(fig)
 
 
 def curves(rows, x, y):
-    """{label: (xs, ys)}: a curve per label through the rows that have a value y."""
+    """{label: (xs, ys)}: a curve per label through the rows with a y value."""
     series = {}
     for r in rows:
         if r[y] is not None:
@@ -424,7 +312,6 @@ def curves(rows, x, y):
     return series
 
 
-# a line style and marker per seed
 LINE_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v")]
 
 

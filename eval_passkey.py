@@ -1,15 +1,14 @@
 """
 Passkey retrieval, the paper's headline experiment, with the authors' prompts and scoring (their
-evaluate.py): a key hidden in filler text at equidistant depths. A sample is correct iff every
-scored answer token is the model's argmax, teacher-forced on the answer.
+evaluate.py): a key hidden in filler at equidistant depths. A sample is correct iff every scored
+answer token is the model's argmax, teacher-forced.
 
     python eval_passkey.py --ckpt out/run1 [--ckpt out/run2 ...]
         [--lengths 4096 8192 | --max_length N | --preset paper|extreme] [--samples 20]
 
 Writes passkey_samples.jsonl (a rerun resumes it), passkey_summary and passkey_by_depth
-(.json/.csv), passkey_meta.json and the figures to --out; with seeded run names also demo_table.
-The prompt, also what the CPU demo trains on (prepare_demo.py), each piece tokenized on its own
-as the authors do:
+(.json/.csv), passkey_meta.json and figures to --out; with seeded run names also demo_table. The
+prompt (prepare_demo.py trains on it too), each piece tokenized alone as the authors do:
 
     [task] + filler x k + [needle with the key] + filler x (N - k) + [question]   then " " + key
 """
@@ -30,12 +29,11 @@ from eval_common import (
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
-    ResultLog,
     add_common_args,
+    check_settings,
     checkpoint_fields,
     curves,
     default_lengths,
-    fits,
     markdown_table,
     model_device,
     parse_lengths,
@@ -47,20 +45,11 @@ from eval_common import (
     write_table,
 )
 from eval_common import seed_table as write_seed_table
-from runtime import (
-    atomic_file,
-    autocast,
-    errors_in_one_line,
-    own_folder,
-    peak_memory_bytes,
-    reset_peak_memory,
-    return_large_allocations,
-)
+from infra import runtime
 
-# ---- prompts ------------------------------------------------------------------------------------
-# A template has task, filler, needle, question and digits; optionally sep (the text before each
-# later piece, see separator()), document (the prompt opens with the document-start token) and
-# given_digits (leading key digits that are given, not scored).
+# ---- prompts
+# task, filler, needle, question, digits; optional: sep (before each later piece), document (open
+# with the document-start token), given_digits (leading key digits given, not scored)
 TEMPLATES = {
     # the authors' evaluate.py, verbatim
     "paper": {
@@ -72,9 +61,8 @@ TEMPLATES = {
         "question": "What is the pass key? The pass key is",
         "digits": 5,
     },
-    # The CPU demo (byte tokenizer): "@" opens the task, the filler is a closed walk of
-    # prepare_demo.CHAIN (training documents use fresh random walks of that chain), "#" announces
-    # the key and "?" asks for it. No separator: every byte is one symbol. Opens like a document.
+    # the CPU demo (byte tokenizer): "@" opens the task, the filler is a closed walk of
+    # prepare_demo.CHAIN (training uses fresh walks), "#" marks the key, "?" asks for it
     "demo": {
         "task": "@",
         "filler": "bgnfmheldi",
@@ -85,11 +73,10 @@ TEMPLATES = {
         "document": True,
     },
 }
-# the authors' public evaluate.py
-PAPER_LENGTHS = [int(x) for x in np.linspace(0, 32768, 10)][1:]
-# lengths, samples, and what a preset changes in the template and in the precision
+# lengths, samples, and any change to the template and precision
 PRESETS = {
-    "paper": dict(lengths=PAPER_LENGTHS, samples=20),
+    # the authors' public evaluate.py
+    "paper": dict(lengths=[int(x) for x in np.linspace(0, 32768, 10)][1:], samples=20),
     # the authors' 500K run
     "extreme": dict(
         lengths=list(range(10_000, 100_001, 10_000)) + list(range(200_000, 500_001, 100_000)),
@@ -99,7 +86,7 @@ PRESETS = {
     ),
 }
 DEFAULT_SAMPLES = 20
-SEED = 1234  # the keys of every length come from default_rng([SEED, length])
+SEED = 1234  # each length's keys come from default_rng([SEED, length])
 
 
 def template_hash(template):
@@ -108,12 +95,8 @@ def template_hash(template):
 
 
 def separator(enc, template):
-    """The text in front of every piece after the task. SentencePiece starts every separately
-    encoded text with a word boundary, tiktoken does not: with gpt2 and byte it is a space."""
-    if "sep" in template:
-        return template["sep"]
-
-    return "" if enc.word_boundary else " "
+    """Before each later piece: none where every encoding opens a word (SentencePiece), else " "."""
+    return template.get("sep", "" if enc.word_boundary else " ")
 
 
 def pieces(enc, template):
@@ -137,15 +120,14 @@ def widest_key(template):
 
 
 def random_keys(rng, template, n):
-    """n keys with exactly the template's number of digits, uniform over them."""
+    """n keys, uniform over those with exactly the template's digits."""
     digits = template["digits"]
     return rng.integers(10 ** (digits - 1), 10**digits, size=n)
 
 
 def answer_tokens(enc, key, given_digits=0):
-    """(tokens of " " + str(key), n_given): leading whitespace and whole tokens of the first
-    given_digits digits are given, not scored: the authors' with Mistral ("▁" given, one token per
-    digit) and byte; gpt2 merges the space into digits (" 123" + "45"): all scored."""
+    """(tokens of " " + str(key), n_given): the whole leading tokens of the space and the first
+    given_digits digits are given, not scored; gpt2 merges the space into digits: all scored."""
     answer = enc.encode_ordinary(" " + str(key))
     given = str(key)[:given_digits]
 
@@ -160,7 +142,7 @@ def join(parts, before, needle, after):
 
 
 def min_prompt_length(enc, template):
-    """Tokens of the prompt without filler, with the widest key: the shortest target."""
+    """Prompt tokens without filler, with the widest key: the shortest target."""
     parts = pieces(enc, template)
     widest = needle_tokens(enc, template, widest_key(template))
 
@@ -168,7 +150,7 @@ def min_prompt_length(enc, template):
 
 
 def filler_units(enc, template, target_length):
-    """N: the filler units that fit beside task, needle (with the widest key) and question."""
+    """N: filler units that fit beside task, needle (widest key) and question."""
     room = target_length - min_prompt_length(enc, template)
     return max(0, room // len(pieces(enc, template)["filler"]))
 
@@ -222,14 +204,14 @@ def make_samples(enc, template, target_length, samples, seed=SEED):
     ]
 
 
-# ---- score --------------------------------------------------------------------------------------
-BATCH_TOKENS = 65536  # samples of one length share a forward while batch x length stays under it
+# ---- score
+BATCH_TOKENS = 65536  # one length's samples share a forward while batch x length stays under it
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "target_length", "sample")
 
 
 def score_batch(model, prompts, answers, n_given=0):
     """Teacher-forced exact match of prompts + answers (each of one length): [(correct, predicted
-    tokens)], from logits only at the positions that predict answer[n_given:]."""
+    tokens)], from logits only where answer[n_given:] is predicted."""
     n_scored = len(answers[0]) - n_given
     rows = [prompt + answer[:-1] for prompt, answer in zip(prompts, answers)]
     idx = torch.tensor(rows, dtype=torch.long, device=model_device(model))
@@ -272,9 +254,9 @@ def score(runs, enc, template, lengths, samples, log, device, dtype, progress=Tr
 
 
 def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
-    """Score one run's `missing` samples at one length, equal token lengths in one forward, a
-    batch out of memory halved down to one sample. Returns why the length is skipped, or None."""
-    reset_peak_memory(device)
+    """Score one run's `missing` samples at one length, batching equal token lengths, halving a
+    batch out of memory down to one: None, or why the length is skipped."""
+    runtime.reset_peak_memory(device)
 
     groups = {}
     for i in missing:
@@ -286,7 +268,7 @@ def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
         while group:
             chunk = group[:batch]
             args = (run, enc, length, prompts, chunk, n_given, device, dtype, log)
-            reason = fits(device, score_chunk, *args)
+            reason = runtime.fits(device, score_chunk, *args)
             if reason and batch == 1:
                 return reason
             if reason:
@@ -299,15 +281,15 @@ def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
 
 
 def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
-    """Score the samples `chunk` of one length (equal token lengths) in one forward, into `log`."""
+    """Score the `chunk` samples (equal token lengths) in one forward, into `log`."""
     t0 = time.perf_counter()
-    with autocast(device, dtype):
+    with runtime.autocast(device, dtype):
         chunk_prompts = [prompts[i][0] for i in chunk]
         chunk_answers = [prompts[i][1] for i in chunk]
         results = score_batch(run["model"], chunk_prompts, chunk_answers, n_given)
 
     seconds = (time.perf_counter() - t0) / len(chunk)
-    peak_mib = peak_memory_bytes(device) / 2**20
+    peak_mib = runtime.peak_memory_bytes(device) / 2**20
 
     for i, (correct, predicted) in zip(chunk, results):
         _, answer, info = prompts[i]
@@ -325,7 +307,7 @@ def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
         log.add(record)
 
 
-# ---- summarise ----------------------------------------------------------------------------------
+# ---- summarise
 DEPTH_BINS = 10  # of the by-depth table and heatmaps
 
 
@@ -335,7 +317,7 @@ def bin_label(b, n_bins=DEPTH_BINS):
 
 def digits_right(rec, enc):
     """[is digit k of the key right] (None: given, not scored): the answer's given text, then its
-    teacher-forced predicted_text, read character by character after the space."""
+    teacher-forced predicted_text, read per character after the space."""
     key = str(rec["key"])
     given = (" " + key)[: len(key) + 1 - len(enc.decode(rec["answer_tokens"]))]
     text = (given + rec["predicted_text"])[1:]
@@ -344,7 +326,7 @@ def digits_right(rec, enc):
 
 
 def summarise(records, runs, lengths, enc, template, meta, out, device, started):
-    """Write and print the tables, the figures and passkey_meta.json."""
+    """Write and print the tables, figures and passkey_meta.json."""
     summary, by_depth = summary_rows(records, runs, lengths, enc, meta["skipped"])
     write_table(summary, os.path.join(out, "passkey_summary"))
     write_table(by_depth, os.path.join(out, "passkey_by_depth"))
@@ -354,29 +336,26 @@ def summarise(records, runs, lengths, enc, template, meta, out, device, started)
     if series:
         figures.append(os.path.join(out, "passkey_accuracy.png"))
         train_lengths = [run["block_size"] for run in runs if run["label"] in series]
-        xlabel = "context length (tokens, log scale)"
+        axes = ("context length (tokens, log scale)", "passkey accuracy")
         title = "Passkey retrieval: accuracy vs context length"
-        ylim = (-0.03, 1.03)
-        plot_curves(
-            series, train_lengths, figures[-1], xlabel, "passkey accuracy", title, ylim=ylim
-        )
+        plot_curves(series, train_lengths, figures[-1], *axes, title, ylim=(-0.03, 1.03))
 
-    meta["runs"] = [
-        dict(label=run["label"], **checkpoint_fields(run), train_length=run["block_size"])
-        for run in runs
-    ]
-    for row, run in zip(meta["runs"], runs):
-        row.update(pos_encoding=run["model"].config.pos_encoding, ssmax=run["model"].config.ssmax)
+    meta["runs"] = []
+    for run in runs:
+        config = run["model"].config
+        row = dict(label=run["label"], **checkpoint_fields(run), train_length=run["block_size"])
+        meta["runs"].append(dict(row, pos_encoding=config.pos_encoding, ssmax=config.ssmax))
+
     cuda = torch.device(device).type == "cuda"
     meta.update(
         device=str(device),
         torch=torch.__version__,
         wall_seconds=round(time.perf_counter() - started, 2),
-        peak_rss_mib=round(peak_memory_bytes("cpu") / 2**20, 1),
-        peak_gpu_mib=round(peak_memory_bytes(device) / 2**20, 1) if cuda else None,
+        peak_rss_mib=round(runtime.peak_memory_bytes("cpu") / 2**20, 1),
+        peak_gpu_mib=round(runtime.peak_memory_bytes(device) / 2**20, 1) if cuda else None,
         figures=[os.path.basename(p) for p in figures if p],
     )
-    with atomic_file(os.path.join(out, "passkey_meta.json"), "w") as f:
+    with runtime.atomic_file(os.path.join(out, "passkey_meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
     rows = []
@@ -419,7 +398,7 @@ def summary_rows(records, runs, lengths, enc, skipped=()):
 
 
 def cell_scores(recs, enc, reason=None):
-    """The summary fields of one checkpoint at one length."""
+    """Summary fields of one checkpoint at one length."""
     n = len(recs)
     if not n:
         fields = ("accuracy", "digit_accuracy", "mean_length", "seconds", "seconds_per_sample")
@@ -444,7 +423,7 @@ def cell_scores(recs, enc, reason=None):
 
 
 def depth_rows(row, recs, n_bins=DEPTH_BINS):
-    """The accuracy by needle depth of one summary row's records."""
+    """Accuracy by needle depth of one summary row's records."""
     bins = {}
     for rec in recs:
         b = min(int(rec["depth"] * n_bins), n_bins - 1)
@@ -497,7 +476,7 @@ def plot_depth_heatmap(run, by_depth, out, n_bins=DEPTH_BINS):
     ax.set_xticks(range(len(cols)), map(str, cols), rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(n_bins), [bin_label(b, n_bins) for b in range(n_bins)], fontsize=8)
 
-    # where the training length falls between the columns (log scale)
+    # the training length's place among the columns (log scale)
     train_col = np.interp(np.log(run["block_size"]), np.log(cols), np.arange(len(cols)))
     ax.axvline(train_col, color="black", linestyle="--", linewidth=1.5)
     ax.set(xlabel="context length (tokens)", ylabel="needle depth")
@@ -511,7 +490,7 @@ def plot_depth_heatmap(run, by_depth, out, n_bins=DEPTH_BINS):
     return path
 
 
-# ---- main ---------------------------------------------------------------------------------------
+# ---- main
 def build_parser():
     ap = argparse.ArgumentParser(description="Passkey retrieval across context lengths.")
     add_common_args(ap, default_out="results/passkey")
@@ -549,10 +528,10 @@ def main(argv=None):
     train_lengths = [r["block_size"] for r in runs]
     lengths = preset.get("lengths") or default_lengths(train_lengths, args.max_length)
     lengths = parse_lengths(args.lengths) if args.lengths else lengths
-    own_folder(args.out)
+    runtime.own_folder(args.out)
 
-    # Prompts depend only on (seed, length, template, samples): a rerun with these settings
-    # resumes the JSONL, one with others is refused.
+    # prompts depend only on (seed, length, template, samples): a rerun with these settings
+    # resumes the JSONL, one with others is refused
     settings = dict(
         seed=SEED,
         template=args.template,
@@ -562,7 +541,9 @@ def main(argv=None):
         tokenizer=runs[0]["tokenizer"],
         dtype=dtype,
     )
-    log = ResultLog(os.path.join(args.out, "passkey_samples.jsonl"), KEY_FIELDS, runs, settings)
+    log_path = os.path.join(args.out, "passkey_samples.jsonl")
+    check_settings(log_path, settings)
+    log = runtime.ResultLog(log_path, KEY_FIELDS, runs)
 
     shortest = min_prompt_length(enc, template)
     too_short = f"shorter than the prompt without filler ({shortest} tokens)"
@@ -582,6 +563,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    return_large_allocations()
-    errors_in_one_line("eval_passkey.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    runtime.return_large_allocations()
+    runtime.errors_in_one_line("eval_passkey.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
     main()

@@ -4,9 +4,9 @@ Perplexity along the position axis (the paper's protocol): where a model stops e
     python eval_ppl.py --ckpt out/run1 --ckpt out/run2 --seq_len 32768 [--window 1024]
         [--data val | hf:wikimedia/wikipedia:20231101.en] [--num_seqs 64]
 
-Every target of a sequence is scored by one forward over the whole sequence; the curve pools each
---window positions over all sequences. Writes ppl_samples.jsonl (a rerun resumes it), ppl_summary
-(.json/.csv) and ppl_vs_position.png to --out; with seeded run names also ppl_table.
+One forward over a whole sequence scores all its targets; the curve pools each --window positions
+over all sequences. Writes ppl_samples.jsonl (a rerun resumes it), ppl_summary (.json/.csv) and
+ppl_vs_position.png to --out; with seeded run names also ppl_table.
 """
 
 import argparse
@@ -24,11 +24,9 @@ from eval_common import (
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
-    ResultLog,
     add_common_args,
     checkpoint_fields,
     curves,
-    fits,
     markdown_table,
     model_device,
     plot_curves,
@@ -37,23 +35,16 @@ from eval_common import (
     training_data_dir,
     write_table,
 )
-from runtime import (
-    autocast,
-    errors_in_one_line,
-    own_folder,
-    peak_memory_bytes,
-    reset_peak_memory,
-    return_large_allocations,
-)
+from infra import runtime
 
 HF_DEFAULT_SEQS = 128  # the authors' public CLI
 KEY_FIELDS = ("ckpt", "ckpt_sha256", "data", "seq_len", "window", "dtype", "seq")
 
 
-# ---- prompts: sequences of seq_len + 1 tokens ---------------------------------------------------
+# ---- prompts: sequences of seq_len + 1 tokens
 def val_sequences(data_dir, tokenizer_name, seq_len):
-    """(rows (N, seq_len + 1), description) of the validation split's first VAL_TOKENS, document
-    tokens removed: documents run together with no document mask, as the authors did on FineWeb."""
+    """(rows (N, seq_len + 1), description) of the validation split's first VAL_TOKENS without
+    document tokens: documents run together unmasked, as the authors did on FineWeb."""
     available = sum(len(open_shard(p, tokenizer_name)) for p in shard_paths(data_dir, "val"))
     if available < VAL_TOKENS:
         print(f"note: {data_dir}'s validation split holds {available} tokens, < {VAL_TOKENS}")
@@ -74,7 +65,7 @@ def val_sequences(data_dir, tokenizer_name, seq_len):
 
 
 def hf_texts(spec):
-    """The "text" column of the train split of hf:NAME[:CONFIG], streamed from Hugging Face."""
+    """The "text" column of hf:NAME[:CONFIG]'s train split, streamed from Hugging Face."""
     name, _, config = spec[len("hf:") :].partition(":")
     try:
         from datasets import load_dataset
@@ -107,7 +98,7 @@ def hf_sequences(texts, tokenizer, seq_len, num_seqs):
 
 
 def prompts(args, runs, enc):
-    """(rows (N, seq_len + 1), data description) of --data, at most --num_seqs rows."""
+    """(rows (N, seq_len + 1), data description) of --data, up to --num_seqs rows."""
     wanted = args.num_seqs
     if args.data == "val":
         data_dir = training_data_dir(runs, args.data_dir)
@@ -122,17 +113,17 @@ def prompts(args, runs, enc):
     return rows[:wanted], desc
 
 
-# ---- score: per-target cross-entropy of one sequence --------------------------------------------
+# ---- score: per-target cross-entropy of one sequence
 @torch.no_grad()
 def full_token_losses(model, seq):
-    """The CE of each target of seq (seq_len + 1 tokens) from ONE forward: (seq_len,) fp32."""
+    """CE of each target of seq (seq_len + 1 tokens) from ONE forward: (seq_len,) fp32."""
     seq = torch.as_tensor(seq, dtype=torch.long, device=model_device(model))
     _, losses = model(seq[None, :-1], seq[None, 1:], reduction="none")
     return losses[0].float().cpu()
 
 
 def window_sums(losses, window):
-    """(window ends, loss sums in float64, counts) in windows of `window` positions."""
+    """(window ends, float64 loss sums, counts) per `window` positions."""
     chunks = torch.as_tensor(losses).double().split(window)
     counts = [c.numel() for c in chunks]
 
@@ -140,17 +131,17 @@ def window_sums(losses, window):
 
 
 def score(args, run, seqs, data_desc, dtype, device, log):
-    """One checkpoint's summary rows (a window per row, then 'overall'), resuming from `log`; one
-    row "skipped" where a forward over --seq_len tokens runs out of memory."""
+    """One checkpoint's summary rows (one per window, then 'overall'), resuming from `log`; one
+    "skipped" row if a forward over --seq_len tokens runs out of memory."""
     key = dict(checkpoint_fields(run), data=data_desc, seq_len=args.seq_len, window=args.window)
     key["dtype"] = dtype
     base = dict(label=run["label"], **key, n_seqs=len(seqs), train_length=run["block_size"])
 
     t0 = time.time()
-    reset_peak_memory(device)
+    runtime.reset_peak_memory(device)
     records = []
     n_logged = len(log.records)
-    reason = fits(device, score_all, args, run, seqs, key, device, dtype, log, records)
+    reason = runtime.fits(device, score_all, args, run, seqs, key, device, dtype, log, records)
     if reason:
         note = f"skipped: a forward over {args.seq_len} tokens ran {reason}"
         print(f"{run['label']}: {note}")
@@ -161,10 +152,10 @@ def score(args, run, seqs, data_desc, dtype, device, log):
         print(f"{run['label']}: {resumed} of {len(seqs)} sequences resumed from {log.path}")
 
     rows = window_rows(records, base)
-    # compute time summed over every sitting; peak memory of this one (CPU: peak RSS)
+    # compute time summed over sittings; peak memory of this one (CPU: peak RSS)
     rows[-1].update(
         seconds=round(sum(r["seconds"] for r in records), 3),
-        peak_mem_bytes=peak_memory_bytes(device) if resumed < len(seqs) else None,
+        peak_mem_bytes=runtime.peak_memory_bytes(device) if resumed < len(seqs) else None,
     )
     overall = rows[-1]
     print(f"{run['label']}: overall ppl {overall['ppl']:.4f} ({time.time() - t0:.1f}s)")
@@ -172,7 +163,7 @@ def score(args, run, seqs, data_desc, dtype, device, log):
 
 
 def score_all(args, run, seqs, key, device, dtype, log, records):
-    """Every sequence's record into `records`, from `log` or scored now and added to it."""
+    """Each sequence's record into `records`: from `log`, or scored now and logged."""
     by_key = {log.key(r): r for r in log.records}
 
     for i in tqdm(range(len(seqs)), desc=run["label"], unit="seq"):
@@ -186,7 +177,7 @@ def score_all(args, run, seqs, key, device, dtype, log, records):
             )
         if rec is None:
             t0 = time.time()
-            with autocast(device, dtype):
+            with runtime.autocast(device, dtype):
                 losses = full_token_losses(run["model"], seqs[i])
             ends, sums, counts = window_sums(losses, args.window)
 
@@ -196,9 +187,9 @@ def score_all(args, run, seqs, key, device, dtype, log, records):
         records.append(rec)
 
 
-# ---- summarise ----------------------------------------------------------------------------------
+# ---- summarise
 def window_rows(records, base):
-    """Per window, ppl = exp(mean CE over that window in every sequence), then 'overall'."""
+    """Per window ppl = exp(mean CE over the window in all sequences), then 'overall'."""
     ends = records[0]["window_ends"]
     sums = np.sum([r["loss_sums"] for r in records], axis=0)
     counts = np.sum([r["counts"] for r in records], axis=0)
@@ -217,9 +208,9 @@ def window_rows(records, base):
 
 
 def ppl_seed_table(rows, args, data_desc, n_seqs):
-    """<out>/ppl_table: per seeded run the perplexity at k = 1, 2, 4, ... x the training length L,
-    pooled over every window that ends in (k L / 2, k L] (in (0, L] for k = 1): an octave of
-    positions, as wide as the step to the next column."""
+    """<out>/ppl_table: per seeded run the perplexity at k = 1, 2, 4, ... x training length L,
+    pooled over windows ending in (k L / 2, k L] (in (0, L] for k = 1): an octave of positions, as
+    wide as the step to the next column."""
     # (label, k) -> [sum of losses, tokens]
     pooled = {}
     for r in rows:
@@ -253,7 +244,7 @@ def ppl_seed_table(rows, args, data_desc, n_seqs):
 
 
 def summarise(args, runs, rows, data_desc, n_seqs):
-    """ppl_summary, the per-seed table and the curves, printed and drawn."""
+    """ppl_summary, the per-seed table and curves, printed and drawn."""
     prefix = os.path.join(args.out, "ppl_summary")
     write_table(rows, prefix)
     table = ppl_seed_table(rows, args, data_desc, n_seqs)
@@ -279,7 +270,7 @@ def summarise(args, runs, rows, data_desc, n_seqs):
     print(f"wrote {prefix}.json, {prefix}.csv, {figure}")
 
 
-# ---- main ---------------------------------------------------------------------------------------
+# ---- main
 def build_parser():
     p = argparse.ArgumentParser(description="Perplexity along the position axis.")
     add_common_args(p, default_out="results/ppl")
@@ -311,9 +302,9 @@ def main(argv=None):
     runs, enc, device, dtype = start(args)
     seqs, data_desc = prompts(args, runs, enc)
     print(f"data: {data_desc}: {len(seqs)} x {args.seq_len} targets; {device}, {dtype}")
-    own_folder(args.out)
+    runtime.own_folder(args.out)
 
-    log = ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS, runs)
+    log = runtime.ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS, runs)
     rows = []
     for run in runs:
         rows += score(args, run, seqs, data_desc, dtype, device, log)
@@ -323,6 +314,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    return_large_allocations()
-    errors_in_one_line("eval_ppl.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    runtime.return_large_allocations()
+    runtime.errors_in_one_line("eval_ppl.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
     main()

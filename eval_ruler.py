@@ -1,9 +1,7 @@
 """
 RULER's 8 needle-in-a-haystack subtasks (NVIDIA/RULER @ c3f5e3b, scripts/data/synthetic/niah.py,
-constants.py, synthetic.yaml) with RULER's strings, key types and haystack search; greedy decoding
-with the KV cache, scored with RULER's string_match_all. Its departures from RULER sit beside the
-code that makes them: a word key is an adjective and a noun drawn one after the other (RULER draws
-one of their 6.2M pairs: the same keys, each as likely), from a random stream per sample.
+constants.py, synthetic.yaml) with its strings, key types and haystack search; greedy decoding with
+the KV cache, scored by RULER's string_match_all. Departures from RULER are noted at the code.
 
     python eval_ruler.py --ckpt out/run1 [--tasks all|niah_single_1,...] [--lengths 1024,2048]
     python eval_ruler.py --ckpt out/run1 --preset paper --haystack_file PaulGrahamEssays.json
@@ -31,11 +29,10 @@ from eval_common import (
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
-    ResultLog,
     add_common_args,
+    check_settings,
     curves,
     default_lengths,
-    fits,
     markdown_table,
     parse_lengths,
     plot_curves,
@@ -44,10 +41,10 @@ from eval_common import (
     training_data_dir,
     write_table,
 )
-from runtime import autocast, errors_in_one_line, own_folder, return_large_allocations
+from infra import runtime
 
-# ---- prompts ------------------------------------------------------------------------------------
-# RULER's strings (scripts/data/synthetic/constants.py and niah.py), verbatim
+# ---- prompts
+# RULER's strings, verbatim (scripts/data/synthetic/constants.py, niah.py)
 TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
     "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
@@ -57,13 +54,12 @@ ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the
 MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-# singular forms when one value is asked for, applied in this order
+# singular forms when one value is asked, applied in order
 SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))
 TOKENS_TO_GENERATE = 128
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
 
-# scripts/synthetic.yaml. num_needle_k is raised to max(num_k, num_q) when a sample is built
-# (multiquery: 4).
+# scripts/synthetic.yaml; build_input raises num_needle_k to num_needle_q (multiquery: 4)
 _TASK_FIELDS = (
     "type_haystack", "type_needle_k", "type_needle_v",
     "num_needle_k", "num_needle_v", "num_needle_q",
@@ -80,13 +76,13 @@ _TASK_ROWS = {
 }  # fmt: skip
 TASKS = {name: dict(zip(_TASK_FIELDS, row)) for name, row in _TASK_ROWS.items()}
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # RULER's SEQ_LENGTHS (scripts/run.sh)
-MAX_LENGTH = 32768  # without --lengths: the training length x 1, 2, 4, ... up to this
+MAX_LENGTH = 32768  # default lengths: training length x 1, 2, 4, ... up to this
 SEED = 42  # RULER's
 MAX_ATTEMPTS = 1000
 
 
 def task_template(cfg):
-    """(template, type_needle_v), singular when one value is asked for."""
+    """(template, type_needle_v), singular when one value is asked."""
     template = MODEL_TEMPLATE.format(task_template=TEMPLATE) + ANSWER_PREFIX
 
     type_needle_v = cfg["type_needle_v"]
@@ -98,22 +94,20 @@ def task_template(cfg):
     return template, type_needle_v
 
 
-# ---- sentences -----------------------------------------------------------------------------------
+# ---- sentences
 _CLOSERS = "\"')]}\u201d\u2019\u00bb"
 _OPENERS = "\"'([{\u201c\u2018\u00ab"
 _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
 
 
 def ends_sentence(word, next_word):
-    """Does a sentence end after `word`? A rule-based stand-in for RULER's NLTK punkt (no nltk
-    dependency): ! or ? end one, so does a period except after an initial ("J.", "U.S.", "e.g."),
-    an ellipsis only before a capital. Where it differs from punkt, only where a needle may go
-    moves, never what is inserted. Unlike punkt it knows no abbreviations ("Mr.", "Fig."): on
-    RULER's Paul Graham essays that moves 3 of 5,484 sentence ends."""
+    """Does a sentence end after `word`? A rule-based stand-in for RULER's NLTK punkt: ! or ? ends
+    one, a period too unless after an initial ("J.", "U.S.", "e.g."), an ellipsis only before a
+    capital. No abbreviations ("Mr."): that moves where a needle may go (3 of 5,484 sentence ends
+    in RULER's essays), never what is inserted."""
     core = word.rstrip(_CLOSERS)
     if not core or core[-1] not in ".!?":
         return False
-
     if core[-1] in "!?":
         return True
 
@@ -150,11 +144,11 @@ class Essay:
         return [" ".join(words[a:b]) for a, b in zip([0] + ends[:-1], ends)]
 
 
-# ---- keys and values -----------------------------------------------------------------------------
+# ---- keys and values
 @functools.lru_cache(maxsize=None)
 def word_lists():
-    """(adjectives, nouns) of RULER's niah.py (wonderwords), sorted, without repeats: each
-    pair is one of RULER's 6,171,620 word keys, sorted(set(f"{adj}-{noun}")), exactly once."""
+    """(adjectives, nouns) of RULER's niah.py (wonderwords), sorted, deduplicated: each pair is
+    one of RULER's 6,171,620 word keys, sorted(set(f"{adj}-{noun}")), exactly once."""
     from wonderwords import random_word
 
     adjs = random_word._get_words_from_text_file("adjectivelist.txt")
@@ -170,7 +164,8 @@ def words_digest():
 
 
 def random_value(kind, rng):
-    """A needle's key or value: 7 digits, a word key (adjective-noun) or a uuid4."""
+    """A needle's key or value: 7 digits, a uuid4, or adjective-noun (RULER draws one of the
+    pairs: the same keys, equally likely)."""
     if kind == "numbers":
         return str(rng.randint(10**6, 10**7 - 1))
 
@@ -182,36 +177,31 @@ def random_value(kind, rng):
 
 
 def random_key(kind, rng, taken):
-    """A key not in `taken`: unlike RULER, a distractor never repeats a real key (among 6.2M,
-    practically never)."""
+    """A key not in `taken`: unlike RULER's, a distractor never repeats a real key."""
     while True:
         key = random_value(kind, rng)
         if key not in taken:
             return key
 
 
-# ---- one input, RULER's generate_input_output ----------------------------------------------------
+# ---- one input, RULER's generate_input_output
 def build_input(task, num_haystack, rng, essay=None, seed=42):
-    """RULER's generate_input_output, drawing from `rng` in RULER's order: a dict of input_text
-    (answer prefix included), needles, keys, values, queries, answers, depths, num_haystack."""
+    """RULER's generate_input_output (its rng draw order); input_text ends in the answer prefix."""
     cfg = TASKS[task]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
-    num_v = cfg["num_needle_v"]
-    num_q = cfg["num_needle_q"]
-    type_k = cfg["type_needle_k"]
     type_v = cfg["type_needle_v"]
 
     keys = []
     values = []
     needles = []
     for _ in range(num_k):
-        keys.append(random_key(type_k, rng, keys))
+        keys.append(random_key(cfg["type_needle_k"], rng, keys))
         value = []
-        for _ in range(num_v):
+        for _ in range(cfg["num_needle_v"]):
             value.append(random_value(type_v, rng))
             needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value[-1]))
         values.append(value)
-    # RULER: a fresh Random(seed), the same permutation for every sample
+    # RULER: a fresh Random(seed), one permutation for all samples
     random.Random(seed).shuffle(needles)
 
     if cfg["type_haystack"] == "essay":
@@ -219,7 +209,7 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
     else:
         context, depths = line_context(cfg, num_haystack, needles, keys, rng)
 
-    indices = rng.sample(range(num_k), num_q)
+    indices = rng.sample(range(num_k), cfg["num_needle_q"])
     queries = [keys[i] for i in indices]
     answers = [a for i in indices for a in values[i]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
@@ -254,7 +244,6 @@ def essay_context(essay, num_haystack, needles, rng):
 
 def line_context(cfg, num_haystack, needles, keys, rng):
     """(context, depths): RULER's line haystacks, needles at random lines."""
-    type_k = cfg["type_needle_k"]
     type_v = cfg["type_needle_v"]
     if cfg["type_haystack"] == "noise":
         lines = [NOISE] * num_haystack
@@ -262,7 +251,7 @@ def line_context(cfg, num_haystack, needles, keys, rng):
         # distractors: needles of other keys
         lines = []
         for _ in range(num_haystack):
-            key = random_key(type_k, rng, keys)
+            key = random_key(cfg["type_needle_k"], rng, keys)
             value = random_value(type_v, rng)
             lines.append(NEEDLE.format(type_needle_v=type_v, key=key, value=value))
 
@@ -274,11 +263,10 @@ def line_context(cfg, num_haystack, needles, keys, rng):
     return "\n".join(lines), depths
 
 
-# ---- the haystack size ---------------------------------------------------------------------------
+# ---- the haystack size
 def haystack_step(task, max_len):
-    """RULER's `incremental` back-off: 500 essay words, 25 lines, 5 lines below 4096 tokens; below
-    4096, 100 essay words (RULER never runs essays that short; 500 words would empty a 1K
-    prompt)."""
+    """RULER's `incremental` back-off: 500 essay words or 25 lines; under 4096 tokens 100 words or
+    5 lines (RULER runs no essays that short; 500 words would empty a 1K prompt)."""
     if TASKS[task]["type_haystack"] == "essay":
         return 500 if max_len >= 4096 else 100
     return 5 if max_len < 4096 else 25
@@ -286,7 +274,7 @@ def haystack_step(task, max_len):
 
 def fit_haystack(task, max_len, enc, essay=None, seed=42):
     """RULER's binary search for the largest num_haystack whose probe prompt fits; unlike RULER's
-    endless loop, the haystack may shrink to min_haystack, else num_haystack is None."""
+    endless loop, it stops at min_haystack (then num_haystack is None)."""
     step = haystack_step(task, max_len)
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
     # less the document-start token (RULER: no BOS)
@@ -326,10 +314,9 @@ def fit_haystack(task, max_len, enc, essay=None, seed=42):
 
 
 def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
-    """Sample `index`: the fitted haystack, backed off a step (RULER) while it does not fit. Each
-    attempt draws from Random(seed/task/length/index/attempt), not RULER's one stream, so that
-    --samples N gives the same first N samples. build_input's dict + input_ids and the like."""
-    # evaluate() skips a length where the fitted num_haystack is None
+    """Sample `index`: the fitted haystack (score() skips a length where none fits), backed off a
+    step (RULER) until it fits. Each attempt has its own Random, not RULER's one stream, so
+    --samples N gives the same first N samples. build_input's dict + input_ids."""
     fit = fit or fit_haystack(task, max_len, enc, essay, seed)
 
     used = fit["num_haystack"]
@@ -353,9 +340,9 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
     )
 
 
-# ---- the haystack --------------------------------------------------------------------------------
+# ---- the haystack
 def load_haystack_file(path):
-    """Text of RULER's PaulGrahamEssays.json ({"text": ...}), or of a plain text file."""
+    """Text of RULER's PaulGrahamEssays.json ({"text": ...}) or a plain text file."""
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     if not path.endswith(".json"):
@@ -368,7 +355,7 @@ def load_haystack_file(path):
 
 
 def val_text(data_dir, n_tokens):
-    """Up to n_tokens of the validation split, decoded document by document."""
+    """Up to n_tokens of the validation split, decoded per document."""
     paths = shard_paths(data_dir, "val")
     available = sum(len(open_shard(p)) for p in paths)
     tokens = read_tokens(data_dir, "val", min(VAL_TOKENS, n_tokens, available))
@@ -380,7 +367,7 @@ def val_text(data_dir, n_tokens):
 
 
 def load_essay(haystack_file, data_dir, max_len):
-    """The essay haystack: --haystack_file, else the validation text of data_dir."""
+    """The essay haystack: --haystack_file, else data_dir's validation text."""
     if haystack_file:
         text = load_haystack_file(haystack_file)
         where = f"file:{os.path.abspath(haystack_file)}"
@@ -402,20 +389,19 @@ def needs_essay(tasks):
     return any(TASKS[t]["type_haystack"] == "essay" for t in tasks)
 
 
-# ---- score --------------------------------------------------------------------------------------
+# ---- score
 KEY_FIELDS = ("label", "ckpt", "ckpt_sha256", "task", "target_length", "sample", "haystack")
 
 
 def record_key(run, task, length, i, essay):
-    """The KEY_FIELDS of sample i: the question, and the checkpoint that answers it."""
+    """KEY_FIELDS of sample i: the question and the checkpoint answering it."""
     kind = TASKS[task]["type_haystack"]
-    # the essay's label, or the kind of line haystack
-    hay = essay.label if kind == "essay" else kind
-    return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, length, i, hay)
+    haystack = essay.label if kind == "essay" else kind
+    return (run["label"], run["ckpt_path"], run["ckpt_sha256"], task, length, i, haystack)
 
 
 def newline_tokens(enc):
-    """Ids of every token whose bytes contain a newline (a hole in the vocabulary has none)."""
+    """Ids of tokens whose bytes contain a newline (vocabulary holes have none)."""
     ids = set()
     for t in range(enc.n_vocab):
         with contextlib.suppress(KeyError):
@@ -426,12 +412,12 @@ def newline_tokens(enc):
 
 def decode_output(tokens, enc, newline_ids=None):
     """(text, stop): cut before end-of-text ("eot") or at a newline of newline_ids ("newline"),
-    else "budget". Ids beyond the tokenizer (the padded vocabulary) decode to nothing."""
+    else "budget". Ids beyond the tokenizer (padded vocabulary) decode to nothing."""
     stops = dict.fromkeys(newline_ids or (), "newline") | {enc.eot_token: "eot"}
     cut = next((j for j, t in enumerate(tokens) if t in stops), len(tokens))
     stop = stops[tokens[cut]] if cut < len(tokens) else "budget"
 
-    # a newline token is decoded, then the text cut at its newline: it may carry text first
+    # a newline token may carry text before its newline: decode it, then cut
     kept = tokens[: cut + (stop == "newline")]
     text = enc.decode([t for t in kept if t < enc.n_vocab])
     return (text.split("\n", 1)[0] if stop == "newline" else text), stop
@@ -443,7 +429,7 @@ def postprocess_pred(text):
 
 
 def sample_score(pred, refs):
-    """Fraction of the references found (case-insensitive) in one prediction."""
+    """Fraction of refs found (case-insensitive) in one prediction."""
     return sum(1.0 if r.lower() in pred.lower() else 0.0 for r in refs) / len(refs)
 
 
@@ -454,8 +440,8 @@ def string_match_all(preds, refs):
 
 
 def score(task, length, runs, enc, essay, samples, log, device, dtype, newline_ids, skipped):
-    """Generate and score every sample of one task at one length that `log` misses. skipped:
-    {(run label or None, task or None, length): why}: a length too short, a run out of memory."""
+    """Generate and score the samples of one task and length that `log` misses. skipped: {(run
+    label or None, task or None, length): why}: a length too short, a run out of memory."""
 
     def key(run, i):
         return record_key(run, task, length, i, essay)
@@ -463,7 +449,7 @@ def score(task, length, runs, enc, essay, samples, log, device, dtype, newline_i
     def active(run):
         return (run["label"], None, length) not in skipped
 
-    # sample index -> the runs that have not scored it yet
+    # sample index -> runs yet to score it
     todo = {i: [r for r in runs if active(r) and key(r, i) not in log.done] for i in range(samples)}
     todo = {i: pending for i, pending in todo.items() if pending}
     if not todo:
@@ -482,7 +468,7 @@ def score(task, length, runs, enc, essay, samples, log, device, dtype, newline_i
         sample = generate_sample(task, length, enc, essay, SEED, i, fit=fit)
         for run in filter(active, pending):
             args = (run, sample, enc, device, dtype, newline_ids, log, key(run, i))
-            reason = fits(device, generate_answer, *args)
+            reason = runtime.fits(device, generate_answer, *args)
             if reason:
                 skipped[(run["label"], None, length)] = f"skipped: {reason}"
                 skip_note(run["label"], length, reason)
@@ -491,12 +477,12 @@ def score(task, length, runs, enc, essay, samples, log, device, dtype, newline_i
 
 
 def generate_answer(run, sample, enc, device, dtype, newline_ids, log, key):
-    """One checkpoint's greedy answer to one sample, scored, into `log` under `key`."""
+    """One checkpoint's greedy answer to a sample, scored, into `log` under `key`."""
     idx = torch.tensor([sample["input_ids"]], dtype=torch.long, device=device)
     stop_ids = {enc.eot_token} | (newline_ids or set())
 
     t0 = time.time()
-    with autocast(device, dtype):
+    with runtime.autocast(device, dtype):
         out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
     text, stop = decode_output(out, enc, newline_ids)
     pred = postprocess_pred(text)
@@ -516,9 +502,9 @@ def generate_answer(run, sample, enc, device, dtype, newline_ids, log, key):
     log.add(record)
 
 
-# ---- summarise ----------------------------------------------------------------------------------
+# ---- summarise
 def summarise(log, args, runs, lengths, essay, skipped, out):
-    """Per run, task and length RULER's score, then the average over tasks."""
+    """RULER's score per run, task and length, then the mean over tasks."""
     by_key = {log.key(r): r for r in log.records}
     rows = []
     for run in runs:
@@ -556,7 +542,7 @@ def summarise(log, args, runs, lengths, essay, skipped, out):
 
 
 def task_row(run, task, length, recs, n_samples, why):
-    """The summary row of one checkpoint, task and length from its records (sorted by sample)."""
+    """Summary row of one checkpoint, task and length from its records (sorted by sample)."""
     row = dict(label=run["label"], task=task, target_length=length, train_length=run["block_size"])
     row.update(haystack=None, samples=len(recs), score=None, mean_input_tokens=None)
     row.update(status=why or "missing", ckpt=run["ckpt_path"])
@@ -570,7 +556,7 @@ def task_row(run, task, length, recs, n_samples, why):
     return row
 
 
-# ---- main ---------------------------------------------------------------------------------------
+# ---- main
 def build_parser():
     p = argparse.ArgumentParser(description="RULER needle-in-a-haystack (8 NIAH subtasks)")
     add_common_args(p, default_out="results/ruler")
@@ -630,11 +616,11 @@ def main(argv=None):
         data_dir = None if args.haystack_file else training_data_dir(runs, args.data_dir)
         essay = load_essay(args.haystack_file, data_dir, max(lengths))
         print(f"essay haystack: {essay.label} ({len(essay.words)} words, {len(essay.ends)} ends)")
-    own_folder(args.out)
+    runtime.own_folder(args.out)
 
-    # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""), and so
-    # does --preset paper; by default generation also stops at a newline (the answer is one line:
-    # it saves most of the 128 steps), where RULER reads on.
+    # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""), as does
+    # --preset paper; by default also at a newline (the answer is one line: it saves most of the
+    # 128 steps), where RULER reads on.
     paper = args.preset == "paper"
     newline_ids = None if paper else newline_tokens(enc)
     settings = dict(
@@ -645,9 +631,10 @@ def main(argv=None):
         tokens_to_generate=TOKENS_TO_GENERATE,
         words=words_digest(),
     )
-    log = ResultLog(os.path.join(args.out, "ruler_samples.jsonl"), KEY_FIELDS, runs, settings)
+    log_path = os.path.join(args.out, "ruler_samples.jsonl")
+    check_settings(log_path, settings)
+    log = runtime.ResultLog(log_path, KEY_FIELDS, runs)
 
-    # (run label or None, task or None, length) -> why it was skipped
     skipped = {}
     for task in args.tasks:
         for length in lengths:
@@ -661,6 +648,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    return_large_allocations()
-    errors_in_one_line("eval_ruler.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    runtime.return_large_allocations()
+    runtime.errors_in_one_line("eval_ruler.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
     main()

@@ -1,10 +1,10 @@
 """
-The bam-gpt model: the paper's LLaMA-style decoder (as in the authors' models/) with one attention
-path and a switch for the positional encoding, nope | sinusoidal | rope | alibi | bam, each with or
-without Scalable-Softmax. sinusoidal is added to the token embeddings; rope rotates q and k
-(absolute positions, as the authors); alibi and bam add a log-prior (priors.py) to the logits inside
-attention(). SSMax multiplies each query row's logits by s_h * log(n_i), n_i the keys visible to
-query i in its document. Also: size presets, optimizer groups, and a model from its checkpoint.
+bam-gpt's model: the paper's LLaMA-style decoder (as the authors' models/), one attention path, a
+positional encoding switch nope | sinusoidal | rope | alibi | bam, each with or without
+Scalable-Softmax. sinusoidal adds to the token embeddings; rope rotates q and k (absolute
+positions, as the authors); alibi and bam add a log-prior (priors.py) to the logits in attention().
+SSMax multiplies query row i's logits by s_h * log(n_i), n_i the keys i sees in its document.
+Also: size presets, optimizer groups, loading a checkpoint.
 """
 
 from dataclasses import asdict, dataclass, fields
@@ -14,15 +14,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import IMPLS, attention, impl_error, ssmax_log_n
+from infra.runtime import CheckpointError, load_checkpoint
 from priors import PRIORS, BoundPrior, get_prior
-from runtime import CheckpointError, load_checkpoint
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 
-# SSMax's s starts at 1 in every head, as in the authors' code (seq_scale)
+# SSMax's s starts at 1 per head, as the authors' code (seq_scale)
 SSMAX_INIT = 1.0
 
-# (n_layer, n_embd, n_head) as in the authors' configs (ArthurSBianchessi/BAM); l12 is the paper's
+# (n_layer, n_embd, n_head) from the authors' configs (ArthurSBianchessi/BAM); l12 is the paper's
 # "120M", l24 its "1.1B"
 MODEL_SIZES = {
     "l6": (6, 512, 16),
@@ -36,28 +36,28 @@ MODEL_SIZES = {
 
 @dataclass
 class GPTConfig:
-    """The model's settings, declared here once: train.py takes each field (but vocab_size and
-    tokenizer, which come from the data) as a setting with this default."""
+    """The model's settings, declared once: train.py takes each field (but vocab_size and
+    tokenizer, from the data) as a setting with this default."""
 
-    vocab_size: int = 50257  # the tokenizer's; the embedding is padded to a multiple of 64
+    vocab_size: int = 50257  # the tokenizer's; embedding padded to a multiple of 64
     n_layer: int = 12
     n_head: int = 16
     n_embd: int = 768
-    block_size: int = 512  # the training context. Nothing at inference depends on it.
+    block_size: int = 512  # training context; nothing at inference depends on it
     pos_encoding: str = "bam"  # nope | sinusoidal | rope | alibi | bam
-    ssmax: bool = True  # Scalable-Softmax: each query row's logits times s_h * log(n_i)
-    # bam + ssmax: s log n scales the content score AND the log-prior (the paper's placement), for
-    # a prior with trained parameters; a fixed prior keeps the scale it was designed with
+    ssmax: bool = True  # Scalable-Softmax: query row i's logits times s_h * log(n_i)
+    # bam + ssmax: s log n scales content score AND log-prior (paper's placement) for a trained
+    # prior; a fixed prior keeps the scale it was designed for
     scale_prior: bool = True
-    # bam's learned prior, a name in priors.py: ggd | cauchy | kerple_log | t5_bucket | ...
+    # bam's learned prior, named in priors.py: ggd | cauchy | kerple_log | t5_bucket | ...
     prior: str = "ggd"
     # the prior's init (priors.py); ggd: zero (starts as NoPE) | alibi | linear | "A,B";
-    # default: the prior's own (the paper's init where it has one)
+    # default: the prior's own (its paper's, if any)
     bam_init: str = "zero"
-    train_mu: bool = False  # ggd: train theta_mu too (the paper keeps it frozen at 0, mu = 0)
+    train_mu: bool = False  # ggd: train theta_mu too (the paper freezes it at 0, mu = 0)
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
-    tokenizer: str = "gpt2"  # stored so that no script pairs a model with the wrong tokenizer
+    tokenizer: str = "gpt2"  # stored so no script pairs a model with the wrong tokenizer
 
     def __post_init__(self):
         if self.pos_encoding not in POS_ENCODINGS:
@@ -69,12 +69,12 @@ class GPTConfig:
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.n_embd // self.n_head}")
 
-        # an unregistered name fails here, naming the known ones
+        # an unregistered name fails here, listing the known ones
         family = get_prior(self.prior)
         if self.train_mu and "theta_mu" not in family.params:
             raise ValueError(f"train_mu=True, but the prior {family.name!r} has no theta_mu")
         if self.pos_encoding == "bam":
-            try:  # a malformed init string, without touching the seeded RNG
+            try:  # a malformed init string, leaving the seeded RNG alone
                 with torch.random.fork_rng(devices=[]):
                     family.initial(self.bam_init, self.n_head)
             except ValueError as e:
@@ -85,8 +85,8 @@ class GPTConfig:
         self.check_used()
 
     def check_used(self):
-        """A setting changed from its default that this model would not use is an error: rope with
-        --prior=kerple_log would otherwise train with the prior silently unused."""
+        """A non-default setting this model does not use is an error: rope with --prior=kerple_log
+        would otherwise train with the prior silently unused."""
         bam = self.pos_encoding == "bam"
         used = dict(
             prior=bam,
@@ -106,8 +106,8 @@ class GPTConfig:
 
     @property
     def family(self):
-        """The registered Prior this encoding adds to the logits: bam's learned one (named by
-        `prior`), alibi's fixed slopes, or None for the encodings without a prior."""
+        """The registered Prior this encoding adds to the logits: bam's learned one (`prior`),
+        alibi's fixed slopes, or None for encodings without one."""
         if self.pos_encoding == "bam":
             return get_prior(self.prior)
         if self.pos_encoding == "alibi":
@@ -119,14 +119,12 @@ class GPTConfig:
         return -(-self.vocab_size // 64) * 64
 
 
-# ---- Positions -----------------------------------------------------------------------------------
-# From the position indices on every call (no tables): any length works, and KV-cache decoding
-# passes later positions. Angles in float64, so that position 500,000 keeps its phase (fp32 loses
-# ~0.03 rad).
+# ---- Positions
+# From position indices per call (no tables): any length works; KV-cache decoding passes later
+# positions. float64 angles keep position 500,000's phase (fp32 loses ~0.03 rad).
 def sinusoidal_embedding(pos, dim):
     """Vaswani et al.: PE[p, 2k] = sin(p / 10000^(2k/D)), PE[p, 2k+1] = cos(p / 10000^(2k/D)). The
-    authors' code uses (2k+1)/D for the cosine; this is the standard form (README, "Where this repo
-    departs")."""
+    authors' cosine uses (2k+1)/D; this is the standard (README, "Where this repo departs")."""
     exponents = torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim
 
     inv_freq = 10000.0 ** (-exponents)
@@ -138,7 +136,7 @@ def sinusoidal_embedding(pos, dim):
 
 
 def rope_cos_sin(pos, head_dim, theta):
-    """LLaMA RoPE angles for adjacent pairs (2k, 2k+1): frequency theta^(-2k/head_dim)."""
+    """LLaMA RoPE angles of pairs (2k, 2k+1): frequency theta^(-2k/head_dim)."""
     exponents = torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float64) / head_dim
     inv_freq = theta ** (-exponents)
     angles = pos.double()[:, None] * inv_freq[None, :]
@@ -146,37 +144,37 @@ def rope_cos_sin(pos, head_dim, theta):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate adjacent pairs of x (B, H, T, D) by the angles (T, D/2)."""
+    """Rotate adjacent pairs of x (B, H, T, D) by angles (T, D/2)."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
     return rotated.to(x.dtype)
 
 
-# ---- Blocks --------------------------------------------------------------------------------------
+# ---- Blocks
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # in fp32, as the paper's backbone does
+    def forward(self, x):  # fp32, as the paper's backbone
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding (prefill a prompt, then one token at
-    a time), in buffers of `capacity` positions allocated once: no copy of the cache as it grows."""
+    """Every layer's keys and values for incremental decoding (prefill, then a token at a time), in
+    buffers of `capacity` positions allocated once: no copy as the cache grows."""
 
     def __init__(self, n_layer, capacity):
         self.k = [None] * n_layer
         self.v = [None] * n_layer
         self.capacity = capacity
-        self.length = 0  # positions already cached (GPT.forward advances it after all layers ran)
+        self.length = 0  # positions cached (GPT.forward advances it after all layers)
 
     def update(self, layer, k, v):
-        """Append this step's k, v (B, H, T, D) and return views of everything cached so far."""
+        """Append this step's k, v (B, H, T, D); return views of all cached so far."""
         if self.k[layer] is None:
             batch, heads, _, head_dim = k.shape
             self.k[layer] = k.new_empty(batch, heads, self.capacity, head_dim)
@@ -200,8 +198,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
 
-        # bam learns a prior per layer, a value of each parameter per head; alibi's fixed slopes are
-        # buffers, not saved (they follow from n_head)
+        # bam learns a prior per layer, each param per head; alibi's fixed slopes are buffers, not
+        # saved (they follow from n_head)
         self.family = cfg.family
         if self.family is not None:
             trainable = set(self.family.trainable)
@@ -217,12 +215,12 @@ class Attention(nn.Module):
         self.ssmax_s = None
         if cfg.ssmax:
             self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), SSMAX_INIT))
-        # bam + SSMax scales a trained prior too; a fixed one keeps the scale it was designed with
+        # bam + SSMax scales a trained prior too; a fixed one keeps its designed scale
         trained = self.family is not None and bool(self.family.trainable)
         self.scale_prior = cfg.pos_encoding == "bam" and cfg.ssmax and cfg.scale_prior and trained
 
     def bound_prior(self):
-        """This layer's prior with its parameters (a BoundPrior), or None without one."""
+        """This layer's prior with its params (a BoundPrior), or None."""
         if self.family is None:
             return None
 
@@ -259,7 +257,7 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(batch, seq_len, n_embd))
 
 
-class MLP(nn.Module):  # SwiGLU, hidden 2*D (the authors' ffn_dim_multiplier 2)
+class MLP(nn.Module):  # SwiGLU, hidden 2*D (authors' ffn_dim_multiplier 2)
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         D = cfg.n_embd
@@ -284,10 +282,10 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-# ---- The model -----------------------------------------------------------------------------------
+# ---- The model
 class GPT(nn.Module):
-    """The model of a GPTConfig. attn_impl (attention.py's impl) is a runtime choice: it changes no
-    weight, so it is not part of the config, and a checkpoint loads under any impl."""
+    """A GPTConfig's model. attn_impl (attention.py's impl) is a runtime choice: it changes no
+    weight, so it is not in the config; a checkpoint loads under any impl."""
 
     def __init__(self, cfg: GPTConfig, attn_impl: str = "auto"):
         super().__init__()
@@ -296,7 +294,7 @@ class GPT(nn.Module):
 
         self.config = cfg
         V = cfg.padded_vocab_size
-        # PyTorch's default init everywhere, as the authors: no custom init
+        # PyTorch's default init everywhere, as the authors
         self.wte = nn.Embedding(V, cfg.n_embd)
         self.blocks = nn.ModuleList([Block(cfg, i, attn_impl) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
@@ -304,11 +302,11 @@ class GPT(nn.Module):
 
     @property
     def attn_impl(self):
-        """The impl every layer's attention is computed by (each layer holds it)."""
+        """The impl of every layer's attention (each layer holds it)."""
         return self.blocks[0].attn.attn_impl
 
     def num_params(self, non_embedding=False):
-        """Total parameters (trainable or not); non_embedding subtracts the input embedding (as the
+        """Total params (trainable or not); non_embedding drops the input embedding (as the
         authors report)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
@@ -316,10 +314,10 @@ class GPT(nn.Module):
     def forward(
         self, idx, targets=None, *, doc_start=None, kv_cache=None, logits_at=None, reduction="mean"
     ):
-        """(logits, loss) of idx (B, T); doc_start (B, T): each token's document start (None = one
-        document). logits_at: an int k keeps the last k positions' logits, or a 1-D tensor of
-        positions. reduction="none": the loss per token (B, T), no logits, in chunks so that no (T x
-        vocab) tensor exists (100K-token sequences)."""
+        """(logits, loss) of idx (B, T); doc_start (B, T): each token's document start (None: one
+        document). logits_at: int k keeps the last k positions' logits, or a 1-D tensor of
+        positions. reduction="none": loss per token (B, T), no logits, chunked so no (T x vocab)
+        tensor exists (100K-token sequences)."""
         cfg = self.config
         seq_len = idx.shape[1]
         if kv_cache is not None and doc_start is not None:
@@ -369,17 +367,17 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, stop_tokens=(), temperature=0.0, top_k=None, stop=None):
-        """Greedy (temperature 0) or sampled continuation (from the top_k most likely tokens, if
-        given) with a KV cache. idx (1, T). stop(tokens so far) -> True ends it early (stop
-        strings). Returns the new tokens (a list)."""
+        """Greedy (temperature 0) or sampled continuation (from the top_k tokens, if given) with a
+        KV cache. idx (1, T). stop(tokens so far) -> True ends early (stop strings). Returns the
+        new tokens (a list)."""
         cache = KVCache(self.config.n_layer, idx.shape[1] + max_new_tokens)
         logits, _ = self(idx, kv_cache=cache, logits_at=1)
 
         new_tokens = []
         for _ in range(max_new_tokens):
-            logits = logits[:, -1, : self.config.vocab_size].float()  # the padded ids are no tokens
+            logits = logits[:, -1, : self.config.vocab_size].float()  # padded ids are no tokens
             if temperature > 0:
-                if top_k is not None:  # keep the top_k logits (ties with the k-th included)
+                if top_k is not None:  # keep the top_k (ties with the k-th too)
                     kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 next_id = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
@@ -393,10 +391,9 @@ class GPT(nn.Module):
             logits, _ = self(next_id, kv_cache=cache)
         return new_tokens
 
-    # ---- optimizer -------------------------------------------------------------------------------
+    # ---- optimizer
     def param_groups(self):
-        """The four optimizer groups of the authors' train.py: weight-decayed matrices, norms,
-        prior, SSMax."""
+        """The authors' train.py's four optimizer groups: decayed matrices, norms, prior, SSMax."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
 
         prior_params = set()
@@ -420,10 +417,10 @@ class GPT(nn.Module):
     def configure_optimizers(
         self, weight_decay, learning_rate, betas, prior_lr=None, ssmax_lr=None
     ):
-        """RAdam, decoupled weight decay on >= 2-D weights (as the authors); train.py schedules each
-        group's base_lr."""
+        """RAdam, decoupled weight decay on >= 2-D weights (as the authors); train.py schedules
+        each group's base_lr."""
         params = self.param_groups()
-        # (parameters, weight decay, learning rate) per group
+        # (params, weight decay, lr) per group
         specs = [
             (params["decay"], weight_decay, learning_rate),
             (params["no_decay"], 0.0, learning_rate),
@@ -439,15 +436,14 @@ class GPT(nn.Module):
         return torch.optim.RAdam(groups, lr=learning_rate, betas=betas, decoupled_weight_decay=True)
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L T D (causal
-        halving ignored)."""
+        """Training FLOPs/token (fwd + bwd), PaLM appendix B: 6N + 12 L T D (no causal halving)."""
         cfg = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
     @torch.no_grad()
     def prior_record(self):
-        """The learned prior's shape parameter per layer, [min, median, max] over the heads, and
-        the number of heads its highlight rule picks (ggd: theta_beta < 0); {} without one."""
+        """The learned prior's shape param per layer, [min, median, max] over heads, and how many
+        heads its highlight rule picks (ggd: theta_beta < 0); {} without one."""
         family = self.config.family
         if self.config.pos_encoding != "bam":
             return {}
@@ -467,9 +463,9 @@ class GPT(nn.Module):
         return record
 
 
-# ---- Loading a checkpoint ------------------------------------------------------------------
+# ---- Loading a checkpoint
 def checkpoint_config(ckpt):
-    """A checkpoint's GPTConfig; a CheckpointError where its settings are not this code's."""
+    """A checkpoint's GPTConfig; CheckpointError if its settings are not this code's."""
     where = ckpt["path"]
     saved = ckpt["model_args"]
     names = {f.name for f in fields(GPTConfig)}
@@ -487,7 +483,7 @@ def checkpoint_config(ckpt):
 
 
 def load_state(model, ckpt):
-    """Load ckpt["model"] into model (a plain GPT); a ValueError says how the models differ."""
+    """Load ckpt["model"] into model (a plain GPT); a ValueError says how models differ."""
     where = ckpt["path"]
     theirs = asdict(checkpoint_config(ckpt))
     ours = asdict(model.config)
@@ -500,7 +496,7 @@ def load_state(model, ckpt):
 
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:  # missing or unexpected keys, other shapes
+    except RuntimeError as e:  # missing/unexpected keys, other shapes
         message = " ".join(str(e).split())
         raise CheckpointError(f"checkpoint {where!r} does not fit this model: {message}") from None
 

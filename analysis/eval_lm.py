@@ -38,19 +38,12 @@ from eval_common import (  # noqa: E402
     resolve_dtype,
     write_table,
 )
-from runtime import (  # noqa: E402
-    atomic_file,
-    autocast,
-    errors_in_one_line,
-    own_folder,
-    return_large_allocations,
-)
+from infra import runtime  # noqa: E402
 
 # generate_until's default when a task sets no max_gen_toks (the harness's models use 256)
 MAX_GEN_TOKS = 256
 # context tokens decoded with the generated ones, so the first word keeps its leading space
 STOP_TAIL = 8
-# loglikelihood requests per forward
 BATCH_SIZE = 8
 
 
@@ -65,13 +58,12 @@ class BamGPT(LM):
     ):
         super().__init__()
 
-        model = ckpt
         if isinstance(ckpt, str):
             device = pick_device(device or "auto")
             (run,), _ = load_runs([ckpt], device, dtype=resolve_dtype(device, dtype))
-            model = run["model"]
+            ckpt = run["model"]
 
-        self.model = model.eval()
+        self.model = ckpt.eval()
         self.tok = get_tokenizer(self.model.config.tokenizer)
         self._device = model_device(self.model)
         self.dtype = resolve_dtype(self._device, dtype)
@@ -83,17 +75,10 @@ class BamGPT(LM):
                 f"got {self.batch_size} and {self.max_length}"
             )
 
-    # ---- loglikelihood ---------------------------------------------------------------------------
     def _encode_pair(self, context, continuation):
-        """(document start + context tokens, continuation tokens). The pair is encoded whole and
-        split, and a context's trailing whitespace goes to the continuation, as the harness does: a
-        BPE token carries the space in front of its word."""
-        n_space = len(context) - len(context.rstrip())
-        if n_space:
-            continuation = context[-n_space:] + continuation
-            context = context[:-n_space]
-
-        context_tokens = self.tok.encode_ordinary(context)
+        """(doc start + context tokens, continuation tokens), encoded whole and split as the harness
+        does: a context's trailing whitespace goes to the continuation (BPE puts it on the word)."""
+        context_tokens = self.tok.encode_ordinary(context.rstrip())
         whole = self.tok.encode_ordinary(context + continuation)
         return [self.tok.doc_start] + context_tokens, whole[len(context_tokens) :]
 
@@ -101,10 +86,7 @@ class BamGPT(LM):
         return self._score([self._encode_pair(*r.args) for r in requests], "loglikelihood")
 
     def loglikelihood_rolling(self, requests):
-        """Each text scored whole, in disjoint windows of max_length tokens after the document start
-        (the harness's rolling windows): every token is predicted once, with the context of its
-        window."""
-        # the windows, and the request of each
+        """Each text scored whole in the harness's disjoint rolling windows of max_length tokens."""
         pairs = []
         owner = []
         for i, r in enumerate(requests):
@@ -119,9 +101,8 @@ class BamGPT(LM):
         return totals
 
     def _score(self, pairs, desc):
-        """[(log p(continuation | context), greedy)] for (context, continuation) token lists. One
-        window is the last max_length + 1 tokens of context + continuation: all but the last go in,
-        the continuation is scored."""
+        """[(log p(continuation | context), greedy)] of (context, continuation) token lists, each
+        over the last max_length + 1 tokens of the two."""
         for _, continuation in pairs:
             if len(continuation) > self.max_length:
                 raise EvalError(
@@ -129,8 +110,7 @@ class BamGPT(LM):
                     f"within --max_length {self.max_length}; raise --max_length"
                 )
 
-        # longest first, so that similar lengths share a batch and a batch that does not fit
-        # fails at once
+        # longest first: similar lengths share a batch, and one that does not fit fails at once
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
 
         out = [None] * len(pairs)
@@ -146,11 +126,9 @@ class BamGPT(LM):
 
     @torch.inference_mode()
     def _score_batch(self, seqs, n_scored):
-        """Score the last n tokens of each token sequence in one forward. Right padding: a causal
-        model's outputs at the real positions do not depend on what follows them. Only the positions
-        that predict a scored token get logits, so no (batch x length x vocab) tensor is built."""
+        """Score the last n tokens of each sequence in one forward, right-padded (causal), with
+        logits only where a scored token is predicted (no batch x length x vocab tensor)."""
         T = max(len(s) for s in seqs) - 1
-
         x = torch.zeros(len(seqs), T, dtype=torch.long)
         for row, seq in enumerate(seqs):
             x[row, : len(seq) - 1] = torch.tensor(seq[:-1])
@@ -158,37 +136,33 @@ class BamGPT(LM):
         # the position predicting each sequence's first scored token
         first = [len(seq) - 1 - n for seq, n in zip(seqs, n_scored)]
         lo = min(first)
-        with autocast(self._device, self.dtype):
+        with runtime.autocast(self._device, self.dtype):
             positions = torch.arange(lo, T, device=self._device)
             logits, _ = self.model(x.to(self._device), logits_at=positions)
 
-        logp = torch.log_softmax(logits.float(), dim=-1)
         # greedy decoding never picks a padded id
-        vocab = self.model.config.vocab_size
+        logp = torch.log_softmax(logits.float(), dim=-1)[..., : self.model.config.vocab_size]
 
         results = []
         for row, (seq, n, start) in enumerate(zip(seqs, n_scored, first)):
             target = torch.tensor(seq[len(seq) - n :], device=logp.device)
             target_logp = logp[row, start - lo : start - lo + n]
-            greedy = bool((target_logp[:, :vocab].argmax(-1) == target).all())
+            greedy = bool((target_logp.argmax(-1) == target).all())
             results.append((float(target_logp.gather(-1, target[:, None]).sum()), greedy))
         return results
 
-    # ---- generation ------------------------------------------------------------------------------
     def generate_until(self, requests):
         return [
             self._generate(*r.args) for r in tqdm(requests, desc="generate_until", file=sys.stderr)
         ]
 
     def _generate(self, context, gen_kwargs):
-        """Greedy (or, with do_sample, sampled) decoding with the KV cache until a stop string, end
-        of text or max_gen_toks; the context is left-truncated so that it and the generated tokens
-        fit in max_length."""
+        """Greedy (or do_sample) decoding until a stop string, end of text or max_gen_toks, the
+        context left-truncated to fit in max_length with them."""
         until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
 
         max_gen = int(gen_kwargs.get("max_gen_toks", MAX_GEN_TOKS))
-        # greedy, unless the task samples
         temperature = 0.0
         if gen_kwargs.get("do_sample"):
             temperature = float(gen_kwargs.get("temperature", 1.0))
@@ -208,10 +182,9 @@ class BamGPT(LM):
         def text(new):
             return self.tok.decode(tail + new)[len(head) :]
 
-        x = torch.tensor([context_tokens], device=self._device)
-        with autocast(self._device, self.dtype):
+        with runtime.autocast(self._device, self.dtype):
             new = self.model.generate(
-                x,
+                torch.tensor([context_tokens], device=self._device),
                 max_gen,
                 stop_tokens=(self.tok.eot_token,),
                 temperature=temperature,
@@ -229,7 +202,6 @@ class BamGPT(LM):
     def get_model_info(self):
         """Recorded by lm-eval in its results' "config"."""
         cfg = self.model.config
-
         return dict(
             pos_encoding=cfg.pos_encoding,
             ssmax=cfg.ssmax,
@@ -241,44 +213,32 @@ class BamGPT(LM):
         )
 
 
-# ---- the command line ----------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(
         description="Score checkpoints on lm-evaluation-harness tasks (lm-eval 0.4.x)."
     )
-    p.add_argument(
+    add = p.add_argument
+    add(
         "--ckpt",
         action="append",
         required=True,
         help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several",
     )
-    p.add_argument(
+    add(
         "--tasks",
         required=True,
         help="comma-separated task, group or tag names, e.g. "
         "arc_easy,arc_challenge,mmlu,hellaswag (lm-eval's), or a local task of --include_path",
     )
-
-    p.add_argument(
-        "--num_fewshot",
-        type=int,
-        default=None,
-        help="few-shot examples (default: each task's own, or 0)",
-    )
-    p.add_argument(
+    add("--num_fewshot", type=int, help="few-shot examples (default: each task's own, or 0)")
+    add(
         "--max_length",
         type=int,
-        default=None,
         help="tokens per forward (default: each checkpoint's training length); longer contexts are "
         "left-truncated. BAM extrapolates: try several times the training length",
     )
-    p.add_argument(
-        "--include_path", default=None, help="a directory of extra task YAMLs (e.g. tests/lm_tasks)"
-    )
-    p.add_argument(
-        "--out", required=True, help="output directory for the results JSON, CSV and Markdown"
-    )
-
+    add("--include_path", help="a directory of extra task YAMLs (e.g. tests/lm_tasks)")
+    add("--out", required=True, help="output directory for the results JSON, CSV and Markdown")
     return p
 
 
@@ -291,13 +251,11 @@ def parse_args(argv=None):
         p.error("--tasks names no task")
     if args.max_length is not None and args.max_length < 2:
         p.error("--max_length must be >= 2")
-
     return args
 
 
 def task_manager(include_path, tasks):
-    """lm-eval's tasks plus those of include_path; an unknown name is an EvalError (before any work
-    is done)."""
+    """lm-eval's tasks plus include_path's; an unknown name is an EvalError before any work."""
     if include_path and not os.path.isdir(include_path):
         raise EvalError(f"--include_path {include_path!r} is not a directory")
 
@@ -331,8 +289,7 @@ def summary_rows(run, results, max_length):
             stderr = metrics.get(f"{metric}_stderr,{filt}")
             rows.append(
                 dict(
-                    label=run["label"],
-                    **checkpoint_fields(run),
+                    **results["bam_gpt"],
                     task=task,
                     metric=metric,
                     filter=filt,
@@ -348,8 +305,7 @@ def summary_rows(run, results, max_length):
 
 
 def markdown_summary(rows):
-    """Task x checkpoint: one line per task and metric, "value ± stderr" in each checkpoint's
-    column."""
+    """A line per task and metric, "value ± stderr" in each checkpoint's column."""
     labels = list(dict.fromkeys(r["label"] for r in rows))
     cells = {}
     for r in rows:
@@ -366,15 +322,8 @@ def markdown_summary(rows):
     return markdown_table(["task", "metric", *labels], table)
 
 
-def write_json(obj, path):
-    """With atomic_file, so that an interrupted run never leaves half a results file."""
-    with atomic_file(path, "w") as f:
-        json.dump(obj, f, indent=1, default=handle_non_serializable)
-
-
 def evaluate(run, args, tm, device):
-    """lm-eval's results for one checkpoint on --tasks, written to <out>/<label>.json, and its
-    summary rows."""
+    """One checkpoint's lm-eval results on --tasks, written to <out>/<label>.json: its rows."""
     lm = BamGPT(run["model"], batch_size=BATCH_SIZE, max_length=args.max_length)
     print(
         f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), "
@@ -392,7 +341,8 @@ def evaluate(run, args, tm, device):
         log_samples=False,
     )
     results["bam_gpt"] = dict(label=run["label"], **checkpoint_fields(run))
-    write_json(results, os.path.join(args.out, f"{run['label']}.json"))
+    with runtime.atomic_file(os.path.join(args.out, f"{run['label']}.json"), "w") as f:
+        json.dump(results, f, indent=1, default=handle_non_serializable)
     return summary_rows(run, results, lm.max_length)
 
 
@@ -402,7 +352,7 @@ def main(argv=None):
     device = pick_device("auto")
     runs, _ = load_runs(args.ckpt, device)
 
-    own_folder(args.out)
+    runtime.own_folder(args.out)
 
     rows = []
     for run in runs:
@@ -411,7 +361,7 @@ def main(argv=None):
     prefix = os.path.join(args.out, "lm_eval_summary")
     write_table(rows, prefix)
     table = markdown_summary(rows)
-    with atomic_file(prefix + ".md", "w") as f:
+    with runtime.atomic_file(prefix + ".md", "w") as f:
         f.write(table + "\n")
 
     print(table)
@@ -421,6 +371,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    return_large_allocations()
-    errors_in_one_line("eval_lm.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    runtime.return_large_allocations()
+    runtime.errors_in_one_line("eval_lm.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
     main()

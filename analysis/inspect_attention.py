@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import eval_passkey as passkey  # noqa: E402
 import model as model_code  # noqa: E402
 from analysis.plot_prior import prior_summary  # noqa: E402
 from attention import attention_probs  # noqa: E402
@@ -31,37 +32,21 @@ from eval_common import (  # noqa: E402
     FULL_DISK_REMEDY,
     EvalError,
     add_common_args,
-    out_of_memory,
     plot_curves,
     pyplot,
     save_figure,
     start,
     write_table,
 )
-from eval_passkey import (  # noqa: E402
-    DEFAULT_SAMPLES,
-    SEED,
-    TEMPLATES,
-    make_samples,
-    min_prompt_length,
-    template_hash,
-)
-from priors import get_prior  # noqa: E402
-from runtime import (  # noqa: E402
-    atomic_file,
-    autocast,
-    errors_in_one_line,
-    own_folder,
-    return_large_allocations,
-)
+from eval_passkey import SEED  # noqa: E402
+from infra import runtime  # noqa: E402
 
 READS = 0.5  # a head "reads the needle" when most of its attention lies on the key's tokens
 
 
-# ---- What is measured ----------------------------------------------------------------------------
+# ---- What is measured
 def key_positions(enc, tokens, info):
-    """Positions of the needle's tokens that carry the key's digits (also merged ones, gpt2's
-    " 123", "45.")."""
+    """Positions of the needle's tokens that carry key digits (merged ones too: gpt2's " 123")."""
     start = info["needle_start"]
     end = info["needle_end"]
     # byte offsets: the key's digits are ASCII
@@ -72,10 +57,8 @@ def key_positions(enc, tokens, info):
 
     positions = []
     for t in range(end - start):
-        overlaps = [
-            bounds[t] < span_end and span_start < bounds[t + 1] for span_start, span_end in spans
-        ]
-        if any(overlaps):
+        # token t's bytes overlap a span lo..hi-1 of the key
+        if any(bounds[t] < hi and lo < bounds[t + 1] for lo, hi in spans):
             positions.append(start + t)
 
     if not positions:
@@ -86,8 +69,7 @@ def key_positions(enc, tokens, info):
 
 
 def row_metrics(p, query_pos, key_pos):
-    """(needle mass, mean attended distance, entropy in nats) in float64 of p (..., n_keys), the
-    attention weights over keys 0 .. n_keys-1 of the query at query_pos."""
+    """(needle mass, mean distance, entropy in nats) of query_pos's weights p (..., keys)."""
     p = p.double()
     dist = query_pos - torch.arange(p.shape[-1], dtype=torch.float64, device=p.device)
     mass = p[..., list(key_pos)].sum(-1)
@@ -97,18 +79,16 @@ def row_metrics(p, query_pos, key_pos):
 
 @torch.no_grad()
 def answer_row_probs(model, idx):
-    """((n_layer, B, H, T) attention weights of the last query per layer, its logits) from one
-    forward: each layer's own call to attention() is intercepted, and attention_probs computes that
-    row alone from the same arguments (memory linear in the length)."""
+    """((n_layer, B, H, T) attention weights of the last query, its logits) from one forward: each
+    layer's attention() call also computes that row alone (memory linear in the length)."""
     rows = []
     attention = model_code.attention
 
     def attention_and_answer_row(q, k, v, *, impl, row_scale=None, **kwargs):
         # SSMax: the answer row's own scale
         answer_scale = None if row_scale is None else row_scale[..., -1:]
-        n_keys = k.shape[2]
         probs = attention_probs(
-            q[:, :, -1:], k, q_offset=n_keys - 1, row_scale=answer_scale, **kwargs
+            q[:, :, -1:], k, q_offset=k.shape[2] - 1, row_scale=answer_scale, **kwargs
         )
         rows.append(probs[:, :, 0])
 
@@ -121,11 +101,10 @@ def answer_row_probs(model, idx):
 
 
 def head_priors(model):
-    """{layer: [per head: the prior's name, parameters, shape_param and shape, highlight (GGD:
-    theta_beta < 0), ssmax_s]}; layers without a prior give only ssmax_s, or nothing."""
+    """{layer: [per head: prior, parameters, shape_param, shape, highlight, ssmax_s, if any]}."""
     out = {}
     for row in prior_summary(model):
-        prior = get_prior(row["prior"]) if "prior" in row else None
+        prior = model.blocks[row["layer"]].attn.family
         marked = None
         if prior is not None and prior.highlight is not None:
             marked = prior.highlight(*(torch.tensor(row[n]) for n in prior.params)).tolist()
@@ -145,11 +124,10 @@ def head_priors(model):
     return out
 
 
-# ---- Measuring every head of a checkpoint at one length ------------------------------------------
+# ---- Measuring every head of a checkpoint at one length
 def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, digit):
-    """One prompt: (per layer x head: needle mass, mean distance, entropy, digit mass as
-    (n_layer, H, 4) float64; [length, needle distance, uniform mass]; is answer digit `digit`
-    the argmax)."""
+    """One prompt: ((n_layer, H, 4) needle mass, distance, entropy, digit mass; [length, needle
+    distance, uniform mass]; whether answer digit `digit` is the argmax)."""
     n_given = info["n_given"] + digit - 1
     # the given answer tokens are read, then digit `digit` is predicted
     tokens = prompt + answer[:n_given]
@@ -163,17 +141,15 @@ def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, di
         )
 
     idx = torch.tensor([tokens], dtype=torch.long, device=device)
-    with autocast(device, dtype):
+    with runtime.autocast(device, dtype):
         probs, logits = answer_row_probs(model, idx)
     correct = int(logits[0, : model.config.vocab_size].argmax()) == answer[n_given]
 
-    # (n_layer, H, 3)
-    metrics = torch.stack(row_metrics(probs[:, 0], query, keys), -1).cpu()
+    metrics = torch.stack(row_metrics(probs[:, 0], query, keys), -1).cpu()  # (n_layer, H, 3)
     # the mass on the needle's digit that this answer digit copies
+    digit_mass = torch.full(metrics.shape[:2] + (1,), float("nan"), dtype=torch.float64)
     if one_token_per_digit:
         digit_mass = probs[:, 0, :, keys[digit - 1]].double().cpu()[..., None]
-    else:
-        digit_mass = torch.full(metrics.shape[:2] + (1,), float("nan"), dtype=torch.float64)
     metrics = torch.cat([metrics, digit_mass], -1)
 
     prompt_stats = [len(tokens), query - float(np.mean(keys)), len(keys) / (query + 1)]
@@ -182,16 +158,14 @@ def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, di
 
 
 def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar=None, digit=1):
-    """Rows (one per layer x head, means over the samples) and the accuracy of answer digit
-    `digit` at one length, at the query that predicts it (the earlier digits given, as
-    eval_passkey.py scores them)."""
+    """Rows (per layer x head, sample means) and digit `digit`'s accuracy, earlier digits given."""
+    model = run["model"]
     metric_sums = None
     stat_sums = None
     n_correct = 0
-
-    for prompt, answer, info in make_samples(enc, template, length, samples, seed):
+    for prompt, answer, info in passkey.make_samples(enc, template, length, samples, seed):
         metrics, stats, correct = inspect_prompt(
-            run["model"], enc, template, prompt, answer, info, device, dtype, digit
+            model, enc, template, prompt, answer, info, device, dtype, digit
         )
         metric_sums = metrics if metric_sums is None else metric_sums + metrics
         stat_sums = stats if stat_sums is None else stat_sums + stats
@@ -199,16 +173,10 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
         if bar is not None:
             bar.update(1)
 
-    rows = head_rows(run, length, samples, digit, metric_sums / samples, stat_sums / samples)
+    metrics = metric_sums / samples
+    length_tokens, needle_distance, uniform_mass = (stat_sums / samples).tolist()
 
-    return rows, n_correct / samples
-
-
-def head_rows(run, length, samples, digit, metrics, stats):
-    """One row per layer x head from the mean metrics (n_layer, H, 4) and prompt statistics."""
-    model = run["model"]
     priors = head_priors(model)
-
     rows = []
     for layer in range(metrics.shape[0]):
         for head in range(metrics.shape[1]):
@@ -220,7 +188,7 @@ def head_rows(run, length, samples, digit, metrics, stats):
                     ssmax=model.config.ssmax,
                     train_length=run["block_size"],
                     target_length=length,
-                    length=round(float(stats[0]), 1),
+                    length=round(length_tokens, 1),
                     samples=samples,
                     digit=digit,
                     layer=layer,
@@ -228,21 +196,19 @@ def head_rows(run, length, samples, digit, metrics, stats):
                     needle_mass=needle_mass,
                     digit_mass=digit_mass,
                     mean_distance=mean_distance,
-                    needle_distance=float(stats[1]),
+                    needle_distance=needle_distance,
                     entropy=entropy,
-                    uniform_mass=float(stats[2]),
+                    uniform_mass=uniform_mass,
                     **(priors[layer][head] if layer in priors else {}),
                 )
             )
 
-    return rows
+    return rows, n_correct / samples
 
 
-# ---- Summary -------------------------------------------------------------------------------------
+# ---- Summary
 def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
-    """Per checkpoint: the top heads at `length`, those that read the needle (needle mass >=
-    `reads`) and, at every length, the best head's and the largest needle mass, the uniform mass
-    and the first-answer-token accuracy."""
+    """Per checkpoint: the top heads at `length`, those with mass >= `reads`, the best's curve."""
     keep = ("layer", "head", "needle_mass", "mean_distance", "entropy", "shape_param", "shape")
 
     out = []
@@ -272,8 +238,7 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
 
 
 def best_head_curve(mine, best, lengths, accuracy, label):
-    """At every length with rows: the needle mass and distance of the head `best`, the largest
-    needle mass of any head, the uniform mass and the first-answer-token accuracy."""
+    """Per length with rows: head `best`'s needle mass and distance, any head's largest, etc."""
     curve = []
     for L in lengths:
         cell = [x for x in mine if x["target_length"] == L]
@@ -297,18 +262,18 @@ def best_head_curve(mine, best, lengths, accuracy, label):
     return curve
 
 
-# ---- Figures -------------------------------------------------------------------------------------
+# ---- Figures
 def head_label(row):
-    """'θbeta=-0.42' for a head with a prior (its shape parameter), '' without one."""
-    if "shape_param" not in row:
+    """'θbeta=-0.42' for a head with a prior (its shape parameter), '' without one or where the
+    shape is a vector (T5's buckets)."""
+    if not isinstance(row.get("shape"), (int, float)):
         return ""
 
     return f"{row['shape_param'].replace('theta_', 'θ')}={row['shape']:+.2g}"
 
 
 def plot_heads(rows, runs, length, path):
-    """Per checkpoint, layers x heads coloured by needle mass at `length`, labelled with shape
-    parameter and mass; highlighted heads framed red."""
+    """Per checkpoint, layers x heads coloured by needle mass at `length`."""
     plt = pyplot()
     panels = []
     for run in runs:
@@ -324,15 +289,11 @@ def plot_heads(rows, runs, length, path):
         image = draw_heads(plt, ax, cell, n_layer, n_head)
         first = cell[0]
         name = first["pos_encoding"] + ("+ssmax" if first["ssmax"] else "")
-        framed = ""
-        if any(x.get("highlight") for x in cell):
-            framed = f"; red frame: {first['highlight_label']}"
         multiple = length / run["block_size"]
-        ax.set_title(
-            f"{run['label']} ({name}): {length} tokens = {multiple:g}x the training length"
-            + framed,
-            fontsize=9,
-        )
+        title = f"{run['label']} ({name}): {length} tokens = {multiple:g}x the training length"
+        if any(x.get("highlight") for x in cell):
+            title += f"; red frame: {first['highlight_label']}"
+        ax.set_title(title, fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02, label="needle mass")
 
     fig.suptitle(
@@ -364,8 +325,7 @@ def draw_heads(plt, ax, cell, n_layer, n_head):
 
 
 def plot_needle_vs_length(summary, path):
-    """The needle mass of each checkpoint's best head against the prompt length, with uniform
-    attention."""
+    """Each checkpoint's best head's needle mass by prompt length, and uniform attention's."""
     series = {}
     for s in summary:
         best = s["top_heads"][0]
@@ -389,25 +349,22 @@ def plot_needle_vs_length(summary, path):
     )
 
 
-# ---- Results -----------------------------------------------------------------------------------
+# ---- Results
 def write_outputs(args, rows, summary, runs, settings, t0):
     """attention_heads.{json,csv,png}, attention_needle_vs_length.png, attention_summary.json."""
     write_table(rows, os.path.join(args.out, "attention_heads"))
 
-    figures = [
-        os.path.join(args.out, "attention_heads.png"),
-        os.path.join(args.out, "attention_needle_vs_length.png"),
-    ]
-    plot_heads(rows, runs, settings["length"], figures[0])
-    plot_needle_vs_length(summary, figures[1])
+    figures = ["attention_heads.png", "attention_needle_vs_length.png"]
+    plot_heads(rows, runs, settings["length"], os.path.join(args.out, figures[0]))
+    plot_needle_vs_length(summary, os.path.join(args.out, figures[1]))
 
     written = dict(
         settings=settings,
         checkpoints=summary,
         wall_seconds=round(time.perf_counter() - t0, 2),
-        figures=[os.path.basename(p) for p in figures],
+        figures=figures,
     )
-    with atomic_file(os.path.join(args.out, "attention_summary.json"), "w") as f:
+    with runtime.atomic_file(os.path.join(args.out, "attention_summary.json"), "w") as f:
         json.dump(written, f, indent=1)
 
 
@@ -422,8 +379,7 @@ def describe_heads(heads):
 
 
 def report(summary):
-    """Per checkpoint: its top heads and readers at the heatmap length, its best head's needle mass
-    by length."""
+    """Per checkpoint: top heads and readers at the heatmap length, the best head's curve."""
     for s in summary:
         curve = " ".join(f"{c['target_length']}:{c['needle_mass']:.3f}" for c in s["curve"])
         print(f"{s['label']}: top heads at {s['chosen_at']}: {describe_heads(s['top_heads'])}")
@@ -431,13 +387,13 @@ def report(summary):
         print(f"  best head's needle mass by length: {curve}")
 
 
-# ---- Command line --------------------------------------------------------------------------------
+# ---- Command line
 def build_parser():
     ap = argparse.ArgumentParser(
         description="Per-head attention on the passkey needle: mass, distance, entropy."
     )
     add_common_args(ap, default_out="results/inspect")
-    ap.add_argument("--template", choices=sorted(TEMPLATES), default="paper")
+    ap.add_argument("--template", choices=sorted(passkey.TEMPLATES), default="paper")
     ap.add_argument(
         "--lengths",
         type=int,
@@ -449,7 +405,7 @@ def build_parser():
     ap.add_argument(
         "--samples",
         type=int,
-        default=DEFAULT_SAMPLES,
+        default=passkey.DEFAULT_SAMPLES,
         help="prompts per length (equidistant depths)",
     )
     ap.add_argument(
@@ -464,8 +420,7 @@ def build_parser():
 
 
 def inspect_all(runs, enc, template, lengths, args, device, dtype):
-    """(rows of every checkpoint and length, {(label, length): first-answer-token accuracy}). A
-    length that runs out of memory is an EvalError that says so."""
+    """(every checkpoint's and length's rows, {(label, length): accuracy}); OOM: EvalError."""
     total = len(runs) * len(lengths) * args.samples
     bar = tqdm(
         total=total, desc="inspect", unit="prompt", file=sys.stderr, disable=args.no_progress
@@ -481,7 +436,7 @@ def inspect_all(runs, enc, template, lengths, args, device, dtype):
                     run, enc, template, L, args.samples, SEED, device, dtype, bar, args.digit
                 )
             except RuntimeError as error:
-                reason = out_of_memory(error, device)
+                reason = runtime.out_of_memory(error, device)
                 if reason is None:
                     raise
                 raise EvalError(f"{run['label']} at {L} tokens: {reason}; drop that length")
@@ -492,7 +447,7 @@ def inspect_all(runs, enc, template, lengths, args, device, dtype):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    template = TEMPLATES[args.template]
+    template = passkey.TEMPLATES[args.template]
     if args.samples < 1:
         raise EvalError("--samples must be positive")
     if not 1 <= args.digit <= template["digits"]:
@@ -501,19 +456,19 @@ def main(argv=None):
     t0 = time.perf_counter()
     runs, enc, device, dtype = start(args)
     lengths = sorted(set(args.lengths))
-    shortest = min_prompt_length(enc, template)
+    shortest = passkey.min_prompt_length(enc, template)
     if lengths[0] < shortest:
         raise EvalError(
             f"length {lengths[0]} is shorter than the {args.template} prompt without filler "
             f"({shortest} tokens)"
         )
-    own_folder(args.out)
+    runtime.own_folder(args.out)
 
     rows, accuracy = inspect_all(runs, enc, template, lengths, args, device, dtype)
     summary = summarize(rows, accuracy, runs, lengths, lengths[-1])
     settings = dict(
         template=args.template,
-        template_hash=template_hash(template),
+        template_hash=passkey.template_hash(template),
         seed=SEED,
         samples=args.samples,
         digit=args.digit,
@@ -535,6 +490,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    return_large_allocations()
-    errors_in_one_line("inspect_attention.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
+    runtime.return_large_allocations()
+    runtime.errors_in_one_line("inspect_attention.py", EXPECTED_ERRORS, FULL_DISK_REMEDY)
     main()

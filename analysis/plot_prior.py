@@ -19,12 +19,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from eval_common import EXPECTED_ERRORS, FULL_DISK_REMEDY, EvalError, pyplot, save_figure  # noqa: E402
+from infra.runtime import atomic_file, errors_in_one_line  # noqa: E402
 from model import load_model  # noqa: E402
 from priors import ggd_mu  # noqa: E402
-from runtime import atomic_file, errors_in_one_line  # noqa: E402
 
-# the curves reach this multiple of the training length
-MAX_DISTANCE_MULTIPLE = 64
+MAX_DISTANCE_MULTIPLE = 64  # the curves reach this multiple of the training length
 
 
 def distances(max_distance, per_octave=8):
@@ -36,8 +35,7 @@ def distances(max_distance, per_octave=8):
 
 @torch.no_grad()
 def prior_summary(model):
-    """Per layer with a prior or SSMax: the prior's name, its parameters per head (ggd also mu),
-    SSMax's s."""
+    """Per layer with a prior or SSMax: its name, parameters per head (ggd also mu), SSMax's s."""
     rows = []
     for i, block in enumerate(model.blocks):
         attn = block.attn
@@ -63,8 +61,7 @@ def prior_tables(model, dist):
     """[{layer, heads: [{head, <each prior parameter>, (mu,) ssmax_s, highlighted, bias_at_0,
     bias}]}] per layer with a prior; bias[k] = B(d = -dist[k])."""
     summary = {row["layer"]: row for row in prior_summary(model)}
-    # d = j - i <= 0
-    offsets = -torch.tensor([0] + list(dist), dtype=torch.float64)
+    offsets = -torch.tensor([0] + list(dist), dtype=torch.float64)  # d = j - i <= 0
 
     layers = []
     for i, block in enumerate(model.blocks):
@@ -74,13 +71,10 @@ def prior_tables(model, dist):
 
         # the registered formula itself, without the floor attention applies: (H, 1 + len(dist))
         table = bound.family.fn(offsets, *bound.params).double()
-        rule = bound.family.highlight
-        if rule is None:
-            highlighted = [False] * table.shape[0]
-        else:
-            highlighted = rule(*bound.params).tolist()
+        highlighted = [False] * table.shape[0]
+        if bound.family.highlight is not None:
+            highlighted = bound.family.highlight(*bound.params).tolist()
 
-        # the parameters, mu (ggd), ssmax_s
         row = summary[i]
         per_head = [k for k in row if k not in ("layer", "prior")]
         heads = [
@@ -98,16 +92,14 @@ def prior_tables(model, dist):
 
 
 def shape_of(h, prior):
-    """What orders a head's curve in the legend: its shape parameter where that is one number per
-    head, else (a vector, T5's buckets) the log-prior at the farthest distance."""
+    """The legend's order: the shape parameter if one number, else (T5's buckets) the last bias."""
     value = h.get(prior.shape_param)
 
     return value if isinstance(value, float) else h["bias"][-1]
 
 
 def head_label(h, prior):
-    """h3: θbeta=+0.52, θalpha=-1.3, s=1.02 (the shape parameter first; vector parameters, such as
-    T5's buckets, are left to the curve)."""
+    """'h3: θbeta=+0.52, θalpha=-1.3, s=1.02': the shape parameter first, no vector parameters."""
     names = sorted(prior.params, key=lambda n: n != prior.shape_param)
     parts = [
         f"{n.replace('theta_', 'θ')}={h[n]:+.2f}" for n in names if isinstance(h.get(n), float)
@@ -123,28 +115,23 @@ def plot(layers, dist, block_size, prior, title, path):
     plt = pyplot()
     n_layers = len(layers)
     fig, axes = plt.subplots(1, n_layers, figsize=(4.6 * n_layers, 4.4), squeeze=False, sharey=True)
-    warm = plt.get_cmap("autumn")
-    cool = plt.get_cmap("winter")
 
     for ax, layer in zip(axes[0], layers):
         heads = layer["heads"]
         hot = [h for h in heads if h["highlighted"]]
         rest = [h for h in heads if not h["highlighted"]]
-        for group, cmap, lw, ls in ((rest, cool, 1.2, "--"), (hot, warm, 2.6, "-")):
+        for group, cmap, lw, ls in ((rest, "winter", 1.2, "--"), (hot, "autumn", 2.6, "-")):
             for k, h in enumerate(sorted(group, key=lambda h: shape_of(h, prior))):
-                color = cmap(0.85 * k / max(1, len(group) - 1))
+                color = plt.get_cmap(cmap)(0.85 * k / max(1, len(group) - 1))
                 ax.plot(dist, h["bias"], ls, lw=lw, color=color, label=head_label(h, prior))
 
         ax.axvline(block_size, color="gray", ls=":", lw=1)
+        note = dict(rotation=90, fontsize=7, color="gray", ha="right", va="bottom")
         ax.annotate(
             f"train length {block_size}",
             (block_size, 0.02),
             xycoords=("data", "axes fraction"),
-            rotation=90,
-            fontsize=7,
-            color="gray",
-            ha="right",
-            va="bottom",
+            **note,
         )
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog", linthresh=1.0)

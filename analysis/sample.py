@@ -27,34 +27,26 @@ from eval_common import (  # noqa: E402
     pick_device,
     resolve_dtype,
 )
-from runtime import autocast, errors_in_one_line, return_large_allocations  # noqa: E402
+from infra.runtime import autocast, errors_in_one_line, return_large_allocations  # noqa: E402
 
 SEPARATOR = "---------------"
 
 
 def build_parser():
-    """nanoGPT's sample.py options: the prompt, how many samples, how long, how random."""
     p = argparse.ArgumentParser(description="Sample text from a bam-gpt checkpoint.")
-    p.add_argument(
-        "--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)"
-    )
-    p.add_argument(
-        "--start", default="", help='the prompt, or FILE:path to read it from a file (default: "")'
-    )
-
-    p.add_argument("--num_samples", type=int, default=10)
-    p.add_argument("--max_new_tokens", type=int, default=500)
-    p.add_argument(
+    add = p.add_argument
+    add("--ckpt", required=True, help="checkpoint file or run directory (newest ckpt_*.pt)")
+    add("--start", default="", help='the prompt, or FILE:path to read it from a file (default: "")')
+    add("--num_samples", type=int, default=10)
+    add("--max_new_tokens", type=int, default=500)
+    add(
         "--temperature",
         type=float,
         default=0.8,
         help="0 = greedy; below 1 sharper, above 1 flatter",
     )
-    p.add_argument(
-        "--top_k", type=int, default=200, help="sample from the k most likely tokens; 1 = greedy"
-    )
-    p.add_argument("--seed", type=int, default=1337)
-
+    add("--top_k", type=int, default=200, help="sample from the k most likely tokens; 1 = greedy")
+    add("--seed", type=int, default=1337)
     return p
 
 
@@ -63,28 +55,17 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.top_k < 1:
         p.error("--num_samples, --max_new_tokens and --top_k must be at least 1")
-
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature:g}")
 
     return args
 
 
-def read_start(start):
-    """The prompt text: --start itself, or the content of the file it names after FILE:."""
-    if start.startswith("FILE:"):
-        with open(start[len("FILE:") :], encoding="utf-8") as f:
-            return f.read()
-
-    return start
-
-
 def generate(model, tok, prompt, args, device, dtype):
     """One continuation of the prompt's tokens, as text (the document-start token is not text)."""
-    x = torch.tensor([prompt], device=device)
     with autocast(device, dtype):
         new = model.generate(
-            x,
+            torch.tensor([prompt], device=device),
             args.max_new_tokens,
             stop_tokens=(tok.eot_token,),
             temperature=args.temperature,
@@ -93,24 +74,25 @@ def generate(model, tok, prompt, args, device, dtype):
 
     if new and new[-1] == tok.eot_token:
         new = new[:-1]
-
     return tok.decode(prompt[1:] + new)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    prompt_text = read_start(args.start)
+    prompt_text = args.start
+    if prompt_text.startswith("FILE:"):
+        with open(prompt_text[len("FILE:") :], encoding="utf-8") as f:
+            prompt_text = f.read()
+
     device = pick_device("auto")
     dtype = resolve_dtype(device)
     (run,), tok = load_runs([args.ckpt], device, dtype=dtype)
-
-    model = run["model"]
     prompt = [tok.doc_start] + tok.encode_ordinary(prompt_text)
 
     torch.manual_seed(args.seed)
     samples = []
     for _ in range(args.num_samples):
-        samples.append(generate(model, tok, prompt, args, device, dtype))
+        samples.append(generate(run["model"], tok, prompt, args, device, dtype))
         print(samples[-1])
         print(SEPARATOR, flush=True)
 

@@ -22,14 +22,11 @@ pos_encoding = "bam"
 ssmax = True
 scale_prior = True  # the paper's placement: (q.k/sqrt(d) + prior) * s log n
 bam_init = "zero"  # theta_alpha = theta_beta = 0: a flat prior (NoPE), the authors' current default
-train_mu = False
 # optimizer (RAdam, decoupled weight decay, cosine to min_lr)
 max_iters = 3000
 learning_rate = 2e-3
 min_lr = 2e-4
-warmup_iters = 0
 weight_decay = 0.0  # none: see the model's comment above
-grad_clip = 1.0
 # the prior's two scalars per head learn 10x faster than the weights: at 1e-2 one seed in 12 kept a
 # nearly flat prior in a head that then read the haystack's mean from 4x
 prior_lr = 2e-2

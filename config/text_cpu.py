@@ -1,7 +1,8 @@
 # The text demo (make demo-text): a small model trained on real English, the King James Bible
-# (prepare_text.py, byte tokens), at a 64-token context, then scored on perplexity along the
-# position axis to 64x that length (eval_ppl.py). One CPU thread per training; `make demo-text`
-# trains two at a time. Override anything with --key=value, e.g. --pos_encoding=rope --ssmax=False.
+# (prepare_fineweb.py --dataset kjv, byte tokens), at a 64-token context, then scored on
+# perplexity along the position axis to 64x that length (eval_ppl.py). One CPU thread per
+# training; `make demo-text` trains two at a time. Override anything with --key=value, e.g.
+# --pos_encoding=rope --ssmax=False.
 out_dir = "out/text/bam_ssmax-s1"
 data_dir = "data/text"
 device = "cpu"
@@ -13,22 +14,15 @@ seed = 1
 block_size = 64
 batch_size = 16
 tokens_per_step = 0  # no gradient accumulation
-# model: the passkey demo's, 4 layers of 8 heads of 8 dims
+# model: the passkey demo's, 4 layers of 8 heads of 8 dims (BAM + SSMax unless overridden)
 n_layer = 4
 n_head = 8
 n_embd = 64
-pos_encoding = "bam"
-ssmax = True
-scale_prior = True
 bam_init = "zero"  # a flat prior (NoPE) to start, as the authors do
-train_mu = False
 # optimizer (RAdam, decoupled weight decay, cosine to min_lr)
 max_iters = 2000
 learning_rate = 2e-3
 min_lr = 2e-4
-warmup_iters = 0
-weight_decay = 0.1
-grad_clip = 1.0
 prior_lr = 2e-2  # the demo's: the prior's two scalars per head learn 10x faster than the weights
 ssmax_lr = 2e-3
 # logging and checkpoints

@@ -1,196 +1,134 @@
 """
-Training-step time of BAM+SSMax relative to NoPE (the cost of the prior and SSMax), on synthetic
-tokens.
+Training-step time of BAM+SSMax relative to NoPE (the cost of prior and SSMax) on synthetic tokens.
 
     python dev/bench.py                       # CPU: a tiny model; CUDA: l12 with the Triton kernel
     python dev/bench.py --all --out b.json    # the five encodings, each with or without SSMax; JSON
-    python dev/bench.py --model_size=l12 --batch_size=16 --compile
     python dev/bench.py --long_forward=131072 # one l12 BAM+SSMax forward, 131K tokens: time, memory
 
-One step = forward + backward + RAdam update over one micro-batch, exactly what train.py does per
-micro-batch (document-masked, autocast). Every variant is built from the same seed; the variants are
-timed in interleaved rounds (one step each, round after round) so that a machine shared with other
-work slows them all alike. The first --warmup steps of each variant are excluded and the median of
---steps is reported.
+One step = forward + backward + RAdam update over one micro-batch, as train.py does it
+(document-masked, autocast); each variant's median over --steps after --warmup is reported.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from attention import IMPLS, impl_error  # noqa: E402
 from data import doc_starts  # noqa: E402
+from dev.bench_attention import time_interleaved, timed  # noqa: E402
+from infra import runtime  # noqa: E402
 from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
-from runtime import (  # noqa: E402
-    autocast,
-    peak_flops,
-    peak_memory_bytes,
-    reset_peak_memory,
-    resolve_device,
-)
 
 ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
+SHAPE = ("n_layer", "n_embd", "n_head", "vocab_size")
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:1"
-    )
-    p.add_argument(
-        "--model_size",
-        default=None,
-        choices=list(MODEL_SIZES),
-        help="a preset; default: l12 on CUDA, a tiny model (4 layers, n_embd 128, 4 heads) on CPU",
-    )
-    p.add_argument("--n_layer", type=int, default=None, help="a custom shape instead (default 4)")
-    p.add_argument("--n_embd", type=int, default=None, help="(default 128)")
-    p.add_argument("--n_head", type=int, default=None, help="(default 4)")
-    p.add_argument(
-        "--vocab_size",
-        type=int,
-        default=None,
-        help="default: 50257 (gpt2) on CUDA, 257 (byte) on CPU",
-    )
-    p.add_argument("--block_size", type=int, default=None, help="default: 512 on CUDA, 256 on CPU")
-    p.add_argument("--batch_size", type=int, default=None, help="default: 16 on CUDA, 8 on CPU")
-    p.add_argument(
-        "--doc_len", type=int, default=300, help="mean document length of the synthetic stream"
-    )
-    p.add_argument(
+    add = p.add_argument
+    add("--device", default="auto", help="auto (cuda if any) | cpu | cuda | cuda:1")
+    add("--model_size", choices=MODEL_SIZES, help="default l12 on CUDA, a tiny model on CPU")
+    add("--n_layer", type=int, help="a custom shape instead (default 4)")
+    add("--n_embd", type=int, help="(default 128)")
+    add("--n_head", type=int, help="(default 4)")
+    add("--vocab_size", type=int, help="default 50257 (gpt2) on CUDA, 257 (byte) on CPU")
+    add("--block_size", type=int, help="default 512 on CUDA, 256 on CPU")
+    add("--batch_size", type=int, help="default 16 on CUDA, 8 on CPU")
+    add("--doc_len", type=int, default=300, help="mean length of synthetic documents")
+    add(
         "--dtype",
-        default=None,
         choices=["float32", "bfloat16", "float16"],
         help="autocast precision; default bfloat16 on CUDA, float32 on CPU",
     )
-    p.add_argument(
-        "--attn_impl",
-        default="auto",
-        choices=list(IMPLS),
-        help="attention implementation (attention.py), for both variants alike",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the models (as train.py does by default)",
-    )
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="timed steps per variant (default 20 on CPU, 50 on CUDA)",
-    )
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
-    p.add_argument(
-        "--all",
-        action="store_true",
-        help="the five encodings, each with or without SSMax, not just nope and bam+ssmax",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--out", default=None, help="write the results to this JSON file")
-    p.add_argument(
+    add("--attn_impl", default="auto", choices=IMPLS, help="the attention impl (attention.py)")
+    add("--compile", action="store_true", help="torch.compile the models (train.py's default)")
+    add("--steps", type=int, help="timed steps per variant (CUDA 50, CPU 20)")
+    add("--warmup", type=int, default=3, help="untimed steps per variant first")
+    add("--all", action="store_true", help="each encoding with and without SSMax, not just two")
+    add("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    add("--out", help="write the results to this JSON file")
+    add(
         "--long_forward",
         type=int,
         default=0,
-        help="instead: time one no-grad forward of this many tokens "
-        "(bam+ssmax, default size l12 on CUDA) "
-        "with logits for the last position only, and report its peak memory",
+        help="instead: time one no-grad forward of this many tokens (bam+ssmax, default size l12 "
+        "on CUDA) with logits for the last position only, and report its peak memory",
     )
     return p
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+def fill_defaults(args, cuda):
+    custom = any(v is not None for v in (args.n_layer, args.n_embd, args.n_head))
+    if args.model_size or (cuda and not custom):
+        args.n_layer, args.n_embd, args.n_head = MODEL_SIZES[args.model_size or "l12"]
+    else:
+        args.n_layer = args.n_layer or 4
+        args.n_embd = args.n_embd or 128
+        args.n_head = args.n_head or 4
+    args.vocab_size = args.vocab_size or (50257 if cuda else 257)
+    args.block_size = args.block_size or (512 if cuda else 256)
+    args.batch_size = args.batch_size or (16 if cuda else 8)
+    args.steps = args.steps or (50 if cuda else 20)
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+
+
+def model_config(args, pos_encoding, ssmax, block_size):
+    shape = {k: getattr(args, k) for k in SHAPE}
+    return GPTConfig(
+        **shape, block_size=block_size, pos_encoding=pos_encoding, ssmax=ssmax, tokenizer="bench"
+    )
 
 
 @torch.no_grad()
-def long_forward(args, device, size_args, V, dtype):
-    """The memory claim of the kernel: a 100K+-token forward of the 120M model on one GPU (no T x T
-    tensor)."""
-    n_layer, n_embd, n_head = size_args
+def long_forward(args, device):
     T = args.long_forward
     torch.manual_seed(0)
-    model = (
-        GPT(
-            GPTConfig(
-                vocab_size=V,
-                n_layer=n_layer,
-                n_head=n_head,
-                n_embd=n_embd,
-                block_size=512,
-                pos_encoding="bam",
-                ssmax=True,
-                tokenizer="bench",
-            )
-        )
-        .to(device)
-        .eval()
-    )
-    idx = torch.randint(0, V, (1, T), device=device)
-    cuda = device.type == "cuda"
-    reset_peak_memory(device)
-    if cuda:
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    with autocast(device, dtype):
-        logits, _ = model(idx, logits_at=1)
-    if cuda:
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    peak = peak_memory_bytes(device)  # CUDA: allocated since the reset; CPU: the process's peak RSS
+    model = GPT(model_config(args, "bam", True, block_size=512)).to(device).eval()
+    idx = torch.randint(0, args.vocab_size, (1, T), device=device)
+
+    runtime.reset_peak_memory(device)
+    with runtime.autocast(device, args.dtype):
+        logits, ms, _ = timed(lambda: model(idx, logits_at=1)[0], device)
+    # CUDA: allocated since the reset; CPU: the process's peak RSS
+    peak = runtime.peak_memory_bytes(device)
     result = {
         "tokens": T,
-        "n_layer": n_layer,
-        "n_embd": n_embd,
-        "n_head": n_head,
-        "dtype": dtype,
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "n_head": args.n_head,
+        "dtype": args.dtype,
         "device": str(device),
-        "seconds": seconds,
+        "seconds": ms / 1000,
         "peak_bytes": peak,
         "finite": bool(torch.isfinite(logits).all()),
     }
     print(
-        f"{T:,}-token forward, {n_layer} layers x {n_embd} ({n_head} heads), bam+ssmax, {dtype} on "
-        f"{device}: "
-        f"{seconds:.2f} s, peak {'GPU allocated' if cuda else 'RSS'} {peak / 2**30:.2f} GiB, "
+        f"{T:,}-token forward, {args.n_layer} layers x {args.n_embd} ({args.n_head} heads), "
+        f"bam+ssmax, {args.dtype} on {device}: {ms / 1000:.2f} s, "
+        f"peak {'GPU allocated' if device.type == 'cuda' else 'RSS'} {peak / 2**30:.2f} GiB, "
         f"finite={result['finite']}"
     )
     return result
 
 
-def name(pe, ss):
-    return pe + ("+ssmax" if ss else "")
-
-
-def time_step(run, x, y, doc_start, dtype, scaler):
-    """One training step of a variant: (wall ms, process CPU ms)."""
-    device = x.device
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    t0, c0 = time.perf_counter(), time.process_time()
-    with autocast(device, dtype):
+def train_step(run, x, y, doc_start, dtype, scaler):
+    with runtime.autocast(x.device, dtype):
         _, loss = run["step_fn"](x, y, doc_start=doc_start)
     scaler.scale(loss).backward()
     scaler.step(run["opt"])
     scaler.update()
     run["opt"].zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize(device)
-    return 1000 * (time.perf_counter() - t0), 1000 * (time.process_time() - c0)
 
 
-def report(runs, B, T, device):
-    """Medians and ratios against nope, printed as a table. Returns {variant: results}."""
-    cuda = device.type == "cuda"
-    peak = peak_flops(torch.cuda.get_device_name(device)) if cuda else None
+def report(runs, B, T, gpu):
+    peak = runtime.peak_flops(gpu) if gpu else None
     base = statistics.median(runs["nope"]["ms"])
     base_cpu = statistics.median(runs["nope"]["cpu_ms"])
     results = {}
@@ -199,7 +137,8 @@ def report(runs, B, T, device):
         + ("   MFU" if peak else f"{'CPU ms':>9}{'vs nope':>9}")
     )
     for key, run in runs.items():
-        med, cpu = statistics.median(run["ms"]), statistics.median(run["cpu_ms"])
+        med = statistics.median(run["ms"])
+        cpu = statistics.median(run["cpu_ms"])
         tok_s = B * T / (med / 1000)
         mfu = run["model"].flops_per_token(T) * tok_s / peak if peak else None
         results[key] = {
@@ -218,142 +157,104 @@ def report(runs, B, T, device):
             + (f"{100 * mfu:>6.1f}%" if mfu is not None else f"{cpu:>9.2f}{cpu / base_cpu:>9.3f}")
         )
     r = results["bam+ssmax"]
+    fastest = r["min_ms"] / results["nope"]["min_ms"]
+    cpu_note = ""
+    if not gpu:
+        cpu_ratio = r["cpu_ratio_vs_nope"]
+        cpu_note = f"; {cpu_ratio:.3f} in process CPU time, which a busy machine disturbs less"
     print(
         f"\nbam+ssmax / nope step time: {r['ratio_vs_nope']:.4f} ({r['median_ms']:.2f} ms vs "
-        f"{base:.2f} ms, medians "
-        f"of wall time; {r['min_ms'] / results['nope']['min_ms']:.3f} on the fastest steps"
-        + (
-            ""
-            if cuda
-            else f"; {r['cpu_ratio_vs_nope']:.3f} in process CPU time, "
-            "which a busy machine disturbs less"
-        )
-        + ")"
+        f"{base:.2f} ms, medians of wall time; {fastest:.3f} on the fastest steps{cpu_note})"
     )
-    if cuda and peak is None:
-        print(
-            f"note: no bf16 peak known for {torch.cuda.get_device_name(device)!r}; MFU not reported"
-        )
+    if gpu and peak is None:
+        print(f"note: no bf16 peak known for {gpu!r}; MFU not reported")
     return results
 
 
-def build_runs(args, variants, device, V, T, size):
-    """{variant: model, its step function (compiled with --compile), optimizer, timings}, every
-    model from seed 42. Exits with one line where attention.impl_error refuses --attn_impl for a
-    variant."""
-    from priors import get_prior
-
+def build_runs(args, variants, device):
     runs = {}
     for pe, ss in variants:
-        prior = get_prior("ggd" if pe == "bam" else "alibi") if pe in ("bam", "alibi") else None
-        if error := impl_error(args.attn_impl, prior, device, grad=True):
-            sys.exit(f"bench.py: error: {name(pe, ss)}: {error}")
+        key = pe + ("+ssmax" if ss else "")
+        config = model_config(args, pe, ss, args.block_size)
+        if error := impl_error(args.attn_impl, config.family, device, grad=True):
+            sys.exit(f"bench.py: error: {key}: {error}")
         torch.manual_seed(42)
-        model = GPT(
-            GPTConfig(
-                vocab_size=V,
-                n_layer=size[0],
-                n_embd=size[1],
-                n_head=size[2],
-                block_size=T,
-                pos_encoding=pe,
-                ssmax=ss,
-                tokenizer="bench",
-            ),
-            attn_impl=args.attn_impl,
-        ).to(device)
-        runs[name(pe, ss)] = {
+        model = GPT(config, attn_impl=args.attn_impl).to(device)
+        runs[key] = {
             "model": model,
             "step_fn": torch.compile(model) if args.compile else model,
             "opt": model.configure_optimizers(0.1, 1e-4, (0.9, 0.95)),
-            "ms": [],
-            "cpu_ms": [],
         }
     return runs
 
 
+def time_runs(args, runs, device):
+    V = args.vocab_size
+    shape = (args.batch_size, args.block_size + 1)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, V - 1, shape, generator=g)
+    tokens[torch.rand(shape, generator=g) < 1.0 / args.doc_len] = V - 1
+    x = tokens[:, :-1].to(device)
+    y = tokens[:, 1:].to(device)
+    doc_start = doc_starts(x, V - 1)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "float16")
+    steps = {}
+    for key, run in runs.items():
+        steps[key] = functools.partial(train_step, run, x, y, doc_start, args.dtype, scaler)
+        for _ in range(args.warmup):
+            steps[key]()
+    for key, times in time_interleaved(steps, args.steps, device).items():
+        runs[key].update(times)
+
+
 def main(argv=None):
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
+    device = runtime.resolve_device(args.device)
     cuda = device.type == "cuda"
-    custom = any(v is not None for v in (args.n_layer, args.n_embd, args.n_head))
-    size = args.model_size or ("l12" if cuda and not custom else None)
-    n_layer, n_embd, n_head = (
-        MODEL_SIZES[size] if size else (args.n_layer or 4, args.n_embd or 128, args.n_head or 4)
-    )
-    V, T = args.vocab_size or (50257 if cuda else 257), args.block_size or (512 if cuda else 256)
-    B, steps = args.batch_size or (16 if cuda else 8), args.steps or (50 if cuda else 20)
-    dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
+    gpu = torch.cuda.get_device_name(device) if cuda else None
+    fill_defaults(args, cuda)
     if args.long_forward:
-        result = long_forward(args, device, (n_layer, n_embd, n_head), V, dtype)
+        result = long_forward(args, device)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
         return result
-    # synthetic stream: random tokens, end-of-text (id V-1) with probability 1/doc_len -> document
-    # masking is active
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, V - 1, (B, T + 1), generator=g)
-    x[torch.rand(B, T + 1, generator=g) < 1.0 / args.doc_len] = V - 1
-    x, y = x[:, :-1].to(device), x[:, 1:].to(device)
-    doc_start = doc_starts(x, V - 1)
-    runs = build_runs(
-        args,
-        ALL if args.all else [("nope", False), ("bam", True)],
-        device,
-        V,
-        T,
-        (n_layer, n_embd, n_head),
-    )
 
+    runs = build_runs(args, ALL if args.all else [("nope", False), ("bam", True)], device)
     print(
-        f"device {device}{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}, "
-        f"torch threads {torch.get_num_threads()}, {dtype}, compile={args.compile}"
+        f"device {device}{f' ({gpu})' if cuda else ''}, "
+        f"torch threads {torch.get_num_threads()}, {args.dtype}, compile={args.compile}"
     )
     print(
-        f"model: {n_layer} layers, n_embd {n_embd}, {n_head} heads, vocab {V}; batch {B} x {T} "
-        "tokens; "
-        f"{args.warmup} warmup + {steps} timed steps per variant, interleaved"
+        f"model: {args.n_layer} layers, n_embd {args.n_embd}, {args.n_head} heads, vocab "
+        f"{args.vocab_size}; batch {args.batch_size} x {args.block_size} tokens; "
+        f"{args.warmup} warmup + {args.steps} timed steps per variant, interleaved"
     )
-    for run in runs.values():
-        for _ in range(args.warmup):
-            time_step(run, x, y, doc_start, dtype, scaler)
-    for _ in range(steps):
-        for run in runs.values():
-            wall, cpu = time_step(run, x, y, doc_start, dtype, scaler)
-            run["ms"].append(wall)
-            run["cpu_ms"].append(cpu)
-
-    results = report(runs, B, T, device)
-    if args.out:
-        meta = {
-            "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if cuda else None,
-            "cpu": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "dtype": dtype,
-            "compile": args.compile,
-            "model": {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "vocab_size": V},
-            "batch_size": B,
-            "block_size": T,
-            "warmup": args.warmup,
-            "steps": steps,
-        }
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "meta": meta,
-                    "ratio_bam_ssmax_vs_nope": results["bam+ssmax"]["ratio_vs_nope"],
-                    "variants": results,
-                },
-                f,
-                indent=2,
-            )
-        print(f"wrote {args.out}")
+    time_runs(args, runs, device)
+    results = report(runs, args.batch_size, args.block_size, gpu)
+    if not args.out:
+        return results
+    meta = {
+        "device": str(device),
+        "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "model": {k: getattr(args, k) for k in SHAPE},
+        "batch_size": args.batch_size,
+        "block_size": args.block_size,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    ratio = results["bam+ssmax"]["ratio_vs_nope"]
+    output = {"meta": meta, "ratio_bam_ssmax_vs_nope": ratio, "variants": results}
+    with open(args.out, "w") as f:
+        json.dump(output, f, indent=2)
+    print(f"wrote {args.out}")
     return results
 
 

@@ -1,8 +1,8 @@
 """
-The errors behind attention_kernel.CHECK_TOLERANCE: check_kernel's problem for every registered
-prior, SSMax off, on, and scaling the prior, a few seeds, in each dtype. Prints one line per problem
-and the largest error of each kind per dtype. Through Triton's interpreter on a CPU (about 10
-minutes per head_dim), compiled on a GPU.
+The errors behind infra/kernel_check.py's CHECK_TOLERANCE: the self-check's problem for every
+registered prior, SSMax off, on, and scaling the prior, a few seeds, in each dtype. Prints one line
+per problem and the largest error of each kind per dtype. Through Triton's interpreter on a CPU
+(about 10 minutes per head_dim), compiled on a GPU.
 
     TRITON_INTERPRET=1 python dev/check_errors.py --head_dim 64
 """
@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import attention_kernel as ak  # noqa: E402
+from infra import kernel_check as kc  # noqa: E402
 from priors import PRIORS  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -25,12 +26,12 @@ PLACEMENTS = ((False, False), (True, False), (True, True))
 
 def errors_of(family, head_dim, dtype, ssmax, scale_prior, seed, device):
     """check_kernel's errors {name: error} on its problem drawn from `seed`, with gradients."""
-    problem = ak._check_problem(
+    problem = kc._check_problem(
         family, family.trainable, head_dim, dtype, ssmax, scale_prior, documents=True, seed=seed
     )
-    kernel = ak._check_outputs("triton", problem, device, True)
-    reference = ak._check_outputs("torch", problem, device, True)
-    return ak._check_errors(kernel, reference, family)
+    kernel = kc._check_outputs("triton", problem, device, True)
+    reference = kc._check_outputs("torch", problem, device, True)
+    return kc._check_errors(kernel, reference, family)
 
 
 def main():
@@ -54,7 +55,7 @@ def main():
                     text = " ".join(f"{name} {error:.1e}" for name, error in errors.items())
                     print(f"{dtype} {family.name} ssmax={ssmax} scale_prior={scale_prior} {text}")
                     for name, error in errors.items():
-                        kind = ak.check_kind(name)
+                        kind = kc.check_kind(name)
                         worst[kind] = max(worst.get(kind, 0.0), error)
         print(f"largest, {dtype}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 

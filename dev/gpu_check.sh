@@ -13,8 +13,7 @@
 #   (its self-check for evaluation). Most of its time is compilation: about 70 kernel
 #   specialisations, 1-5 s each on one CPU core, 4 test processes at a time.
 # performance: the kernel, prior and torch.compile test suites compiled instead of interpreted;
-#   every prior's forward + backward time; the kernel against SDPA with the performance model's
-#   prediction beside it; the l12 step-time ratio BAM+SSMax / NoPE with MFU; a 131,072-token l12
+#   every prior's forward + backward time; the kernel against SDPA; the l12 step-time ratio BAM+SSMax / NoPE with MFU; a 131,072-token l12
 #   forward; a bf16 + torch.compile training on the demo data.
 #
 # Every step runs even if an earlier one failed (no -x: one failure does not hide the others). Each
@@ -82,8 +81,6 @@ if [ "$tier" != correctness ]; then
   step prior_speed env TRITON_INTERPRET=0 $PY -m pytest -q -s -p no:cacheprovider tests/test_kernel.py \
     -k speed_of_every_prior
   step attention_bench $PY dev/bench_attention.py --quick --out "$OUT/bench_attention.json"
-  step perf_model $PY dev/perf_model.py --archs 90 --head_dims 64 --variants none ggd_ssmax \
-    --compare "$OUT/bench_attention.json" --out "$OUT/perf_model"
   step step_ratio $PY dev/bench.py --compile --steps 30 --out "$OUT/bench_l12.json"
   step long_forward $PY dev/bench.py --long_forward=131072 --out "$OUT/long_forward_131k.json"
   [ -d "$WORK/data" ] || step demo_data $PY prepare_demo.py --out_dir "$WORK/data"

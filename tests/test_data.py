@@ -25,7 +25,7 @@ from data import (
     shard_tokenizer,
     write_shard,
 )
-from runtime import LOCK_NAME
+from infra.runtime import LOCK_NAME
 
 SMALL = ["--tokenizer", "byte", "--shard_size", "1000", "--val_tokens", "500", "--gap_tokens", "0"]
 WORDS = "the quick brown fox jumps over a lazy dog naïve café 日本語 🙂 <|endoftext|> 42\n".split(

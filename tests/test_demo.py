@@ -18,10 +18,22 @@ import prepare_demo
 from analysis import plot_prior
 from data import EOT, TokenLoader, get_tokenizer, open_shard
 from eval_common import EvalError
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig, load_model
-from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def is_walk(text, closed=False):
+    """True iff every adjacent pair of `text` is an edge of the demo's chain (and, if closed, also
+    last -> first)."""
+    pairs = list(zip(text, text[1:]))
+    if closed and text:
+        pairs.append((text[-1], text[0]))
+
+    return all(a in prepare_demo.CHAIN and b in prepare_demo.CHAIN[a] for a, b in pairs)
+
+
 ENC = get_tokenizer("byte")
 # a demo document after its end-of-text: task, filler, needle, filler, question, answer
 DOC_RE = re.compile(r"^@([a-t]*)#(\d{5})([a-t]*)\? (\d{5})$")
@@ -45,10 +57,10 @@ def _prepare(out, seed=3, windows=300, extra=()):
 
 def test_demo_template_filler_is_a_closed_walk_of_the_chain():
     t = passkey.TEMPLATES["demo"]
-    assert prepare_demo.is_walk(t["filler"], closed=True)
+    assert is_walk(t["filler"], closed=True)
     # a -> h -> e are edges, a -> b is not
-    assert prepare_demo.is_walk("ahe") and not prepare_demo.is_walk("ab")
-    assert not prepare_demo.is_walk("bgn", closed=True)  # n -> b is not an edge
+    assert is_walk("ahe") and not is_walk("ab")
+    assert not is_walk("bgn", closed=True)  # n -> b is not an edge
 
 
 def test_corpus_windows_are_whole_documents_in_the_eval_format(tmp_path):
@@ -68,7 +80,7 @@ def test_corpus_windows_are_whole_documents_in_the_eval_format(tmp_path):
             m = DOC_RE.match(ENC.decode(row[a + 1 : b]))
             assert m, ENC.decode(row[a + 1 : b])
             assert m[2] == m[4]  # the answer is the key
-            assert prepare_demo.is_walk(m[1] + m[3])  # one walk of the chain, cut by the needle
+            assert is_walk(m[1] + m[3])  # one walk of the chain, cut by the needle
     # documents of several lengths, so SSMax sees many values of n
     assert {1, 2} <= set(docs_per_window)
     # the evaluation prompt (+ answer) has the same layout, its filler a repetition of the closed

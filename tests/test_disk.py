@@ -13,8 +13,8 @@ import torch
 
 import eval_passkey
 import prepare_fineweb
+from infra.runtime import LOCK_NAME, CheckpointError, atomic_file, load_checkpoint, save_checkpoint
 from model import GPT, GPTConfig
-from runtime import LOCK_NAME, CheckpointError, atomic_file, load_checkpoint, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -229,9 +229,10 @@ def test_prepare_fineweb_on_a_full_disk_resumes(tmp_path, target, unlisted):
 
 
 # ---- One writer per folder ----------------------------------------------------------------------
+OWN_FOLDER = "from infra import runtime; import sys; runtime.own_folder(sys.argv[1])"
 OWNER = r"""
 import sys, time
-import runtime
+from infra import runtime
 
 runtime.own_folder(sys.argv[1])
 print("owning", flush=True)
@@ -258,7 +259,7 @@ def test_the_owner_removes_temporaries_and_a_second_owner_is_refused(tmp_path):
         assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME, *kept])
 
         # a second process is refused, naming the owner
-        refused = run("-c", "import runtime, sys; runtime.own_folder(sys.argv[1])", str(tmp_path))
+        refused = run("-c", OWN_FOLDER, str(tmp_path))
         assert "FolderBusy" in refused.stderr
         assert f"is in use by another process (pid {owner.pid} on" in refused.stderr
     finally:
@@ -266,7 +267,7 @@ def test_the_owner_removes_temporaries_and_a_second_owner_is_refused(tmp_path):
         owner.wait(timeout=30)
 
     # the kernel dropped the lock with the process: the folder is free again
-    again = run("-c", "import runtime, sys; runtime.own_folder(sys.argv[1])", str(tmp_path))
+    again = run("-c", OWN_FOLDER, str(tmp_path))
     assert again.returncode == 0, again.stderr
 
 
@@ -293,7 +294,8 @@ def test_atomic_file_leaves_nothing_on_an_exception(tmp_path):
 # eval_passkey.py whose evaluation waits, once it holds its --out, until the file $GO exists.
 HELD = r"""
 import os, sys, time
-import eval_common, eval_passkey, runtime
+import eval_common, eval_passkey
+from infra import runtime
 
 sys.argv = ["eval_passkey.py", *sys.argv[1:]]
 runtime.own_folder(sys.argv[sys.argv.index("--out") + 1])

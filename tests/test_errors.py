@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from data import get_tokenizer, write_shard
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
-from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVALS = ("eval_passkey.py", "eval_ppl.py", "eval_ruler.py")
@@ -203,7 +203,7 @@ def test_prepare_fineweb_no_text_column(tmp_path):
 def test_a_gpu_without_native_bfloat16_is_told_apart(monkeypatch):
     """A T4 (compute capability 7.5) emulates bfloat16; torch.cuda.is_bf16_supported() says yes."""
     import eval_common
-    import runtime
+    from infra import runtime
 
     for capability, native in (((7, 5), False), ((8, 0), True), ((10, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)

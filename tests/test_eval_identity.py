@@ -13,8 +13,8 @@ import eval_passkey
 import eval_ppl
 import eval_ruler
 from data import EOT, write_shard
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
-from runtime import save_checkpoint
 
 
 def save_tiny(path, seed):

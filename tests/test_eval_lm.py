@@ -21,8 +21,8 @@ from analysis import eval_lm
 from analysis.eval_lm import BamGPT, main
 from data import get_tokenizer
 from eval_common import EvalError
+from infra.runtime import save_checkpoint
 from model import GPT, POS_ENCODINGS, GPTConfig
-from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "lm_tasks")

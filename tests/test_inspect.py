@@ -18,9 +18,9 @@ from analysis import inspect_attention as ia
 from analysis import plot_prior
 from data import get_tokenizer
 from eval_common import EvalError
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
 from priors import Prior, alibi_slopes, register
-from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = passkey.TEMPLATES["demo"]
@@ -389,3 +389,10 @@ def test_prior_summary_reports_every_layer():
     alibi = GPT(GPTConfig(**sizes, pos_encoding="alibi", ssmax=False))
     row = plot_prior.prior_summary(alibi)[0]
     assert row["prior"] == "alibi" and row["slope"] == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]
+
+
+def test_head_label_of_a_vector_shape_is_empty():
+    """T5's buckets are a vector per head: no label, rather than a format error."""
+    assert ia.head_label({"shape_param": "theta_beta", "shape": -0.42}) == "θbeta=-0.42"
+    assert ia.head_label({"shape_param": "bias", "shape": [0.1, -0.2]}) == ""
+    assert ia.head_label({}) == ""

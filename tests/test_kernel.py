@@ -19,7 +19,8 @@ import torch
 import attention as attention_mod
 import attention_kernel as ak
 from attention import attention, dense_attention, impl_error
-from attention_kernel import KernelMismatch, check_kernel
+from infra import kernel_check
+from infra.kernel_check import KernelMismatch, check_kernel
 from priors import BoundPrior, Prior, alibi_slopes, get_prior, register
 
 pytest.importorskip("triton")
@@ -458,7 +459,7 @@ def test_self_check_passes_on_the_gpu_tiles(monkeypatch, dtype, head_dim, name, 
     """The self-check a GPU run makes before it trusts the kernel (check_kernel), with the GPU's
     own tiles (INTERPRET_BLOCKS = None), so that a CPU test executes each of them."""
     monkeypatch.setattr(ak, "INTERPRET_BLOCKS", None)
-    monkeypatch.setattr(ak, "_checked", set())
+    monkeypatch.setattr(kernel_check, "_checked", set())
     line = check_kernel(attention_layer(name, head_dim, scale_prior), dtype, training=True)
     assert f"{ak.check_length(head_dim, dtype)} tokens" in line and ": ok in " in line, line
     assert check_kernel(attention_layer(name, head_dim, scale_prior), dtype, True) is None
@@ -477,7 +478,7 @@ def test_self_check_catches_a_misread_table(monkeypatch, dtype, misread):
         return table, dtable.roll(1, -1), theta, table_start
 
     monkeypatch.setattr(ak, "_prior_tables", misreading)
-    monkeypatch.setattr(ak, "_checked", set())
+    monkeypatch.setattr(kernel_check, "_checked", set())
     with pytest.raises(KernelMismatch, match="disagrees with the reference"):
         check_kernel(attention_layer("ggd", 32, True), dtype, training=True)
 

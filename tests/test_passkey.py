@@ -18,8 +18,9 @@ import eval_common
 import eval_passkey as ep
 import model as model_mod
 from data import get_tokenizer, tiktoken_tokenizer
+from infra import kernel_check
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig, load_model
-from runtime import save_checkpoint
 
 PAPER = ep.TEMPLATES["paper"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -642,7 +643,9 @@ def test_triton_evaluation_checks_the_kernel_first(tmp_path, ckpts, capsys, monk
         return (table.roll(1, -1), *rest)
 
     monkeypatch.setattr(ak, "_prior_tables", misread)
-    monkeypatch.setattr(ak, "_checked", set())  # the check runs once per configuration and process
+    monkeypatch.setattr(
+        kernel_check, "_checked", set()
+    )  # the check runs once per configuration and process
     with pytest.raises(
         eval_common.EvalError, match=r"disagrees with the reference.*--attn_impl torch"
     ):
@@ -655,7 +658,8 @@ def test_a_second_evaluation_into_a_busy_out_is_refused_in_one_line(tmp_path, ck
     in one line, exit 1, before it writes anything."""
     out = tmp_path / "res"
     hold = (
-        "import sys, runtime; runtime.own_folder(sys.argv[1]); print('held', flush=True); input()"
+        "import sys; from infra import runtime; runtime.own_folder(sys.argv[1]); "
+        "print('held', flush=True); input()"
     )
     holder = subprocess.Popen(
         [sys.executable, "-c", hold, str(out)],

@@ -15,8 +15,8 @@ import eval_ppl
 from data import EOT, write_shard
 from eval_common import EvalError
 from eval_ppl import full_token_losses, hf_sequences, window_sums
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
-from runtime import save_checkpoint
 
 
 def tiny_model(pe="bam", ssmax=True, seed=0, block_size=32):

@@ -16,8 +16,8 @@ from conftest import run_train
 from test_disk import on_a_full_disk
 from test_train import ROOT, data_dir, metrics, tiny  # noqa: F401 (data_dir is a fixture)
 
-import runtime
-from runtime import checkpoints, load_checkpoint
+from infra import runtime
+from infra.runtime import checkpoints, load_checkpoint
 
 TRAIN_PY = os.path.join(ROOT, "train.py")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -16,6 +16,7 @@ import eval_passkey
 import priors
 from attention import attention, attention_probs, dense_attention, impl_error, pick_impl
 from eval_common import EXPECTED_ERRORS
+from infra.runtime import CheckpointError, save_checkpoint
 from model import GPT, GPTConfig, load_model
 from priors import (
     LOG_PRIOR_FLOOR,
@@ -27,7 +28,6 @@ from priors import (
     get_prior,
     register,
 )
-from runtime import CheckpointError, save_checkpoint
 
 
 # ----------------------------------------------------------------------- a prior no other test uses

@@ -19,11 +19,11 @@ import torch
 import attention_kernel
 import model
 import priors
-import runtime
 import train
 from attention import attention
 from configurator import ConfigError, configure
 from data import write_shard
+from infra import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS = ("python ", "torchrun ", "bash ", "make ", "OMP_NUM_THREADS=", "TRITON_INTERPRET=")

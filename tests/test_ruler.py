@@ -18,8 +18,8 @@ import eval_ruler as R
 import model as model_mod
 from data import get_tokenizer, write_shard
 from eval_common import EvalError
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
-from runtime import save_checkpoint
 
 ENC = get_tokenizer("byte")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,8 +12,8 @@ from test_eval_lm import greedy_without_cache
 
 from analysis.sample import SEPARATOR, main
 from data import get_tokenizer
+from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
-from runtime import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = get_tokenizer("byte")

