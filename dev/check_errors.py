@@ -29,9 +29,7 @@ def errors_of(family, head_dim, dtype, ssmax, scale_prior, seed, device):
     problem = kc._check_problem(
         family, family.trainable, head_dim, dtype, ssmax, scale_prior, documents=True, seed=seed
     )
-    kernel = kc._check_outputs("triton", problem, device, True)
-    reference = kc._check_outputs("torch", problem, device, True)
-    return kc._check_errors(kernel, reference, family)
+    return kc.kernel_errors(problem, device, True)
 
 
 def main():

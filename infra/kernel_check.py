@@ -13,7 +13,7 @@ from attention import attention, pick_impl, ssmax_log_n
 from attention_kernel import check_length
 from priors import BoundPrior
 
-# The reference runs in fp32 on the same rounded inputs; the errors are relative (_check_errors). A
+# The reference runs in fp32 on the same rounded inputs; the errors are relative (kernel_errors). A
 # correct kernel differs by the roundings the reference does not make: with 16-bit inputs, P before
 # P V and dS before dS K and dS^T Q are rounded to 8 bits (bfloat16) or 11 (float16), and the output
 # once more. The prior's and SSMax's gradients are sums in fp32 (attention_kernel._own_delta).
@@ -59,9 +59,7 @@ def check_kernel(layer, dtype, training):
 
     started = time.time()
     inputs = _check_problem(*problem, documents=training)
-    kernel = _check_outputs("triton", inputs, device, training)
-    reference = _check_outputs("torch", inputs, device, training)
-    errors = _check_errors(kernel, reference, family)
+    errors = kernel_errors(inputs, device, training)
     line, ok = _check_line(errors, inputs, *problem)
     if not ok:
         raise KernelMismatch(f"the Triton kernel disagrees with the reference: {line}")
@@ -156,10 +154,14 @@ def _check_outputs(impl, problem, device, training):
     return results
 
 
-def _check_errors(kernel, reference, family):
-    """{name: max |kernel - reference| / scale}, the scale max |reference| (floored at 1e-3, so that
-    a gradient of 0 is compared absolutely), for the prior's parameters taken over all of them
-    together: each sums dS times a table of like size, while one may be near 0 by chance."""
+def kernel_errors(problem, device, training):
+    """The kernel's errors on a _check_problem, output and (training) gradients: {name: max
+    |kernel - reference| / scale}, the scale max |reference| (floored at 1e-3, so that a gradient of
+    0 is compared absolutely), for the prior's parameters taken over all of them together: each
+    sums dS times a table of like size, while one may be near 0 by chance."""
+    kernel = _check_outputs("triton", problem, device, training)
+    reference = _check_outputs("torch", problem, device, training)
+    family = problem["family"]
     params = [n for n in reference if family is not None and n in family.params]
     scale = {n: reference[n].double().abs().max() for n in reference}
     for name in params:
