@@ -14,9 +14,10 @@ impl can compute what:
     triton  flash-attention kernel, every prior            TRITON_INTERPRET=1  train + evaluate
 
 sdpa also trains where the mask needs no gradient. An impl that cannot compute a call raises with
-the reason; none swaps in another prior.
+the reason; none swaps in another prior. sdpa and triton skip keys: key_windows.
 """
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -41,6 +42,8 @@ def attention(
     q_offset=None,
     softmax_scale=None,
     impl="auto",
+    skip=True,
+    key_norm=None,
 ):
     """Causal attention with a prior, computed by `impl` (resolved by pick_impl).
 
@@ -51,11 +54,19 @@ def attention(
         out_i = sum_j softmax_j(s_ij) v_j    over the keys doc_start[i] <= j <= i
     prior: None (NoPE), a BoundPrior, or a GGD triple (theta_alpha, theta_beta, theta_mu) of (H,)
     tensors; prior(d) is its log-prior table by distance (priors.py). row_scale: r, (B or 1, H, Tq),
-    SSMax's s_h log n_i, or None for 1. doc_start (B, Tk): where each position's document starts."""
+    SSMax's s_h log n_i, or None for 1. doc_start (B, Tk): where each position's document starts.
+    skip: False reads every key, True skips keys provably below 2^-24 / Tk, "zero" below 2^-150
+    (key_windows). key_norm (B, H): max |k_j|, if known (a KV cache's)."""
     args = AttentionArgs(doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale)
-    args = args.resolve(q, k, v)
+    args = args.resolve(q, k, v)._replace(skip=skip, key_norm=key_norm)
 
-    impl = pick_impl(impl, args.prior, q.device, args.needs_grad(q, k, v), q.dtype, q.shape[-1])
+    grad = args.needs_grad(q, k, v)
+    impl = pick_impl(impl, args.prior, q.device, grad, q.dtype, q.shape[-1])
+    if impl != "torch":
+        args = args._replace(first_key=key_windows(q, k, args, grad))
+    if _work is not None:
+        _count_work(q, args)
+
     implementation = {"torch": attention_torch, "sdpa": attention_sdpa, "triton": attention_triton}
     return implementation[impl](q, k, v, args)
 
@@ -69,6 +80,9 @@ class AttentionArgs(NamedTuple):
     scale_prior: bool = False
     q_offset: Optional[int] = None
     softmax_scale: Optional[float] = None
+    skip: bool | str = False
+    key_norm: Optional[torch.Tensor] = None
+    first_key: Optional[torch.Tensor] = None  # (B, H, Tq): key_windows' F_i, None: every key
 
     def resolve(self, q, k, v):
         """Args checked against q, k, v (ValueError names the misfit); prior bound (priors.bind,
@@ -128,6 +142,82 @@ class AttentionArgs(NamedTuple):
                 positions = slice(self.q_offset + start, self.q_offset + stop)
                 first_key = int(self.doc_start[:, positions].min())
             yield start, stop, first_key
+
+
+# ---- Skipping: the keys a row's prior proves cannot matter
+# s_ij = r_i l_ij + w_i b(i - j), w_i = r_i if scale_prior else 1, b(m): the log-prior. A row
+# keeps its own key, so key j weighs at most e^(s_ij - s_ii). With kappa = max |k_j| and S(n) =
+# max_{m >= n} b(m), every key at distance >= n has (Cauchy-Schwarz)
+#     s_ij - s_ii <= |r_i| c |q_i| kappa - r_i l_ii - w_i (b(0) - S(n)).
+# Row i's window: the least n where that is <= -tau. tau = ln Tk + 24 ln 2 + 1 keeps a row's
+# and a column's skipped mass below 2^-24: outputs move within fp32 rounding of their sums.
+# "zero" (tau = 150 ln 2 + 1; with gradients) skips weights fp32 rounds to 0. Flat priors
+# (theta_beta <= 0), rows with w_i <= 0 and short rows keep every key.
+_work = None  # [scores kept, scores visible] while counting_work() is active
+
+
+def key_windows(q, k, args, grad=False):
+    """The first key F_i (B, H, Tq) each row reads (>= its document's start), for resolved
+    AttentionArgs; None where skip is off or there is no prior."""
+    if not args.skip or args.prior is None:
+        return None
+
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    tau = math.log(Tk) + 24 * math.log(2) + 1
+    if grad or args.skip == "zero":
+        tau = 150 * math.log(2) + 1
+
+    # gap[n] = b(0) - S(n), non-decreasing in n
+    log_prior = args.prior.table(-torch.arange(Tk, device=q.device)).float()
+    suffix_max = log_prior.flip(-1).cummax(-1).values.flip(-1)
+    gap = (log_prior[:, :1] - suffix_max).expand(B, H, Tk).contiguous()
+
+    rows = torch.arange(Tq, device=q.device) + args.q_offset
+    queries = q.detach().float()
+    keys = k.detach().float()
+    kappa = args.key_norm
+    if kappa is None:
+        kappa = keys.norm(dim=-1).amax(-1)
+    diagonal = args.softmax_scale * (queries * keys[:, :, rows]).sum(-1)
+    content = args.softmax_scale * queries.norm(dim=-1) * kappa[..., None]
+
+    r = torch.ones(B, H, Tq, device=q.device)
+    if args.row_scale is not None:
+        r = args.row_scale.detach().float().expand(B, H, Tq)
+    w = r if args.scale_prior else torch.ones_like(r)
+    need = (r.abs() * content - r * diagonal + tau) / w
+    need = need.masked_fill(w <= 0, float("inf"))
+
+    window = torch.searchsorted(gap, need.contiguous())
+    first_key = (rows - window + 1).clamp_min(0)
+    if args.doc_start is not None:
+        first_key = torch.maximum(first_key, args.doc_start[:, None, rows])
+    return first_key
+
+
+def _count_work(q, args):
+    """Adds to counting_work()'s counts the scores a call's windows keep and its rows see."""
+    B, H, Tq, _ = q.shape
+    rows = torch.arange(Tq, device=q.device) + args.q_offset
+    first = torch.zeros(B, H, Tq, dtype=torch.long, device=q.device)
+    if args.doc_start is not None:
+        first = first + args.doc_start[:, None, rows]
+    kept = first if args.first_key is None else args.first_key
+    _work[0] += int((rows + 1 - kept).sum())
+    _work[1] += int((rows + 1 - first).sum())
+
+
+@contextlib.contextmanager
+def counting_work():
+    """Counts, while active, the scores attention()'s windows keep and the scores its rows see:
+    yields [kept, visible]; the evaluations print kept / visible as "attention work"."""
+    global _work
+    _work = [0, 0]
+    try:
+        yield _work
+    finally:
+        _work = None
 
 
 def dense_attention(q, k, v, **kwargs):

@@ -42,7 +42,8 @@ FP_FUSION = True  # every launch's enable_fp_fusion
 # dO); a kernel per key block for dK, dV; a kernel per query block for dQ, which also sums the
 # gradients of SSMax's row scale and of the prior's parameters, score by score for a few trained
 # entries per head (GGD: 2), along tile diagonals for many (T5: 32; DIAGONAL_FROM). Each kernel
-# visits the unmasked blocks, then the masked ones before (document starts) and after (diagonal).
+# visits the unmasked blocks, then the masked ones before (document starts) and after (diagonal),
+# none before its query group's KEY_START (skipping: _key_starts).
 #
 # Inputs are contiguous (B, H, T, D), the row scale (B, H, Tq), the queries' doc_start (B, Tq):
 # a program moves its pointers to its (batch, head) and derives offsets from the shapes. Tables
@@ -190,10 +191,11 @@ if triton is not None:
 
     @triton.jit
     def _key_block_ranges(
-            pid_m, row_ok, doc, q_offset, Tq, Tk,
-            HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Key blocks of query block pid_m: [start, end) holds every visible key, and
-        [clean_start, clean_end) needs no mask (before it: document starts; after: the diagonal)."""
+            pid_m, row_ok, doc, q_offset, Tq, Tk, KEY_START, HAS_DOC: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Key blocks of query block pid_m: [start, end) holds every key it reads (from its
+        GROUP_M rows' KEY_START on), and [clean_start, clean_end) needs no mask (before it:
+        document starts; after: the diagonal)."""
         q_first = q_offset + pid_m * BLOCK_M
         q_last = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Tq) - 1
         end = q_last // BLOCK_N + 1  # the last key needed is the last valid query's own (causal)
@@ -207,6 +209,7 @@ if triton is not None:
         else:
             start = tl.full([], 0, tl.int32)
             doc_clean = tl.full([], 0, tl.int32)
+        start = tl.maximum(start, tl.load(KEY_START + pid_m * BLOCK_M // GROUP_M) // BLOCK_N)
 
         clean_end = tl.minimum(tl.maximum(causal_clean, start), end)
         clean_start = tl.minimum(tl.maximum(doc_clean, start), clean_end)
@@ -215,11 +218,11 @@ if triton is not None:
     # ---- forward
     @triton.jit
     def _attn_fwd(
-            Q, K, V, OUT, LSE, DOC, ROW_SCALE, TABLE,
+            Q, K, V, OUT, LSE, DOC, ROW_SCALE, TABLE, KEY_START,
             H, Tq, Tk, q_offset, softmax_scale, table_len,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-            HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+            BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_DOC: tl.constexpr,
+            HAS_PRIOR: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
             DOT_PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)  # 64-bit: B H T D may pass 2^31
@@ -239,7 +242,8 @@ if triton is not None:
             HAS_ROW_SCALE, SCALE_PRIOR)
         q = _load_tile(Q, row0, Tq, BLOCK_M, HEAD_DIM, BLOCK_D, False)
         start, clean_start, clean_end, end = _key_block_ranges(
-            pid_m, row_ok, doc, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
+            pid_m, row_ok, doc, q_offset, Tq, Tk, KEY_START + bh * tl.cdiv(Tq, GROUP_M), HAS_DOC,
+            BLOCK_M, BLOCK_N, GROUP_M)
 
         # the online softmax; row_max is -inf while a row sees nothing
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -296,7 +300,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_bwd_dkdv(
-            Q, K, V, DO, DK, DV, LSE, DELTA, DOC, ROW_SCALE, TABLE, QEND, QCLEAN,
+            Q, K, V, DO, DK, DV, LSE, DELTA, DOC, ROW_SCALE, TABLE, QEND, QCLEAN, QKEPT,
             H, Tq, Tk, q_offset, softmax_scale, table_len, n_kblocks,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
@@ -323,8 +327,8 @@ if triton is not None:
         k = _load_tile(K, n0, Tk, BLOCK_N, HEAD_DIM, BLOCK_D, False)
         v = _load_tile(V, n0, Tk, BLOCK_N, HEAD_DIM, BLOCK_D, False)
 
-        # query blocks [start, end) see this key block: from the first query at or after n0 to
-        # the last block whose earliest doc start is <= the block's last key (_kv_ranges)
+        # query blocks [start, end) read this key block: from the first query at or after n0 to
+        # the last whose earliest doc start is <= its last key (_kv_ranges) and that reads it
         n_qblocks = (Tq + BLOCK_M - 1) // BLOCK_M
         if HAS_DOC:
             end = tl.load(QEND + b * n_kblocks + pid_n)
@@ -332,6 +336,7 @@ if triton is not None:
         else:
             end = n_qblocks
             doc_clean = n_qblocks
+        end = tl.minimum(end, tl.load(QKEPT + bh * n_kblocks + pid_n))
         start = tl.minimum(tl.maximum(n0 - q_offset, 0) // BLOCK_M, end)
         # the first query block wholly at or after the block's last key (a ragged last key block
         # is always masked: keys >= Tk count as after every query)
@@ -445,11 +450,11 @@ if triton is not None:
     # from dQ's 16-bit dS product, whose row sums cancel to its rounding; and the prior's.
     @triton.jit
     def _attn_bwd_dq(
-            Q, K, V, DO, DQ, LSE, DELTA, DOC, ROW_SCALE, TABLE, DTABLE, DROW_SCALE, PART,
+            Q, K, V, DO, DQ, LSE, DELTA, DOC, ROW_SCALE, TABLE, DTABLE, DROW_SCALE, PART, KEY_START,
             H, Tq, Tk, q_offset, softmax_scale, table_len, n_qblocks,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, HAS_DOC: tl.constexpr, HAS_PRIOR: tl.constexpr,
-            HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
+            BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_DOC: tl.constexpr,
+            HAS_PRIOR: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, SCALE_PRIOR: tl.constexpr,
             N_GRAD: tl.constexpr, NEED_ROW_SCALE_GRAD: tl.constexpr,
             BY_DIAGONAL: tl.constexpr, K_POW2: tl.constexpr, OWN_DELTA: tl.constexpr,
             DOT_PREC: tl.constexpr):
@@ -474,7 +479,8 @@ if triton is not None:
         do = _load_tile(DO, row0, Tq, BLOCK_M, HEAD_DIM, BLOCK_D, False)
         hi, lo = _row_lse(LSE + bh * 2 * Tq, rows, row_ok, Tq, SCALE_PRIOR)
         start, clean_start, clean_end, end = _key_block_ranges(
-            pid_m, row_ok, doc, q_offset, Tq, Tk, HAS_DOC, BLOCK_M, BLOCK_N)
+            pid_m, row_ok, doc, q_offset, Tq, Tk, KEY_START + bh * tl.cdiv(Tq, GROUP_M), HAS_DOC,
+            BLOCK_M, BLOCK_N, GROUP_M)
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
         if OWN_DELTA:  # Delta_i = sum_j P_ij dP_ij from this kernel's P, not the forward's O
@@ -667,6 +673,28 @@ def _kv_ranges(doc_start, block_m, block_n, Tk):
     return q_end.to(torch.int32).contiguous(), q_clean.to(torch.int32).contiguous()
 
 
+def _tile_groups(cfg):
+    """(group_m, group_n): the kernels' largest BLOCK_M, BLOCK_N. Skipping whole groups, every
+    kernel keeps the same tiles, whole, with no per-score mask."""
+    kernels = (cfg["fwd"], cfg["dkdv"], cfg["dq"])
+    return max(c[0] for c in kernels), max(c[1] for c in kernels)
+
+
+def _key_starts(first_key, cfg, batch, H, Tq, device):
+    """(batch H, groups) int32: each group of group_m rows' first key (key_windows' or 0), a
+    multiple of group_n, non-decreasing: the groups reading a key block are a prefix."""
+    group_m, group_n = _tile_groups(cfg)
+    groups = triton.cdiv(Tq, group_m)
+    if first_key is None:
+        return torch.zeros(batch * H, groups, device=device, dtype=torch.int32)
+
+    big = torch.iinfo(torch.int32).max
+    rows = F.pad(first_key.flatten(0, 1), (0, groups * group_m - Tq), value=big)
+    starts = rows.view(batch * H, groups, group_m).amin(-1) // group_n * group_n
+    starts = starts.flip(-1).cummin(-1).values.flip(-1)
+    return starts.to(torch.int32).contiguous()
+
+
 def _block_d(head_dim):
     # head dims that are not a power of two are padded
     return max(16, triton.next_power_of_2(head_dim))
@@ -718,60 +746,69 @@ Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
 
 @torch.library.custom_op("bam::triton_attention_fwd", mutates_args=())
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: OptTensor,
-                dtable: OptTensor, theta: OptTensor, row_scale: OptTensor, scale_prior: bool,
-                q_offset: int, softmax_scale: float,
+                dtable: OptTensor, theta: OptTensor, row_scale: OptTensor, key_start: Tensor,
+                scale_prior: bool, q_offset: int, softmax_scale: float,
                 table_start: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The forward kernel: (O, LSE), LSE (batch, H, 2, Tq) fp32 in base 2 as two values
     (_row_lse). doc_start: the queries' (batch, Tq) int32; row_scale (batch, H, Tq) fp32; the
-    tables as _prior_tables makes them (dtable and theta only for the backward)."""
+    tables as _prior_tables makes them (dtable and theta only for the backward); key_start as
+    _key_starts makes it."""
     batch, H, Tq, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((batch, H, 2, Tq), device=q.device, dtype=torch.float32)
     inputs = _kernel_inputs(q, doc_start, row_scale, table, None, table_start)
-    bm, bn, warps, stages = _configs(_block_d(D), q.dtype)["fwd"]
+    cfg = _configs(_block_d(D), q.dtype)
+    bm, bn, warps, stages = cfg["fwd"]
     with _device_of(q):
         _attn_fwd[(triton.cdiv(Tq, bm), batch * H)](
-            q, k, v, o, lse, inputs["doc"], inputs["row_scale"], inputs["table"],
+            q, k, v, o, lse, inputs["doc"], inputs["row_scale"], inputs["table"], key_start,
             H, Tq, k.shape[2], q_offset, softmax_scale, inputs["table_len"],
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+            BLOCK_M=bm, BLOCK_N=bn, GROUP_M=_tile_groups(cfg)[0], num_warps=warps,
+            num_stages=stages,
             **_flags(q, doc_start, table, row_scale, scale_prior),
         )  # fmt: skip
     return o, lse
 
 
 @_triton_fwd.register_fake
-def _(q, k, v, doc_start, table, dtable, theta, row_scale, scale_prior, q_offset, softmax_scale,
-      table_start):  # fmt: skip
+def _(q, k, v, doc_start, table, dtable, theta, row_scale, key_start, scale_prior, q_offset,
+      softmax_scale, table_start):  # fmt: skip
     return torch.empty_like(q), q.new_empty((*q.shape[:2], 2, q.shape[2]), dtype=torch.float32)
 
 
-def _launch_dkdv(q, k, v, do, lse, delta, inputs, q_offset, softmax_scale, flags):
+def _launch_dkdv(q, k, v, do, lse, delta, inputs, key_start, q_offset, softmax_scale, flags):
     """dK, dV: one program per key block, looping over the query blocks that see it."""
     batch, H, Tq, D = q.shape
     Tk = k.shape[2]
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    bm, bn, warps, stages = _configs(_block_d(D), q.dtype)["dkdv"]
+    cfg = _configs(_block_d(D), q.dtype)
+    bm, bn, warps, stages = cfg["dkdv"]
     n_kb = triton.cdiv(Tk, bn)
 
     q_end = q_clean = inputs["doc"]
     if flags["HAS_DOC"]:
         q_end, q_clean = _kv_ranges(inputs["doc"], bm, bn, Tk)
+    # per key block, the query blocks whose group's key start is at most its first key
+    n0 = torch.arange(0, Tk, bn, device=q.device).expand(batch * H, -1).contiguous()
+    groups_kept = torch.searchsorted(key_start, n0.to(torch.int32), right=True)
+    q_kept = (groups_kept * (_tile_groups(cfg)[0] // bm)).to(torch.int32).contiguous()
     _attn_bwd_dkdv[(n_kb, batch * H)](
         q, k, v, do, dk, dv, lse, delta, inputs["doc"], inputs["row_scale"], inputs["table"],
-        q_end, q_clean, H, Tq, Tk, q_offset, softmax_scale, inputs["table_len"], n_kb,
+        q_end, q_clean, q_kept, H, Tq, Tk, q_offset, softmax_scale, inputs["table_len"], n_kb,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags,
     )  # fmt: skip
     return dk, dv
 
 
-def _launch_dq(q, k, v, do, lse, delta, inputs, n_grad, need_row_scale_grad, q_offset,
+def _launch_dq(q, k, v, do, lse, delta, inputs, key_start, n_grad, need_row_scale_grad, q_offset,
                softmax_scale, flags):  # fmt: skip
     """dQ, d row_scale and d theta: a program per query block over its key blocks; partial sums
     of d theta reduced in a fixed order (no atomics)."""
     batch, H, Tq, D = q.shape
     dq = torch.empty_like(q)
-    bm, bn, warps, stages = _configs(_block_d(D), q.dtype)["dq"]
+    cfg = _configs(_block_d(D), q.dtype)
+    bm, bn, warps, stages = cfg["dq"]
     n_qb = triton.cdiv(Tq, bm)
     grad_path = _grad_path(n_grad)
     if grad_path["BY_DIAGONAL"] and bm % bn:
@@ -784,8 +821,9 @@ def _launch_dq(q, k, v, do, lse, delta, inputs, n_grad, need_row_scale_grad, q_o
         part = q.new_empty((batch, H, n_qb, n_grad), dtype=torch.float32)
     _attn_bwd_dq[(n_qb, batch * H)](
         q, k, v, do, dq, lse, delta, inputs["doc"], inputs["row_scale"], inputs["table"],
-        inputs["dtable"], drow_scale, part, H, Tq, k.shape[2], q_offset, softmax_scale,
-        inputs["table_len"], n_qb, BLOCK_M=bm, BLOCK_N=bn, N_GRAD=n_grad,
+        inputs["dtable"], drow_scale, part, key_start, H, Tq, k.shape[2], q_offset,
+        softmax_scale, inputs["table_len"], n_qb, BLOCK_M=bm, BLOCK_N=bn,
+        GROUP_M=_tile_groups(cfg)[0], N_GRAD=n_grad,
         NEED_ROW_SCALE_GRAD=need_row_scale_grad, **grad_path,
         OWN_DELTA=_own_delta(n_grad, need_row_scale_grad), num_warps=warps, num_stages=stages,
         **flags,
@@ -800,8 +838,8 @@ def _launch_dq(q, k, v, do, lse, delta, inputs, n_grad, need_row_scale_grad, q_o
 @torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
 def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                 doc_start: OptTensor, table: OptTensor, dtable: OptTensor, row_scale: OptTensor,
-                scale_prior: bool, q_offset: int, softmax_scale: float, table_start: int,
-                need_row_scale_grad: bool,
+                key_start: Tensor, scale_prior: bool, q_offset: int, softmax_scale: float,
+                table_start: int, need_row_scale_grad: bool,
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The backward kernels: (dQ, dK, dV, d theta (H, K) fp64 from the derivative tables dtable
     (H, K, n), d row_scale (batch, H, Tq) fp32), the last two empty where not asked for."""
@@ -818,7 +856,7 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
             enable_fp_fusion=FP_FUSION,
         )  # fmt: skip
 
-        common = (q, k, v, do, lse, delta, inputs)
+        common = (q, k, v, do, lse, delta, inputs, key_start)
         dk, dv = _launch_dkdv(*common, q_offset, softmax_scale, flags)
         dq, g, drow_scale = _launch_dq(
             *common, n_grad, need_row_scale_grad, q_offset, softmax_scale, flags)  # fmt: skip
@@ -826,7 +864,7 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
 
 
 @_triton_bwd.register_fake
-def _(do, q, k, v, o, lse, doc_start, table, dtable, row_scale, scale_prior, q_offset,
+def _(do, q, k, v, o, lse, doc_start, table, dtable, row_scale, key_start, scale_prior, q_offset,
       softmax_scale, table_start, need_row_scale_grad):  # fmt: skip
     g = q.new_empty(dtable.shape[:2] if dtable is not None else (0,), dtype=torch.float64)
     drow_scale = q.new_empty(q.shape[:3] if need_row_scale_grad else (0,), dtype=torch.float32)
@@ -834,23 +872,23 @@ def _(do, q, k, v, o, lse, doc_start, table, dtable, row_scale, scale_prior, q_o
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, doc_start, table, dtable, theta, row_scale = inputs[:8]
-    ctx.save_for_backward(q, k, v, *output, doc_start, table, dtable, row_scale)
-    ctx.args = inputs[8:]
+    q, k, v, doc_start, table, dtable, theta, row_scale, key_start = inputs[:9]
+    ctx.save_for_backward(q, k, v, *output, doc_start, table, dtable, row_scale, key_start)
+    ctx.args = inputs[9:]
     ctx.theta_dtype = theta.dtype if theta is not None else None
     ctx.mark_non_differentiable(output[1])
 
 
 def _fwd_backward(ctx, do, _dlse):
-    q, k, v, o, lse, doc_start, table, dtable, row_scale = ctx.saved_tensors
+    q, k, v, o, lse, doc_start, table, dtable, row_scale, key_start = ctx.saved_tensors
     wanted = ctx.needs_input_grad
     need_row_scale_grad = row_scale is not None and wanted[7]
     dtable = dtable if wanted[6] else None
-    tensors = (do.contiguous(), q, k, v, o, lse, doc_start, table, dtable, row_scale)
+    tensors = (do.contiguous(), q, k, v, o, lse, doc_start, table, dtable, row_scale, key_start)
     dq, dk, dv, g, drow_scale = _triton_bwd(*tensors, *ctx.args, need_row_scale_grad)
     grads = (dq, dk, dv, None, None, None, g.to(ctx.theta_dtype or g.dtype), drow_scale)
     grads = [grad if want else None for grad, want in zip(grads, wanted)]
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 _triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -878,12 +916,13 @@ def attention_triton(q, k, v, args):
     if args.row_scale is not None:
         row_scale = args.row_scale.float().expand(batch, H, Tq).contiguous()
 
+    cfg = _configs(_block_d(D), q.dtype)
     tables = (None, None, None, 0)
     if args.prior is not None:
-        cfg = _configs(_block_d(D), q.dtype)
         tables = _prior_tables(args.prior, H, Tq, Tk, args.q_offset, cfg, q.device)
     table, dtable, theta, table_start = tables
-    tensors = (q, k, v, doc_start, table, dtable, theta, row_scale)
+    key_start = _key_starts(args.first_key, cfg, batch, H, Tq, q.device)
+    tensors = (q, k, v, doc_start, table, dtable, theta, row_scale, key_start)
     options = (args.scale_prior, args.q_offset, args.softmax_scale, table_start)
     out, _ = _triton_fwd(*tensors, *options)
     return out

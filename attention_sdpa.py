@@ -1,14 +1,10 @@
 """
-attention() on CPU via PyTorch's fused scaled_dot_product_attention (impl "sdpa"), prior as a float
-mask, per query chunk: 4-5x faster than the reference on long passkey prompts. Evaluation only: the
-mask is a constant to the fused kernel, so no prior trains (see attention.impl_error).
-
-Per chunk, r_i moves into the queries: s_ij = ((q_i r_i) . k_j) softmax_scale + M_ij, with
-M_ij = prior(j - i) r_i if scale_prior else prior(j - i), -inf where key j is hidden. With keys
-reversed, M is Hankel: a strided view of the reversed prior table, no copy. Only masks depending
-on more than distance (SSMax scaling the prior, documents) are written, to one buffer all chunks
-reuse (fresh ones cost more in page faults than the kernel); it bounds the chunk, so memory is
-linear in length.
+attention() on CPU via PyTorch's fused scaled_dot_product_attention (impl "sdpa"), prior as a
+mask, per query chunk. Evaluation only: the mask is a constant to the fused kernel, so no
+prior trains (attention.impl_error). r_i moves into the queries, so with keys reversed the mask,
+prior(j - i) (times r_i if scale_prior), is a strided view of the reversed table. Other masks go
+to one buffer all chunks reuse (fresh ones page-fault): memory stays linear in length. Heads are
+grouped by window (key_windows): a chunk reads keys from the first its group's rows need.
 """
 
 import math
@@ -32,28 +28,74 @@ def attention_sdpa(q, k, v, args, chunk_size=None):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args.softmax_scale)
         return out.to(dtype)
 
-    # one fp32 (B, H, rows, Tk) mask buffer; the fused kernel wants a few hundred rows
+    if args.row_scale is not None:
+        args = args._replace(row_scale=args.row_scale.expand(-1, H, -1))
+    # heads permuted once, each group a slice; keys reversed: j at Tk - 1 - j
+    order, groups = _head_groups(args, H, Tq, Tk)
+    q = q[:, order]
+    k_rev = k[:, order].flip(2)
+    v_rev = v[:, order].flip(2)
+    out = torch.empty_like(q)
+    for heads, window in groups:
+        _attend(q[:, heads], k_rev[:, heads], v_rev[:, heads], args, order[heads], window,
+                chunk_size, out[:, heads])  # fmt: skip
+    return out[:, order.argsort()].to(dtype)
+
+
+def _head_groups(args, H, Tq, Tk):
+    """(order, groups): heads by widest window (key_windows), and groups as (slice of them, widest
+    window). A head joins a group whose window is within 1 % or 64 keys of its own; a window of
+    Tk / 2 or more reads every key."""
+    if args.first_key is None:
+        return torch.arange(H), [(slice(0, H), Tk)]
+
+    rows = torch.arange(Tq, device=args.first_key.device) + args.q_offset
+    widths = (rows - args.first_key + 1).amax(dim=(0, 2))
+    widths = torch.where(widths >= Tk // 2, Tk, widths)
+    widths, order = widths.sort(descending=True)
+    widths = widths.tolist()
+
+    groups = []
+    lead = 0
+    for h in range(1, H + 1):
+        if h == H or widths[h] < widths[lead] - max(64, widths[lead] // 100):
+            groups.append((slice(lead, h), widths[lead]))
+            lead = h
+    return order, groups
+
+
+def _attend(q, k_rev, v_rev, args, heads, window, chunk_size, out):
+    """One group of heads into out (q, k_rev, v_rev and out hold only them; `heads` indexes them
+    in args' tensors); window: the widest any of its rows reads (Tk: every key)."""
+    B, H, Tq, _ = q.shape
+    Tk = k_rev.shape[2]
+    # one fp32 (B, H, rows, keys) mask buffer; SDPA wants a few hundred rows, a window's chunks
+    # half its width (each also scores a rows^2 triangle)
     budget_bytes = 128 * 2**20
-    rows = chunk_size or int(min(512, max(64, budget_bytes // (4 * B * H * max(Tk, 1)))))
+    rows = budget_bytes // (4 * B * H * window)
+    if window < Tk:
+        rows = window // 2
+    rows = chunk_size or int(min(512, max(64, rows)))
     scaled_prior = args.row_scale is not None and args.scale_prior and args.prior is not None
     written = args.doc_start is not None or scaled_prior
     buf = None
-    if written and not args.needs_grad(q, k, v):
-        buf = q.new_empty(B * H * min(rows, Tq) * Tk)
-    # key j at Tk - 1 - j
-    k_rev = k.flip(2)
-    v_rev = v.flip(2)
+    if written and not args.needs_grad(q, k_rev, v_rev):
+        buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, window + rows))
 
-    outs = []
     for start, stop, first_key in args.query_chunks(Tq, rows):
-        # queries at [first_query, end); keys before first_key are hidden from all
+        # queries at [first_query, end); keys before first_key are hidden or skipped for all
         first_query = args.q_offset + start
         end = args.q_offset + stop
+        if args.first_key is not None:
+            first_key = max(first_key, int(args.first_key[:, heads, start:stop].min()))
+
         table = _reversed_table(args.prior, first_key - (end - 1), stop - start - 1, q)
+        if args.prior is not None:
+            table = table[heads]
         queries = q[:, :, start:stop]
         row_scale = None
         if args.row_scale is not None:
-            row_scale = args.row_scale[:, :, start:stop, None].float()
+            row_scale = args.row_scale[:, heads, start:stop, None].float()
             queries = queries * row_scale
 
         mask_row_scale = row_scale if scaled_prior else None
@@ -63,11 +105,9 @@ def attention_sdpa(q, k, v, args, chunk_size=None):
         mask = _hankel_mask(table, stop - start, mask_row_scale, doc_rows, end - 1, buf)
         keys = k_rev[:, :, Tk - end : Tk - first_key]
         values = v_rev[:, :, Tk - end : Tk - first_key]
-        out = F.scaled_dot_product_attention(
+        out[:, :, start:stop] = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=args.softmax_scale
         )
-        outs.append(out)
-    return torch.cat(outs, dim=2).to(dtype)
 
 
 def _reversed_table(prior, nearest, farthest, like):

@@ -26,9 +26,8 @@ TOKENIZERS = ("gpt2", "byte", "mistral")
 VOCAB_SIZE = {"gpt2": 50257, "byte": 257, "mistral": 32768}
 # ends a text: end-of-text or SentencePiece's EOS
 EOT = {"gpt2": 50256, "byte": 256, "mistral": 2}
-# opens each document; drives the document mask
+# each document's first and last tokens; DOC_START drives the document mask
 DOC_START = {"gpt2": 50256, "byte": 256, "mistral": 1}
-# closes each document (the authors' BOS ... EOS)
 DOC_END = {"gpt2": None, "byte": None, "mistral": 2}
 # validation: the stream's first tokens (the authors' split)
 VAL_TOKENS = 3_932_160
@@ -54,8 +53,6 @@ def shard_name(prefix, split, index):  # SHARD_RE parses it back
 # ---- Tokenizers
 @dataclass(frozen=True)
 class Tokenizer:
-    """What callers need of a tokenizer, tiktoken or SentencePiece."""
-
     name: str
     n_vocab: int
     eot_token: int  # ends a text: generation stops at it
@@ -68,15 +65,13 @@ class Tokenizer:
     token_bytes: Callable[[int], bytes]  # a token's bytes (b"" for a control token)
 
     def document(self, text):
-        """One document as the shards hold it: doc_start + tokens (+ doc_end)."""
         end = [] if self.doc_end is None else [self.doc_end]
         return [self.doc_start] + self.encode_ordinary(text) + end
 
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str) -> Tokenizer:
-    """gpt2 (needs the network once), byte or mistral. Decode with tok.decode(tokens), not
-    bytes.decode(): a byte-level window can cut a character."""
+    """gpt2 (needs the network once), byte or mistral. Decode with tok.decode, not bytes.decode."""
     if name == "mistral":
         return _sentencepiece(name)
 
@@ -105,7 +100,6 @@ def get_tokenizer(name: str) -> Tokenizer:
 
 
 def tiktoken_tokenizer(enc, eot):
-    """A tiktoken Encoding as a Tokenizer with eot + text documents."""
     return Tokenizer(
         name=enc.name,
         n_vocab=enc.n_vocab,
@@ -120,7 +114,6 @@ def tiktoken_tokenizer(enc, eot):
 
 
 def _sentencepiece(name):
-    """The model file ships in the mistral-common wheel: nothing is downloaded."""
     import importlib.resources
 
     package, path = MISTRAL_MODEL
@@ -185,7 +178,6 @@ def write_shard(path, tokens, tokenizer_name):
 
 
 def _read_header(path):
-    """(token count, tokenizer name), magic, version and file size checked."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
 
@@ -212,7 +204,6 @@ def _read_header(path):
 
 
 def _check_tokenizer(what, name, tokenizer):
-    """A DataError if the asked-for tokenizer (None: any) is not name, the one `what` used."""
     if tokenizer is not None and tokenizer != name:
         raise DataError(
             f"{what} made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
@@ -233,7 +224,6 @@ def shard_tokenizer(path):
 
 
 def shard_paths(data_dir, split):
-    """Sorted shard paths of a split; if none, an error saying how to make them."""
     how = (
         "create them with `python prepare_fineweb.py` (FineWeb, mistral tokens, writes "
         "data/fineweb_mistral), `python prepare_demo.py` (the CPU demo data), or "
@@ -262,12 +252,11 @@ def _split_extents(data_dir, split, tokenizer=None):
     every consumer measures the same tokens, whatever --val_tokens wrote."""
     extents = []
     names = {}  # tokenizer -> first shard made with it
-    budget = VAL_TOKENS if split == "val" else None
+    budget = VAL_TOKENS if split == "val" else math.inf
     for path in shard_paths(data_dir, split):
         count, name = _read_header(path)
         names.setdefault(name, path)
-        if budget is not None:
-            count = min(count, budget - sum(n for _, n in extents))
+        count = min(count, budget - sum(n for _, n in extents))
         if count > 0:
             extents.append((path, count))
 
@@ -367,7 +356,6 @@ class TokenLoader:
         )
 
     def window_indices(self, step, micro_step=0, grad_accum=1):
-        """The windows of one batch (a micro step of a rank)."""
         first = ((step * grad_accum + micro_step) * self.world_size + self.rank) * self.batch_size
         return (first + np.arange(self.batch_size, dtype=np.int64)) % self.num_windows
 

@@ -40,6 +40,7 @@ def add_common_args(parser, default_out):
     add("--out", default=default_out, help="output directory")
     add("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     add("--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl")
+    add("--no_skip", action="store_true", help="read every key (no attention.key_windows)")
     return parser
 
 
@@ -86,9 +87,11 @@ def model_device(model):
 
 
 # ---- checkpoints
-def load_run(path, device, attn_impl, dtype):
-    """A checkpoint as a run labelled by its run directory, its kernel checked."""
+def load_run(path, device, attn_impl, dtype, skip=True):
+    """A checkpoint as a run named by its directory, its kernel checked; skip: attention's."""
     model, ckpt = load_model(path, device, attn_impl=attn_impl)
+    for block in model.blocks:
+        block.attn.skip = skip
     why = impl_error(model.attn_impl, model.config.family, device, grad=False)
     if why:
         raise EvalError(f"{path}: --attn_impl {model.attn_impl}: {why}")
@@ -114,9 +117,9 @@ def load_run(path, device, attn_impl, dtype):
     )
 
 
-def load_runs(paths, device, attn_impl="auto", dtype="float32"):
+def load_runs(paths, device, attn_impl="auto", dtype="float32", skip=True):
     """(runs, tokenizer): the checkpoints must share a tokenizer (identical prompts)."""
-    runs = [load_run(path, device, attn_impl, dtype) for path in paths]
+    runs = [load_run(path, device, attn_impl, dtype, skip) for path in paths]
 
     names = {r["tokenizer"] for r in runs}
     if len(names) > 1:
@@ -135,8 +138,19 @@ def start(args, dtype="auto"):
     """(runs, tokenizer, device, dtype) of --device, --ckpt, --attn_impl; writes nothing."""
     device = pick_device(args.device)
     dtype = resolve_dtype(device, dtype)
-    runs, enc = load_runs(args.ckpt, device, args.attn_impl, dtype)
+    runs, enc = load_runs(args.ckpt, device, args.attn_impl, dtype, not args.no_skip)
     return runs, enc, device, dtype
+
+
+def work_fraction(work):
+    """attention.counting_work()'s counts as a share (None where no attention ran)."""
+    return round(work[0] / work[1], 5) if work[1] else None
+
+
+def work_share(records):
+    """The mean attention work (work_fraction) of the records that hold one, or None."""
+    shares = [r["attention_work"] for r in records if r.get("attention_work") is not None]
+    return round(sum(shares) / len(shares), 5) if shares else None
 
 
 def training_data_dir(runs, data_dir=None):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from attention import counting_work
 from eval_common import (
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
@@ -42,14 +43,15 @@ from eval_common import (
     save_figure,
     skip_note,
     start,
+    work_fraction,
+    work_share,
     write_table,
 )
 from eval_common import seed_table as write_seed_table
 from infra import runtime
 
 # ---- prompts
-# task, filler, needle, question, digits; optional: sep (before each later piece), document (open
-# with the document-start token), given_digits (leading key digits given, not scored)
+# optional: sep, document (open with doc_start), given_digits (leading key digits given, not scored)
 TEMPLATES = {
     # the authors' evaluate.py, verbatim
     "paper": {
@@ -120,7 +122,6 @@ def widest_key(template):
 
 
 def random_keys(rng, template, n):
-    """n keys, uniform over those with exactly the template's digits."""
     digits = template["digits"]
     return rng.integers(10 ** (digits - 1), 10**digits, size=n)
 
@@ -143,10 +144,8 @@ def join(parts, before, needle, after):
 
 def min_prompt_length(enc, template):
     """Prompt tokens without filler, with the widest key: the shortest target."""
-    parts = pieces(enc, template)
     widest = needle_tokens(enc, template, widest_key(template))
-
-    return len(parts["task"]) + len(widest) + len(parts["question"])
+    return len(join(pieces(enc, template), [], widest, []))
 
 
 def filler_units(enc, template, target_length):
@@ -163,7 +162,7 @@ def build_prompt(enc, template, target_length, key, k):
         raise ValueError(f"key {key} does not have {template['digits']} digits")
 
     needle = needle_tokens(enc, template, key)
-    fixed = len(parts["task"]) + len(needle) + len(parts["question"])
+    fixed = len(join(parts, [], needle, []))
     if fixed > target_length:
         raise ValueError(f"target length {target_length} is shorter than the prompt ({fixed})")
 
@@ -197,11 +196,9 @@ def make_samples(enc, template, target_length, samples, seed=SEED):
     """[(prompt, answer, info)] at the authors' depths, keys of (seed, length)."""
     keys = random_keys(np.random.default_rng([seed, target_length]), template, samples)
     n_filler = filler_units(enc, template, target_length)
-    units_before = torch.linspace(0, n_filler, samples).long().tolist()
+    before = torch.linspace(0, n_filler, samples).long().tolist()
 
-    return [
-        build_prompt(enc, template, target_length, key, k) for key, k in zip(keys, units_before)
-    ]
+    return [build_prompt(enc, template, target_length, key, k) for key, k in zip(keys, before)]
 
 
 # ---- score
@@ -269,21 +266,19 @@ def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
             chunk = group[:batch]
             args = (run, enc, length, prompts, chunk, n_given, device, dtype, log)
             reason = runtime.fits(device, score_chunk, *args)
-            if reason and batch == 1:
-                return reason
-            if reason:
+            if not reason:
+                group = group[batch:]
+                bar.update(len(chunk))
+            elif batch > 1:
                 batch //= 2
-                continue
-
-            group = group[batch:]
-            bar.update(len(chunk))
+            else:
+                return reason
     return None
 
 
 def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
-    """Score the `chunk` samples (equal token lengths) in one forward, into `log`."""
     t0 = time.perf_counter()
-    with runtime.autocast(device, dtype):
+    with runtime.autocast(device, dtype), counting_work() as work:
         chunk_prompts = [prompts[i][0] for i in chunk]
         chunk_answers = [prompts[i][1] for i in chunk]
         results = score_batch(run["model"], chunk_prompts, chunk_answers, n_given)
@@ -303,6 +298,7 @@ def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
             batch=len(chunk),
             seconds=round(seconds, 4),
             peak_mem_mib=round(peak_mib, 1),
+            attention_work=work_fraction(work),
         )
         log.add(record)
 
@@ -359,11 +355,16 @@ def summarise(records, runs, lengths, enc, template, meta, out, device, started)
         json.dump(meta, f, indent=1)
 
     rows = []
+    work = []
     for run in runs:
-        cells = [s["accuracy"] for s in summary if s["label"] == run["label"]]
-        shown = [f"{a:.2f}" if a is not None else "skip" for a in cells]
+        mine = [s for s in summary if s["label"] == run["label"]]
+        shown = [f"{s['accuracy']:.2f}" if s["accuracy"] is not None else "skip" for s in mine]
         rows.append([run["label"], run["block_size"], *shown])
+        shares = [f"{s['attention_work']:.1%}" if s["attention_work"] else "-" for s in mine]
+        work.append([run["label"], run["block_size"], *shares])
     print(markdown_table(["checkpoint", "train len", *lengths], rows))
+    print("attention work (the share of visible scores read):")
+    print(markdown_table(["checkpoint", "train len", *lengths], work))
     table = seed_table(summary, out, template["digits"])
     if table:
         print("\n" + table)
@@ -402,6 +403,7 @@ def cell_scores(recs, enc, reason=None):
     n = len(recs)
     if not n:
         fields = ("accuracy", "digit_accuracy", "mean_length", "seconds", "seconds_per_sample")
+        fields += ("attention_work",)
         status = "not evaluated" if reason is None else f"skipped: {reason}"
         return dict(n=0, correct=0, **dict.fromkeys(fields), peak_mem_mib=None, status=status)
 
@@ -417,6 +419,7 @@ def cell_scores(recs, enc, reason=None):
         mean_length=sum(rec["length"] for rec in recs) / n,
         seconds=round(seconds, 3),
         seconds_per_sample=round(seconds / n, 4),
+        attention_work=work_share(recs),
         peak_mem_mib=max(rec["peak_mem_mib"] for rec in recs),
         status="ok",
     )
@@ -451,10 +454,8 @@ def seed_table(summary, out, digits):
         f"Passkey exact match ({digits} digits, teacher-forced) at multiples of the training "
         f"length ({train_lengths} tokens)."
     )
-    figure = dict(
-        ylabel="passkey exact match",
-        title="Passkey retrieval: median seed per variant, band from worst to best seed",
-    )
+    title = "Passkey retrieval: median seed per variant, band from worst to best seed"
+    figure = dict(ylabel="passkey exact match", title=title)
     path = os.path.join(out, "demo_table")
     return write_seed_table(cells, path, caption, worst=("min", min), figure=figure)
 
@@ -530,8 +531,7 @@ def main(argv=None):
     lengths = parse_lengths(args.lengths) if args.lengths else lengths
     runtime.own_folder(args.out)
 
-    # prompts depend only on (seed, length, template, samples): a rerun with these settings
-    # resumes the JSONL, one with others is refused
+    # prompts depend only on (seed, length, template, samples): a rerun with others is refused
     settings = dict(
         seed=SEED,
         template=args.template,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from attention import counting_work
 from data import DOC_END, DOC_START, VAL_TOKENS, open_shard, read_tokens, shard_paths
 from eval_common import (
     EXPECTED_ERRORS,
@@ -33,6 +34,8 @@ from eval_common import (
     seed_table,
     start,
     training_data_dir,
+    work_fraction,
+    work_share,
     write_table,
 )
 from infra import runtime
@@ -155,10 +158,13 @@ def score(args, run, seqs, data_desc, dtype, device, log):
     # compute time summed over sittings; peak memory of this one (CPU: peak RSS)
     rows[-1].update(
         seconds=round(sum(r["seconds"] for r in records), 3),
+        attention_work=work_share(records),
         peak_mem_bytes=runtime.peak_memory_bytes(device) if resumed < len(seqs) else None,
     )
     overall = rows[-1]
-    print(f"{run['label']}: overall ppl {overall['ppl']:.4f} ({time.time() - t0:.1f}s)")
+    work = overall["attention_work"]
+    work = f"; attention work: {work:.1%} of full" if work is not None else ""
+    print(f"{run['label']}: overall ppl {overall['ppl']:.4f} ({time.time() - t0:.1f}s{work})")
     return rows
 
 
@@ -177,12 +183,13 @@ def score_all(args, run, seqs, key, device, dtype, log, records):
             )
         if rec is None:
             t0 = time.time()
-            with runtime.autocast(device, dtype):
+            with runtime.autocast(device, dtype), counting_work() as work:
                 losses = full_token_losses(run["model"], seqs[i])
             ends, sums, counts = window_sums(losses, args.window)
 
             rec = dict(key, seq=i, tokens_sha1=digest, window_ends=ends, loss_sums=sums)
             rec.update(counts=counts, seconds=round(time.time() - t0, 3))
+            rec.update(attention_work=work_fraction(work))
             log.add(rec)
         records.append(rec)
 

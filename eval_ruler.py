@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from attention import counting_work
 from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
 from eval_common import (
     EXPECTED_ERRORS,
@@ -39,12 +40,13 @@ from eval_common import (
     skip_note,
     start,
     training_data_dir,
+    work_fraction,
+    work_share,
     write_table,
 )
 from infra import runtime
 
-# ---- prompts
-# RULER's strings, verbatim (scripts/data/synthetic/constants.py, niah.py)
+# ---- prompts: RULER's strings, verbatim
 TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
     "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
@@ -54,8 +56,7 @@ ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the
 MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-# singular forms when one value is asked, applied in order
-SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))
+SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))  # in order
 TOKENS_TO_GENERATE = 128
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
 
@@ -76,7 +77,7 @@ _TASK_ROWS = {
 }  # fmt: skip
 TASKS = {name: dict(zip(_TASK_FIELDS, row)) for name, row in _TASK_ROWS.items()}
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # RULER's SEQ_LENGTHS (scripts/run.sh)
-MAX_LENGTH = 32768  # default lengths: training length x 1, 2, 4, ... up to this
+MAX_LENGTH = 32768
 SEED = 42  # RULER's
 MAX_ATTEMPTS = 1000
 
@@ -101,10 +102,9 @@ _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
 
 
 def ends_sentence(word, next_word):
-    """Does a sentence end after `word`? A rule-based stand-in for RULER's NLTK punkt: ! or ? ends
-    one, a period too unless after an initial ("J.", "U.S.", "e.g."), an ellipsis only before a
-    capital. No abbreviations ("Mr."): that moves where a needle may go (3 of 5,484 sentence ends
-    in RULER's essays), never what is inserted."""
+    """Does a sentence end after `word`? In place of RULER's NLTK punkt: ! or ?; a period unless
+    after an initial ("J.", "U.S.", "e.g."); an ellipsis before a capital. "Mr." ends one: that
+    moves where a needle may go (3 of RULER's 5,484 sentence ends), never what is inserted."""
     core = word.rstrip(_CLOSERS)
     if not core or core[-1] not in ".!?":
         return False
@@ -120,8 +120,6 @@ def ends_sentence(word, next_word):
 
 
 class Essay:
-    """An essay's words and sentence ends, found once."""
-
     def __init__(self, text, label):
         # RULER's re.sub(r"\s+", " ", text).split(" ") without the empty ends
         self.words = text.split()
@@ -147,8 +145,7 @@ class Essay:
 # ---- keys and values
 @functools.lru_cache(maxsize=None)
 def word_lists():
-    """(adjectives, nouns) of RULER's niah.py (wonderwords), sorted, deduplicated: each pair is
-    one of RULER's 6,171,620 word keys, sorted(set(f"{adj}-{noun}")), exactly once."""
+    """RULER's (adjectives, nouns), deduplicated: each pair is one of its 6,171,620 keys, once."""
     from wonderwords import random_word
 
     adjs = random_word._get_words_from_text_file("adjectivelist.txt")
@@ -164,8 +161,7 @@ def words_digest():
 
 
 def random_value(kind, rng):
-    """A needle's key or value: 7 digits, a uuid4, or adjective-noun (RULER draws one of the
-    pairs: the same keys, equally likely)."""
+    """A key or value: 7 digits, a uuid4, or adjective-noun (RULER draws one pair: same odds)."""
     if kind == "numbers":
         return str(rng.randint(10**6, 10**7 - 1))
 
@@ -196,11 +192,9 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
     needles = []
     for _ in range(num_k):
         keys.append(random_key(cfg["type_needle_k"], rng, keys))
-        value = []
-        for _ in range(cfg["num_needle_v"]):
-            value.append(random_value(type_v, rng))
-            needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value[-1]))
-        values.append(value)
+        values.append([random_value(type_v, rng) for _ in range(cfg["num_needle_v"])])
+        for value in values[-1]:
+            needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value))
     # RULER: a fresh Random(seed), one permutation for all samples
     random.Random(seed).shuffle(needles)
 
@@ -279,7 +273,6 @@ def fit_haystack(task, max_len, enc, essay=None, seed=42):
     rng = random.Random(f"{seed}/{task}/{max_len}/search")
     # less the document-start token (RULER: no BOS)
     budget = max_len - TOKENS_TO_GENERATE - 1
-    # num_haystack -> tokens of its probe prompt
     prompt_tokens = {}
 
     def tokens(n):
@@ -314,9 +307,8 @@ def fit_haystack(task, max_len, enc, essay=None, seed=42):
 
 
 def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
-    """Sample `index`: the fitted haystack (score() skips a length where none fits), backed off a
-    step (RULER) until it fits. Each attempt has its own Random, not RULER's one stream, so
-    --samples N gives the same first N samples. build_input's dict + input_ids."""
+    """Sample `index`: the fitted haystack, backed off a step (RULER) until it fits. Each attempt
+    has its own Random, not RULER's one stream, so --samples N gives the same first N samples."""
     fit = fit or fit_haystack(task, max_len, enc, essay, seed)
 
     used = fit["num_haystack"]
@@ -367,7 +359,6 @@ def val_text(data_dir, n_tokens):
 
 
 def load_essay(haystack_file, data_dir, max_len):
-    """The essay haystack: --haystack_file, else data_dir's validation text."""
     if haystack_file:
         text = load_haystack_file(haystack_file)
         where = f"file:{os.path.abspath(haystack_file)}"
@@ -429,7 +420,6 @@ def postprocess_pred(text):
 
 
 def sample_score(pred, refs):
-    """Fraction of refs found (case-insensitive) in one prediction."""
     return sum(1.0 if r.lower() in pred.lower() else 0.0 for r in refs) / len(refs)
 
 
@@ -482,7 +472,7 @@ def generate_answer(run, sample, enc, device, dtype, newline_ids, log, key):
     stop_ids = {enc.eot_token} | (newline_ids or set())
 
     t0 = time.time()
-    with runtime.autocast(device, dtype):
+    with runtime.autocast(device, dtype), counting_work() as work:
         out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
     text, stop = decode_output(out, enc, newline_ids)
     pred = postprocess_pred(text)
@@ -498,6 +488,7 @@ def generate_answer(run, sample, enc, device, dtype, newline_ids, log, key):
         gen_tokens=len(out),
         score=sample_score(pred, sample["answers"]),
         seconds=round(time.time() - t0, 3),
+        attention_work=work_fraction(work),
     )
     log.add(record)
 
@@ -522,20 +513,22 @@ def summarise(log, args, runs, lengths, essay, skipped, out):
             rows += task_rows
             rows.append(dict(task_rows[0], task="average", haystack=None, samples=None))
             rows[-1].update(score=average, mean_input_tokens=None, status=status)
+            rows[-1].update(attention_work=work_share(task_rows))
 
     write_table(rows, os.path.join(out, "ruler_summary"))
     series = curves([r for r in rows if r["task"] == "average"], "target_length", "score")
     if series:
         path = os.path.join(out, "ruler_scores.png")
-        xlabel = "sequence length (tokens)"
-        ylabel = "string_match_all (%), mean over the tasks"
+        axes = ("sequence length (tokens)", "string_match_all (%), mean over the tasks")
         train_lengths = [r["block_size"] for r in runs]
-        plot_curves(series, train_lengths, path, xlabel, ylabel, "RULER NIAH", ylim=(-3, 103))
+        plot_curves(series, train_lengths, path, *axes, "RULER NIAH", ylim=(-3, 103))
 
     for run in runs:
         mine = [r for r in rows if r["label"] == run["label"]]
         scores = {(r["task"], r["target_length"]): r["score"] for r in mine}
         table = [[task] + [scores[(task, L)] for L in lengths] for task in args.tasks + ["average"]]
+        work = {r["target_length"]: r["attention_work"] for r in mine if r["task"] == "average"}
+        table.append(["attention work"] + [f"{work[n]:.1%}" if work[n] else None for n in lengths])
         print(f"\n{run['label']} (train length {run['block_size']}): string_match_all, %")
         print(markdown_table(["task", *lengths], table).replace("None", "-"))
     return rows
@@ -545,12 +538,13 @@ def task_row(run, task, length, recs, n_samples, why):
     """Summary row of one checkpoint, task and length from its records (sorted by sample)."""
     row = dict(label=run["label"], task=task, target_length=length, train_length=run["block_size"])
     row.update(haystack=None, samples=len(recs), score=None, mean_input_tokens=None)
-    row.update(status=why or "missing", ckpt=run["ckpt_path"])
+    row.update(attention_work=None, status=why or "missing", ckpt=run["ckpt_path"])
     if recs:
         row.update(
             haystack=recs[0]["haystack"],
             score=string_match_all([r["pred"] for r in recs], [r["answers"] for r in recs]),
             mean_input_tokens=round(sum(r["input_tokens"] for r in recs) / len(recs), 1),
+            attention_work=work_share(recs),
             status="ok" if len(recs) == n_samples else "partial",
         )
     return row
@@ -619,8 +613,7 @@ def main(argv=None):
     runtime.own_folder(args.out)
 
     # RULER's base-model runs stop only at end-of-text (config_tasks.sh STOP_WORDS=""), as does
-    # --preset paper; by default also at a newline (the answer is one line: it saves most of the
-    # 128 steps), where RULER reads on.
+    # --preset paper; by default also at a newline: the answer is one line, most steps are saved.
     paper = args.preset == "paper"
     newline_ids = None if paper else newline_tokens(enc)
     settings = dict(

@@ -165,25 +165,30 @@ class RMSNorm(nn.Module):
 
 class KVCache:
     """Every layer's keys and values for incremental decoding (prefill, then a token at a time), in
-    buffers of `capacity` positions allocated once: no copy as the cache grows."""
+    buffers of `capacity` positions allocated once: no copy as the cache grows. It keeps each
+    layer's largest key norm (B, H), so that a skipping step reads only its window."""
 
     def __init__(self, n_layer, capacity):
         self.k = [None] * n_layer
         self.v = [None] * n_layer
+        self.key_norm = [None] * n_layer
         self.capacity = capacity
         self.length = 0  # positions cached (GPT.forward advances it after all layers)
 
     def update(self, layer, k, v):
-        """Append this step's k, v (B, H, T, D); return views of all cached so far."""
+        """Append k, v (B, H, T, D); return views of all cached so far and the largest key norm."""
         if self.k[layer] is None:
             batch, heads, _, head_dim = k.shape
             self.k[layer] = k.new_empty(batch, heads, self.capacity, head_dim)
             self.v[layer] = v.new_empty(batch, heads, self.capacity, head_dim)
+            self.key_norm[layer] = k.new_zeros(batch, heads, dtype=torch.float32)
 
         end = self.length + k.shape[2]
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        norm = k.float().norm(dim=-1).amax(-1)
+        self.key_norm[layer] = torch.maximum(self.key_norm[layer], norm)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self.key_norm[layer]
 
 
 class Attention(nn.Module):
@@ -193,6 +198,7 @@ class Attention(nn.Module):
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.attn_impl = attn_impl
+        self.skip = True  # attention()'s skip: evaluations turn it off with --no_skip
         self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
@@ -236,8 +242,9 @@ class Attention(nn.Module):
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
+        key_norm = None
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
+            k, v, key_norm = kv_cache.update(self.layer_idx, k, v)
 
         # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
         row_scale = None
@@ -253,6 +260,8 @@ class Attention(nn.Module):
             row_scale=row_scale,
             scale_prior=self.scale_prior,
             impl=self.attn_impl,
+            skip=self.skip,
+            key_norm=key_norm,
         )
         return self.wo(y.transpose(1, 2).reshape(batch, seq_len, n_embd))
 

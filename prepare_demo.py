@@ -25,8 +25,7 @@ from infra.runtime import FolderBusy, atomic_file, errors_in_one_line, own_folde
 
 TOKENIZER = "byte"
 TEMPLATE = "demo"
-# The filler language: letter -> its three successors, with probabilities SUCCESSOR_P. Fixed (not
-# seeded): the "demo" passkey template's filler must walk it too.
+# letter -> its successors (SUCCESSOR_P); fixed: the "demo" passkey template's filler walks it too
 CHAIN = {
     "a": "heq", "b": "gnk", "c": "bjl", "d": "ipl", "e": "lps",
     "f": "mnt", "g": "nda", "h": "eaf", "i": "obm", "j": "nlg",
@@ -67,10 +66,8 @@ def min_document_length():
 
 
 def make_documents(rng, lengths):
-    """A token list per entry of `lengths` (tokens, with the leading end-of-text). A uniform random
-    number of filler letters (0 .. all) precedes the needle. Pieces are eval_passkey.py's, the
-    filler a random walk, not repeated units: the demo template has no separator, so a walk joins
-    pieces as filler units do."""
+    """A token list per entry of `lengths` (end-of-text included). The filler is a random walk, not
+    repeated units: the demo template has no separator, so a walk joins pieces as units do."""
     enc = get_tokenizer(TOKENIZER)
     template = eval_passkey.TEMPLATES[TEMPLATE]
     parts = eval_passkey.pieces(enc, template)
@@ -124,19 +121,6 @@ def window_layouts(rng, n_windows, block_size, min_len, docs_per_window):
     return layouts
 
 
-def make_stream(rng, n_windows, block_size, min_len, docs_per_window):
-    """n_windows * block_size + 1 tokens: whole-document windows (exactly TokenLoader's), then an
-    end-of-text as the last window's final target."""
-    layouts = window_layouts(rng, n_windows, block_size, min_len, docs_per_window)
-
-    docs = make_documents(rng, [length for layout in layouts for length in layout])
-    tokens = np.fromiter(
-        (token for doc in docs for token in doc), dtype=np.int64, count=n_windows * block_size
-    )
-
-    return np.concatenate([tokens, [EOT[TOKENIZER]]])
-
-
 def build_parser():
     ap = argparse.ArgumentParser(
         description="Write the CPU demo's synthetic passkey corpus (byte tokenizer)."
@@ -157,7 +141,6 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    """The arguments and parsed --docs_per_window; a bad value is a one-line usage error."""
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
@@ -188,9 +171,12 @@ def main(argv=None):
 
     written = {}
     for split, index, n_windows in (("val", 0, args.val_windows), ("train", 1, args.train_windows)):
-        # independent streams per split
         rng = np.random.default_rng([args.seed, index])
-        tokens = make_stream(rng, n_windows, args.block_size, args.min_doc_len, docs_per_window)
+        layouts = window_layouts(rng, n_windows, args.block_size, args.min_doc_len, docs_per_window)
+        docs = make_documents(rng, [length for layout in layouts for length in layout])
+        # whole-document windows (exactly TokenLoader's), then an end-of-text: the last target
+        tokens = np.fromiter((t for d in docs for t in d), np.int64, n_windows * args.block_size)
+        tokens = np.concatenate([tokens, [EOT[TOKENIZER]]])
 
         path = os.path.join(args.out_dir, shard_name("demo", split, index))
         write_shard(path, tokens, TOKENIZER)

@@ -11,7 +11,7 @@ import torch
 
 from attention import attention, pick_impl, ssmax_log_n
 from attention_kernel import check_length
-from priors import BoundPrior
+from priors import BoundPrior, get_prior
 
 # The reference runs in fp32 on the same rounded inputs; the errors are relative (kernel_errors). A
 # correct kernel differs by the roundings the reference does not make: with 16-bit inputs, P before
@@ -31,6 +31,7 @@ CHECK_TOLERANCE = {
     torch.bfloat16: (3e-2, 1e-1, 1e-3),
 }
 _checked = set()
+GGD = get_prior("ggd")
 
 
 class KernelMismatch(RuntimeError):
@@ -60,6 +61,9 @@ def check_kernel(layer, dtype, training):
     started = time.time()
     inputs = _check_problem(*problem, documents=training)
     errors = kernel_errors(inputs, device, training)
+    # and a steep prior's, whose rows skip most tiles (attention.key_windows)
+    steep = _check_problem(GGD, (), *problem[2:4], False, False, training, steep=True)
+    errors |= {f"skipping {n}": e for n, e in kernel_errors(steep, device, training).items()}
     line, ok = _check_line(errors, inputs, *problem)
     if not ok:
         raise KernelMismatch(f"the Triton kernel disagrees with the reference: {line}")
@@ -69,12 +73,15 @@ def check_kernel(layer, dtype, training):
 def check_kind(name):
     """The kind of one of the self-check's results, each with its tolerance: the output, the inputs'
     gradients (q, k, v) or the parameters' (the prior's, SSMax's s)."""
+    name = name.removeprefix("skipping ")
     if name == "output":
         return "output"
     return "inputs" if name in ("q", "k", "v") else "parameters"
 
 
-def _check_problem(family, trained, head_dim, dtype, ssmax, scale_prior, documents, seed=0):
+def _check_problem(
+    family, trained, head_dim, dtype, ssmax, scale_prior, documents, seed=0, steep=False
+):
     """The self-check's problem, on the CPU from its own generator (the run's RNG is untouched): a
     dict of q, k, v (B, H, T, D) in dtype in the model's (B, T, H, D) layout, dout, doc_start
     (three documents per row) or None, the prior (its default init moved at random: a constant
@@ -100,6 +107,8 @@ def _check_problem(family, trained, head_dim, dtype, ssmax, scale_prior, documen
             params = tuple(t.float() for t in family.initial("default", H))
         if family.trainable:
             params = tuple(t + 0.5 * torch.randn(t.shape, generator=gen) for t in params)
+    if steep:  # GGD heads falling by e |d|^1.5 and 1.6 |d|: their rows read a few tiles
+        params = (torch.tensor([1.0, 0.5]), torch.tensor([1.5, 1.0]), torch.zeros(2))
 
     # SSMax's s of both signs, whose row scales s log n are -0.0 where n = 1
     s = torch.tensor([1.0, -0.6]) if ssmax else None

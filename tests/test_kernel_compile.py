@@ -104,12 +104,27 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
     )
     assert dtable.shape == (H, 2, table.shape[1]) and theta.requires_grad
     row_scale = (torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE).requires_grad_()
-    fwd_args = (q, k, v, ds, table, dtable, theta, row_scale, True, 0, 0.25, table_start)
+    key_start = ak._key_starts(None, ak._configs(ak._block_d(D), q.dtype), B, H, T, DEVICE)
+    fwd_args = (q, k, v, ds, table, dtable, theta, row_scale, key_start, True, 0, 0.25, table_start)
     torch.library.opcheck(torch.ops.bam.triton_attention_fwd.default, fwd_args)
     detached = [t.detach() if torch.is_tensor(t) else t for t in fwd_args]
     o, lse = torch.ops.bam.triton_attention_fwd(*detached)
-    q, k, v, ds, table, dtable, theta, row_scale, *flags = detached
+    q, k, v, ds, table, dtable, theta, row_scale, key_start, *flags = detached
     torch.library.opcheck(
         torch.ops.bam.triton_attention_bwd.default,
-        (torch.randn_like(o), q, k, v, o, lse, ds, table, dtable, row_scale, *flags, True),
+        (
+            torch.randn_like(o),
+            q,
+            k,
+            v,
+            o,
+            lse,
+            ds,
+            table,
+            dtable,
+            row_scale,
+            key_start,
+            *flags,
+            True,
+        ),
     )
