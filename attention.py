@@ -82,7 +82,7 @@ class AttentionArgs(NamedTuple):
     softmax_scale: Optional[float] = None
     skip: bool | str = False
     key_norm: Optional[torch.Tensor] = None
-    first_key: Optional[torch.Tensor] = None  # (B, H, Tq): key_windows' F_i, None: every key
+    first_key: Optional[torch.Tensor] = None  # key_windows'
 
     def resolve(self, q, k, v):
         """Args checked against q, k, v (ValueError names the misfit); prior bound (priors.bind,
@@ -179,7 +179,8 @@ def key_windows(q, k, args, grad=False):
     kappa = args.key_norm
     if kappa is None:
         kappa = keys.norm(dim=-1).amax(-1)
-    diagonal = args.softmax_scale * (queries * keys[:, :, rows]).sum(-1)
+    own_keys = keys[:, :, args.q_offset : args.q_offset + Tq]  # a view, not a gather
+    diagonal = args.softmax_scale * (queries * own_keys).sum(-1)
     content = args.softmax_scale * queries.norm(dim=-1) * kappa[..., None]
 
     r = torch.ones(B, H, Tq, device=q.device)
@@ -197,7 +198,7 @@ def key_windows(q, k, args, grad=False):
 
 
 def _count_work(q, args):
-    """Adds to counting_work()'s counts the scores a call's windows keep and its rows see."""
+    """Counts for counting_work() the scores a call's windows keep and its rows see."""
     B, H, Tq, _ = q.shape
     rows = torch.arange(Tq, device=q.device) + args.q_offset
     first = torch.zeros(B, H, Tq, dtype=torch.long, device=q.device)

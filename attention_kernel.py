@@ -43,7 +43,7 @@ FP_FUSION = True  # every launch's enable_fp_fusion
 # gradients of SSMax's row scale and of the prior's parameters, score by score for a few trained
 # entries per head (GGD: 2), along tile diagonals for many (T5: 32; DIAGONAL_FROM). Each kernel
 # visits the unmasked blocks, then the masked ones before (document starts) and after (diagonal),
-# none before its query group's KEY_START (skipping: _key_starts).
+# none before its query group's KEY_START (_key_starts).
 #
 # Inputs are contiguous (B, H, T, D), the row scale (B, H, Tq), the queries' doc_start (B, Tq):
 # a program moves its pointers to its (batch, head) and derives offsets from the shapes. Tables

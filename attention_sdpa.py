@@ -30,22 +30,21 @@ def attention_sdpa(q, k, v, args, chunk_size=None):
 
     if args.row_scale is not None:
         args = args._replace(row_scale=args.row_scale.expand(-1, H, -1))
-    # heads permuted once, each group a slice; keys reversed: j at Tk - 1 - j
+    # heads permuted once (index_select: 2x [:, order]), a group per slice; keys reversed
     order, groups = _head_groups(args, H, Tq, Tk)
-    q = q[:, order]
-    k_rev = k[:, order].flip(2)
-    v_rev = v[:, order].flip(2)
+    q = q.index_select(1, order)
+    k_rev = k.index_select(1, order).flip(2)
+    v_rev = v.index_select(1, order).flip(2)
     out = torch.empty_like(q)
     for heads, window in groups:
         _attend(q[:, heads], k_rev[:, heads], v_rev[:, heads], args, order[heads], window,
                 chunk_size, out[:, heads])  # fmt: skip
-    return out[:, order.argsort()].to(dtype)
+    return out.index_select(1, order.argsort()).to(dtype)
 
 
 def _head_groups(args, H, Tq, Tk):
-    """(order, groups): heads by widest window (key_windows), and groups as (slice of them, widest
-    window). A head joins a group whose window is within 1 % or 64 keys of its own; a window of
-    Tk / 2 or more reads every key."""
+    """(order, groups): heads by widest window, groups as (slice, widest window). A head joins
+    a group within 1 % or 64 keys of its window; from Tk / 2 on, all keys."""
     if args.first_key is None:
         return torch.arange(H), [(slice(0, H), Tk)]
 
@@ -69,7 +68,7 @@ def _attend(q, k_rev, v_rev, args, heads, window, chunk_size, out):
     in args' tensors); window: the widest any of its rows reads (Tk: every key)."""
     B, H, Tq, _ = q.shape
     Tk = k_rev.shape[2]
-    # one fp32 (B, H, rows, keys) mask buffer; SDPA wants a few hundred rows, a window's chunks
+    # one fp32 (B, H, rows, keys) mask buffer; SDPA likes a few hundred rows, a window's chunks
     # half its width (each also scores a rows^2 triangle)
     budget_bytes = 128 * 2**20
     rows = budget_bytes // (4 * B * H * window)

@@ -148,7 +148,7 @@ def work_fraction(work):
 
 
 def work_share(records):
-    """The mean attention work (work_fraction) of the records that hold one, or None."""
+    """The mean work_fraction of the records that hold one, or None."""
     shares = [r["attention_work"] for r in records if r.get("attention_work") is not None]
     return round(sum(shares) / len(shares), 5) if shares else None
 

@@ -166,7 +166,7 @@ class RMSNorm(nn.Module):
 class KVCache:
     """Every layer's keys and values for incremental decoding (prefill, then a token at a time), in
     buffers of `capacity` positions allocated once: no copy as the cache grows. It keeps each
-    layer's largest key norm (B, H), so that a skipping step reads only its window."""
+    layer's largest key norm (B, H): a skipping step reads only its window."""
 
     def __init__(self, n_layer, capacity):
         self.k = [None] * n_layer
