@@ -2,10 +2,10 @@
 bam-gpt's attention: one function, one formula, several implementations.
 
 attention() is causal softmax attention plus a log-prior of query-key distance (the paper's BAM),
-SSMax's row scale and document boundaries. dense_attention is the formula, the spec; "torch" is
-the chunked reference (any prior, device), "sdpa" the CPU eval path (attention_sdpa.py), "triton"
-the fused kernel (attention_kernel.py), "auto" the fastest that can. impl_error alone says which
-impl can compute what:
+SSMax's row scale and document boundaries. The file reads: the contract, dense_attention (the
+formula in dense, runnable code: the spec), the chunked reference "torch", the skip bound, then
+which impl computes what. "sdpa" is the CPU eval path (attention_sdpa.py), "triton" the fused
+kernel (attention_kernel.py), "auto" the fastest that can:
 
     impl    what it is                                     CPU                 CUDA
     auto    CUDA: triton; CPU: sdpa without gradients, else torch
@@ -14,10 +14,9 @@ impl can compute what:
     triton  flash-attention kernel, every prior            TRITON_INTERPRET=1  train + evaluate
 
 sdpa also trains where the mask needs no gradient. An impl that cannot compute a call raises with
-the reason; none swaps in another prior. sdpa and triton skip keys: key_windows.
+the reason; none swaps in another prior. sdpa and triton skip the keys first_keys rules out.
 """
 
-import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -56,19 +55,15 @@ def attention(
     tensors; prior(d) is its log-prior table by distance (priors.py). row_scale: r, (B or 1, H, Tq),
     SSMax's s_h log n_i, or None for 1. doc_start (B, Tk): where each position's document starts.
     skip: False reads every key, True skips keys provably below 2^-24 / Tk, "zero" below 2^-150
-    (key_windows). key_norm (B, H): max |k_j|, if known (a KV cache's)."""
-    args = AttentionArgs(doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale)
-    args = args.resolve(q, k, v)._replace(skip=skip, key_norm=key_norm)
-
-    grad = args.needs_grad(q, k, v)
-    impl = pick_impl(impl, args.prior, q.device, grad, q.dtype, q.shape[-1])
-    if impl != "torch":
-        args = args._replace(first_key=key_windows(q, k, args, grad))
-    if _work is not None:
-        _count_work(q, args)
-
-    implementation = {"torch": attention_torch, "sdpa": attention_sdpa, "triton": attention_triton}
-    return implementation[impl](q, k, v, args)
+    (first_keys). key_norm (B, H): max |k_j|, if known (a KV cache's)."""
+    args = AttentionArgs(doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale, skip)
+    args = args._replace(key_norm=key_norm).resolve(q, k, v)
+    impl, first_key = plan(q, k, v, args, impl)
+    if impl == "torch":
+        return attention_torch(q, k, v, args)
+    if impl == "sdpa":
+        return attention_sdpa(q, k, v, args, first_key)
+    return attention_triton(q, k, v, args, first_key)
 
 
 class AttentionArgs(NamedTuple):
@@ -80,9 +75,8 @@ class AttentionArgs(NamedTuple):
     scale_prior: bool = False
     q_offset: Optional[int] = None
     softmax_scale: Optional[float] = None
-    skip: bool | str = False
+    skip: bool | str = True
     key_norm: Optional[torch.Tensor] = None
-    first_key: Optional[torch.Tensor] = None  # key_windows'
 
     def resolve(self, q, k, v):
         """Args checked against q, k, v (ValueError names the misfit); prior bound (priors.bind,
@@ -95,11 +89,8 @@ class AttentionArgs(NamedTuple):
                 f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                 "do not match"
             )
-        if Tq > Tk:
-            raise ValueError(
-                f"attention: Tq={Tq} queries but only Tk={Tk} keys; queries must be the last keys"
-            )
 
+        # Tq > Tk fails here too: no offset fits
         q_offset = Tk - Tq if self.q_offset is None else self.q_offset
         if not 0 <= q_offset <= Tk - Tq:
             raise ValueError(
@@ -133,92 +124,26 @@ class AttentionArgs(NamedTuple):
         )
 
     def query_chunks(self, Tq, rows):
-        """(start, stop, first_key) per chunk of `rows` query rows start..stop-1; first_key: first
-        key any of them sees (earliest document start)."""
+        """(start, stop, earliest) per chunk of `rows` query rows start..stop-1; earliest: the
+        first key any of them sees (their earliest document start)."""
         for start in range(0, Tq, rows):
             stop = min(start + rows, Tq)
-            first_key = 0
+            earliest = 0
             if self.doc_start is not None:
                 positions = slice(self.q_offset + start, self.q_offset + stop)
-                first_key = int(self.doc_start[:, positions].min())
-            yield start, stop, first_key
+                earliest = int(self.doc_start[:, positions].min())
+            yield start, stop, earliest
 
 
-# ---- Skipping: the keys a row's prior proves cannot matter
-# s_ij = r_i l_ij + w_i b(i - j), w_i = r_i if scale_prior else 1, b(m): the log-prior. A row
-# keeps its own key, so key j weighs at most e^(s_ij - s_ii). With kappa = max |k_j| and S(n) =
-# max_{m >= n} b(m), every key at distance >= n has (Cauchy-Schwarz)
-#     s_ij - s_ii <= |r_i| c |q_i| kappa - r_i l_ii - w_i (b(0) - S(n)).
-# Row i's window: the least n where that is <= -tau. tau = ln Tk + 24 ln 2 + 1 keeps a row's
-# and a column's skipped mass below 2^-24: outputs move within fp32 rounding of their sums.
-# "zero" (tau = 150 ln 2 + 1; with gradients) skips weights fp32 rounds to 0. Flat priors
-# (theta_beta <= 0), rows with w_i <= 0 and short rows keep every key.
-_work = None  # [scores kept, scores visible] while counting_work() is active
-
-
-def key_windows(q, k, args, grad=False):
-    """The first key F_i (B, H, Tq) each row reads (>= its document's start), for resolved
-    AttentionArgs; None where skip is off or there is no prior."""
-    if not args.skip or args.prior is None:
-        return None
-
-    B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
-    tau = math.log(Tk) + 24 * math.log(2) + 1
-    if grad or args.skip == "zero":
-        tau = 150 * math.log(2) + 1
-
-    # gap[n] = b(0) - S(n), non-decreasing in n
-    log_prior = args.prior.table(-torch.arange(Tk, device=q.device)).float()
-    suffix_max = log_prior.flip(-1).cummax(-1).values.flip(-1)
-    gap = (log_prior[:, :1] - suffix_max).expand(B, H, Tk).contiguous()
-
-    rows = torch.arange(Tq, device=q.device) + args.q_offset
-    queries = q.detach().float()
-    keys = k.detach().float()
-    kappa = args.key_norm
-    if kappa is None:
-        kappa = keys.norm(dim=-1).amax(-1)
-    own_keys = keys[:, :, args.q_offset : args.q_offset + Tq]  # a view, not a gather
-    diagonal = args.softmax_scale * (queries * own_keys).sum(-1)
-    content = args.softmax_scale * queries.norm(dim=-1) * kappa[..., None]
-
-    r = torch.ones(B, H, Tq, device=q.device)
-    if args.row_scale is not None:
-        r = args.row_scale.detach().float().expand(B, H, Tq)
-    w = r if args.scale_prior else torch.ones_like(r)
-    need = (r.abs() * content - r * diagonal + tau) / w
-    need = need.masked_fill(w <= 0, float("inf"))
-
-    window = torch.searchsorted(gap, need.contiguous())
-    first_key = (rows - window + 1).clamp_min(0)
-    if args.doc_start is not None:
-        first_key = torch.maximum(first_key, args.doc_start[:, None, rows])
-    return first_key
-
-
-def _count_work(q, args):
-    """Counts for counting_work() the scores a call's windows keep and its rows see."""
-    B, H, Tq, _ = q.shape
-    rows = torch.arange(Tq, device=q.device) + args.q_offset
-    first = torch.zeros(B, H, Tq, dtype=torch.long, device=q.device)
-    if args.doc_start is not None:
-        first = first + args.doc_start[:, None, rows]
-    kept = first if args.first_key is None else args.first_key
-    _work[0] += int((rows + 1 - kept).sum())
-    _work[1] += int((rows + 1 - first).sum())
-
-
-@contextlib.contextmanager
-def counting_work():
-    """Counts, while active, the scores attention()'s windows keep and the scores its rows see:
-    yields [kept, visible]; the evaluations print kept / visible as "attention work"."""
-    global _work
-    _work = [0, 0]
-    try:
-        yield _work
-    finally:
-        _work = None
+# SSMax's n_i: the contract takes r_i = s_h log n_i as row_scale
+def ssmax_log_n(pos, doc_start=None):
+    """SSMax's log n_i at query positions pos (1-D); n_i = keys query i sees = its position in its
+    document + 1 (as the authors). (B, T) with doc_start (B, T), else (1, T); r_i = s_h log n_i."""
+    if doc_start is not None:
+        n = pos[None, :] - doc_start + 1
+    else:
+        n = (pos + 1)[None, :]
+    return n.float().log()
 
 
 def dense_attention(q, k, v, **kwargs):
@@ -254,7 +179,7 @@ def attention_torch(q, k, v, args, chunk_size=None):
     """attention()'s reference impl ("torch") for resolved AttentionArgs; chunk_size: query rows
     per chunk (default: fits 256 MiB)."""
     chunks = _chunked_probs(q, k, args, chunk_size)
-    outs = [probs @ v[:, :, first_key:end].float() for _, _, first_key, end, probs in chunks]
+    outs = [probs @ v[:, :, earliest:end].float() for _, _, earliest, end, probs in chunks]
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
@@ -263,37 +188,37 @@ def attention_probs(q, k, **kwargs):
     on hidden keys. For inspecting a few rows."""
     args = AttentionArgs(**kwargs).resolve(q, k, k)
     all_probs = torch.zeros(*q.shape[:3], k.shape[2], device=q.device)
-    for start, stop, first_key, end, probs in _chunked_probs(q, k, args):
-        all_probs[:, :, start:stop, first_key:end] = probs
+    for start, stop, earliest, end, probs in _chunked_probs(q, k, args):
+        all_probs[:, :, start:stop, earliest:end] = probs
     return all_probs
 
 
 def _chunked_probs(q, k, args, chunk_size=None):
-    """(start, stop, first_key, end, softmax_j(s_ij)) per chunk: query rows start..stop-1, keys
-    first_key..end-1."""
+    """(start, stop, earliest, end, softmax_j(s_ij)) per chunk: query rows start..stop-1, keys
+    earliest..end-1."""
     # ~4 live fp32 (B, H, rows, Tk) temporaries: scores, prior, mask, probs
     batch, heads, Tq, _ = q.shape
     budget_bytes = 256 * 2**20
     rows = chunk_size or max(1, budget_bytes // (16 * batch * heads * max(k.shape[2], 1)))
-    for start, stop, first_key in args.query_chunks(Tq, rows):
-        scores = _chunk_scores(q, k, args, start, stop, first_key)
-        yield start, stop, first_key, args.q_offset + stop, torch.softmax(scores, dim=-1)
+    for start, stop, earliest in args.query_chunks(Tq, rows):
+        scores = _chunk_scores(q, k, args, start, stop, earliest)
+        yield start, stop, earliest, args.q_offset + stop, torch.softmax(scores, dim=-1)
 
 
-def _chunk_scores(q, k, args, start, stop, first_key):
-    """Masked scores s of query rows start..stop-1 vs keys first_key..q_offset + stop - 1:
+def _chunk_scores(q, k, args, start, stop, earliest):
+    """Masked scores s of query rows start..stop-1 vs keys earliest..q_offset + stop - 1:
     (B, H, stop - start, keys) fp32."""
     # one past the last key these rows see; then query and key positions
     end = args.q_offset + stop
     i = torch.arange(args.q_offset + start, end, device=q.device)[:, None]
-    j = torch.arange(first_key, end, device=q.device)[None, :]
+    j = torch.arange(earliest, end, device=q.device)[None, :]
     queries = args.softmax_scale * q[:, :, start:stop].float()
-    content = queries @ k[:, :, first_key:end].float().transpose(-1, -2)
+    content = queries @ k[:, :, earliest:end].float().transpose(-1, -2)
 
     # depends on d = j - i only: evaluated once per distance (most negative first), gathered
     log_prior = 0.0
     if args.prior is not None:
-        nearest = first_key - (end - 1)
+        nearest = earliest - (end - 1)
         table = args.prior.table(torch.arange(nearest, stop - start, device=q.device))
         log_prior = table[:, j - i - nearest]
     row_scale = 1.0
@@ -312,15 +237,69 @@ def _chunk_scores(q, k, args, start, stop, first_key):
     return scores + hidden
 
 
+# ---- Skipping: the keys a row's prior proves cannot matter
+# In the README's notation, l_ij = softmax_scale q_i . k_j and B_h(d) the log-prior at d = j - i:
+# s_ij = r_i l_ij + w_i B_h(j - i), with w_i = r_i if scale_prior, else 1. A row keeps its own key,
+# so key j weighs at most e^(s_ij - s_ii). With kappa = max_j |k_j| (Cauchy-Schwarz: |l_ij| <=
+# softmax_scale |q_i| kappa) and S(n) = max_{m >= n} B_h(-m), every key at distance n = i - j has
+#     s_ij - s_ii <= |r_i| softmax_scale |q_i| kappa - r_i l_ii - w_i G(n),   G(n) = B_h(0) - S(n)
+# for w_i > 0. G is non-decreasing, so row i's first key is F_i = i - n_i + 1, n_i the least n where
+# that is <= -tau: each key before F_i weighs below e^-tau.
+# - A row skips at most Tk keys: its skipped mass is below Tk e^-tau = 2^-24 / e for tau = ln Tk +
+#   24 ln 2 + 1, within fp32 rounding of its sum.
+# - A column is skipped by at most Tq <= Tk rows, each below e^-tau: its mass (dK, dV) alike.
+# - The "+ 1" leaves a factor e of margin: the bound's own terms are rounded in fp32.
+# "zero" (tau = 150 ln 2 + 1; always with gradients) skips weights below 2^-150, which fp32 rounds
+# to 0. Flat priors (theta_beta <= 0), rows with w_i <= 0 and short rows keep every key.
+def first_keys(q, k, args, grad=False):
+    """F_i (B, H, Tq): the first key each row reads, at or after its document's start, for resolved
+    AttentionArgs; None where skip is off or there is no prior."""
+    if not args.skip or args.prior is None:
+        return None
+
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    tau = math.log(Tk) + 24 * math.log(2) + 1
+    if grad or args.skip == "zero":
+        tau = 150 * math.log(2) + 1
+
+    # G(n), non-decreasing in n
+    log_prior = args.prior.table(-torch.arange(Tk, device=q.device)).float()
+    suffix_max = log_prior.flip(-1).cummax(-1).values.flip(-1)
+    gap = (log_prior[:, :1] - suffix_max).expand(B, H, Tk).contiguous()
+
+    # of the keys, only the rows' own are read: a decode step converts one, not the cache
+    rows = torch.arange(Tq, device=q.device) + args.q_offset
+    queries = q.detach().float()
+    own_keys = k[:, :, args.q_offset : args.q_offset + Tq].detach().float()
+    kappa = args.key_norm
+    if kappa is None:
+        kappa = k.detach().float().norm(dim=-1).amax(-1)
+    diagonal = args.softmax_scale * (queries * own_keys).sum(-1)
+    content = args.softmax_scale * queries.norm(dim=-1) * kappa[..., None]
+
+    r = torch.ones(B, H, Tq, device=q.device)
+    if args.row_scale is not None:
+        r = args.row_scale.detach().float().expand(B, H, Tq)
+    w = r if args.scale_prior else torch.ones_like(r)
+    need = (r.abs() * content - r * diagonal + tau) / w
+    need = need.masked_fill(w <= 0, float("inf"))
+
+    distance = torch.searchsorted(gap, need.contiguous())
+    first_key = (rows - distance + 1).clamp_min(0)
+    if args.doc_start is not None:
+        first_key = torch.maximum(first_key, args.doc_start[:, None, rows])
+    return first_key
+
+
 # ---- Which impl can compute which prior, where
-def ssmax_log_n(pos, doc_start=None):
-    """SSMax's log n_i at query positions pos (1-D); n_i = keys query i sees = its position in its
-    document + 1 (as the authors). (B, T) with doc_start (B, T), else (1, T); r_i = s_h log n_i."""
-    if doc_start is not None:
-        n = pos[None, :] - doc_start + 1
-    else:
-        n = (pos + 1)[None, :]
-    return n.float().log()
+def plan(q, k, v, args, impl):
+    """(impl, first keys) of a call with resolved AttentionArgs: pick_impl's impl, and first_keys'
+    where that impl skips (the reference reads every key)."""
+    grad = args.needs_grad(q, k, v)
+    impl = pick_impl(impl, args.prior, q.device, grad, q.dtype, q.shape[-1])
+    first_key = None if impl == "torch" else first_keys(q, k, args, grad)
+    return impl, first_key
 
 
 def _trained(prior):

@@ -4,7 +4,8 @@ mask, per query chunk. Evaluation only: the mask is a constant to the fused kern
 prior trains (attention.impl_error). r_i moves into the queries, so with keys reversed the mask,
 prior(j - i) (times r_i if scale_prior), is a strided view of the reversed table. Other masks go
 to one buffer all chunks reuse (fresh ones page-fault): memory stays linear in length. Heads are
-grouped by window (key_windows): a chunk reads keys from the first its group's rows need.
+grouped by width, the keys i - F_i + 1 a row reads from its first key F_i (attention.first_keys):
+a chunk reads keys from the first its group's rows need.
 """
 
 import math
@@ -13,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 
-def attention_sdpa(q, k, v, args, chunk_size=None):
-    """attention() for resolved AttentionArgs, chunk_size query rows at a time. Under autograd each
-    chunk's mask is fresh and kept for backward (training memory O(T^2))."""
+def attention_sdpa(q, k, v, args, first_key=None, chunk_size=None):
+    """attention() for resolved AttentionArgs from first_key on ((B, H, Tq) or None: every key),
+    chunk_size query rows at a time. Under autograd each chunk's mask is fresh and kept for backward
+    (training memory O(T^2))."""
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
     dtype = q.dtype
@@ -31,25 +33,28 @@ def attention_sdpa(q, k, v, args, chunk_size=None):
     if args.row_scale is not None:
         args = args._replace(row_scale=args.row_scale.expand(-1, H, -1))
     # heads permuted once (index_select: 2x [:, order]), a group per slice; keys reversed
-    order, groups = _head_groups(args, H, Tq, Tk)
+    order, groups = _head_groups(first_key, args.q_offset, H, Tk)
     q = q.index_select(1, order)
     k_rev = k.index_select(1, order).flip(2)
     v_rev = v.index_select(1, order).flip(2)
+    if first_key is not None:
+        first_key = first_key.index_select(1, order)
     out = torch.empty_like(q)
-    for heads, window in groups:
-        _attend(q[:, heads], k_rev[:, heads], v_rev[:, heads], args, order[heads], window,
-                chunk_size, out[:, heads])  # fmt: skip
+    for heads, width in groups:
+        group_first = None if first_key is None else first_key[:, heads]
+        group = (q[:, heads], k_rev[:, heads], v_rev[:, heads], group_first)
+        _attend(*group, args, order[heads], width, chunk_size, out[:, heads])
     return out.index_select(1, order.argsort()).to(dtype)
 
 
-def _head_groups(args, H, Tq, Tk):
-    """(order, groups): heads by widest window, groups as (slice, widest window). A head joins
-    a group within 1 % or 64 keys of its window; from Tk / 2 on, all keys."""
-    if args.first_key is None:
+def _head_groups(first_key, q_offset, H, Tk):
+    """(order, groups): heads by widest row, groups as (slice, widest row's width). A head joins
+    a group within 1 % or 64 keys of its width; from Tk / 2 on, all keys."""
+    if first_key is None:
         return torch.arange(H), [(slice(0, H), Tk)]
 
-    rows = torch.arange(Tq, device=args.first_key.device) + args.q_offset
-    widths = (rows - args.first_key + 1).amax(dim=(0, 2))
+    rows = torch.arange(first_key.shape[2], device=first_key.device) + q_offset
+    widths = (rows - first_key + 1).amax(dim=(0, 2))
     widths = torch.where(widths >= Tk // 2, Tk, widths)
     widths, order = widths.sort(descending=True)
     widths = widths.tolist()
@@ -63,32 +68,32 @@ def _head_groups(args, H, Tq, Tk):
     return order, groups
 
 
-def _attend(q, k_rev, v_rev, args, heads, window, chunk_size, out):
-    """One group of heads into out (q, k_rev, v_rev and out hold only them; `heads` indexes them
-    in args' tensors); window: the widest any of its rows reads (Tk: every key)."""
+def _attend(q, k_rev, v_rev, first_key, args, heads, width, chunk_size, out):
+    """One group of heads into out (q, k_rev, v_rev, first_key and out hold only them; `heads`
+    indexes them in args' tensors); width: the most keys any of its rows reads (Tk: every key)."""
     B, H, Tq, _ = q.shape
     Tk = k_rev.shape[2]
-    # one fp32 (B, H, rows, keys) mask buffer; SDPA likes a few hundred rows, a window's chunks
-    # half its width (each also scores a rows^2 triangle)
+    # one fp32 (B, H, rows, keys) mask buffer; SDPA likes a few hundred rows, a narrow group's
+    # chunks half its width (each also scores a rows^2 triangle)
     budget_bytes = 128 * 2**20
-    rows = budget_bytes // (4 * B * H * window)
-    if window < Tk:
-        rows = window // 2
+    rows = budget_bytes // (4 * B * H * width)
+    if width < Tk:
+        rows = width // 2
     rows = chunk_size or int(min(512, max(64, rows)))
     scaled_prior = args.row_scale is not None and args.scale_prior and args.prior is not None
     written = args.doc_start is not None or scaled_prior
     buf = None
     if written and not args.needs_grad(q, k_rev, v_rev):
-        buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, window + rows))
+        buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, width + rows))
 
-    for start, stop, first_key in args.query_chunks(Tq, rows):
-        # queries at [first_query, end); keys before first_key are hidden or skipped for all
+    for start, stop, first in args.query_chunks(Tq, rows):
+        # queries at [first_query, end); keys before `first` are hidden or skipped for all
         first_query = args.q_offset + start
         end = args.q_offset + stop
-        if args.first_key is not None:
-            first_key = max(first_key, int(args.first_key[:, heads, start:stop].min()))
+        if first_key is not None:
+            first = max(first, int(first_key[:, :, start:stop].min()))
 
-        table = _reversed_table(args.prior, first_key - (end - 1), stop - start - 1, q)
+        table = _reversed_table(args.prior, first - (end - 1), stop - start - 1, q)
         if args.prior is not None:
             table = table[heads]
         queries = q[:, :, start:stop]
@@ -102,8 +107,8 @@ def _attend(q, k_rev, v_rev, args, heads, window, chunk_size, out):
         if args.doc_start is not None:
             doc_rows = args.doc_start[:, first_query:end]
         mask = _hankel_mask(table, stop - start, mask_row_scale, doc_rows, end - 1, buf)
-        keys = k_rev[:, :, Tk - end : Tk - first_key]
-        values = v_rev[:, :, Tk - end : Tk - first_key]
+        keys = k_rev[:, :, Tk - end : Tk - first]
+        values = v_rev[:, :, Tk - end : Tk - first]
         out[:, :, start:stop] = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=args.softmax_scale
         )

@@ -15,6 +15,7 @@ class ConfigError(ValueError):
 
 
 def _check(key, value, defaults, source):
+    """A setting's value, type-checked against its default (an int becomes a float)."""
     if key not in defaults:
         close = ", ".join(difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5))
         hint = f" Did you mean {close}?" if close else ""
@@ -35,10 +36,12 @@ def _check(key, value, defaults, source):
 
 
 def _run_file(path):
+    """A config file's settings; ConfigError if it cannot be read or run."""
     namespace = {}
     try:
         with open(path) as f:
-            exec(compile(f.read(), path, "exec"), namespace)
+            source = f.read()
+        exec(compile(source, path, "exec"), namespace)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     except SyntaxError as e:
@@ -55,6 +58,7 @@ def _run_file(path):
 
 
 def _parse_value(raw, default):
+    """A --key=value arg's value: a Python literal, else the text as typed."""
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):

@@ -19,15 +19,14 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from infra.runtime import atomic_file
-
 TOKENIZERS = ("gpt2", "byte", "mistral")
 # known without a tokenizer: offline, the model is sized from a shard
 VOCAB_SIZE = {"gpt2": 50257, "byte": 257, "mistral": 32768}
 # ends a text: end-of-text or SentencePiece's EOS
 EOT = {"gpt2": 50256, "byte": 256, "mistral": 2}
-# each document's first and last tokens; DOC_START drives the document mask
+# opens each document; drives the document mask
 DOC_START = {"gpt2": 50256, "byte": 256, "mistral": 1}
+# closes each document (the authors' BOS ... EOS)
 DOC_END = {"gpt2": None, "byte": None, "mistral": 2}
 # validation: the stream's first tokens (the authors' split)
 VAL_TOKENS = 3_932_160
@@ -53,6 +52,8 @@ def shard_name(prefix, split, index):  # SHARD_RE parses it back
 # ---- Tokenizers
 @dataclass(frozen=True)
 class Tokenizer:
+    """What callers need of a tokenizer, tiktoken or SentencePiece."""
+
     name: str
     n_vocab: int
     eot_token: int  # ends a text: generation stops at it
@@ -65,13 +66,15 @@ class Tokenizer:
     token_bytes: Callable[[int], bytes]  # a token's bytes (b"" for a control token)
 
     def document(self, text):
+        """One document as the shards hold it: doc_start + tokens (+ doc_end)."""
         end = [] if self.doc_end is None else [self.doc_end]
         return [self.doc_start] + self.encode_ordinary(text) + end
 
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str) -> Tokenizer:
-    """gpt2 (needs the network once), byte or mistral. Decode with tok.decode, not bytes.decode."""
+    """gpt2 (needs the network once), byte or mistral. Decode with tok.decode(tokens), not
+    bytes.decode(): a byte-level window can cut a character."""
     if name == "mistral":
         return _sentencepiece(name)
 
@@ -100,6 +103,7 @@ def get_tokenizer(name: str) -> Tokenizer:
 
 
 def tiktoken_tokenizer(enc, eot):
+    """A tiktoken Encoding as a Tokenizer with eot + text documents."""
     return Tokenizer(
         name=enc.name,
         n_vocab=enc.n_vocab,
@@ -114,6 +118,7 @@ def tiktoken_tokenizer(enc, eot):
 
 
 def _sentencepiece(name):
+    """The model file ships in the mistral-common wheel: nothing is downloaded."""
     import importlib.resources
 
     package, path = MISTRAL_MODEL
@@ -157,27 +162,26 @@ def _sentencepiece(name):
 
 
 # ---- Shards
-def write_shard(path, tokens, tokenizer_name):
-    """Write tokens (any integer array) as a shard, atomically (never partial)."""
+def write_shard(f, tokens, tokenizer_name):
+    """Write tokens (any integer array) as a shard to the binary file f; the prepare scripts pass
+    an infra.runtime.atomic_file, so that a shard is never partial."""
     tokens = np.asarray(tokens)
     if tokens.size == 0:
-        raise ValueError(f"refusing to write an empty shard: {path}")
+        raise ValueError(f"refusing to write an empty shard: {f.name}")
 
     if tokens.min() < 0 or tokens.max() >= 65536:
         raise ValueError(
             f"token ids must lie in [0, 65536) to be stored as uint16; got min {tokens.min()}, "
-            f"max {tokens.max()} for {path}"
+            f"max {tokens.max()} for {f.name}"
         )
 
     header = _HEADER.pack(MAGIC, VERSION, tokens.size, tokenizer_name.encode("ascii"))
-    header = header.ljust(HEADER_BYTES, b"\0")
-
-    with atomic_file(path) as f:
-        f.write(header)
-        f.write(tokens.astype("<u2", copy=False).tobytes())
+    f.write(header.ljust(HEADER_BYTES, b"\0"))
+    f.write(tokens.astype("<u2", copy=False).tobytes())
 
 
 def _read_header(path):
+    """(token count, tokenizer name), magic, version and file size checked."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
 
@@ -204,6 +208,7 @@ def _read_header(path):
 
 
 def _check_tokenizer(what, name, tokenizer):
+    """A DataError if the asked-for tokenizer (None: any) is not name, the one `what` used."""
     if tokenizer is not None and tokenizer != name:
         raise DataError(
             f"{what} made with the {name!r} tokenizer, not {tokenizer!r}; use --tokenizer {name} "
@@ -224,6 +229,7 @@ def shard_tokenizer(path):
 
 
 def shard_paths(data_dir, split):
+    """Sorted shard paths of a split; if none, an error saying how to make them."""
     how = (
         "create them with `python prepare_fineweb.py` (FineWeb, mistral tokens, writes "
         "data/fineweb_mistral), `python prepare_demo.py` (the CPU demo data), or "
@@ -272,25 +278,21 @@ def _split_extents(data_dir, split, tokenizer=None):
     return extents, name
 
 
-def read_tokens(data_dir, split, n_tokens, offset=0):
-    """n_tokens of a split's stream from offset on, as int64."""
+def read_tokens(data_dir, split, n_tokens):
+    """The first n_tokens of a split's stream, as int64."""
     extents, _ = _split_extents(data_dir, split)
     total = sum(n for _, n in extents)
-    if offset < 0 or n_tokens < 0 or offset + n_tokens > total:
+    if not 0 <= n_tokens <= total:
         raise ValueError(
-            f"asked for tokens [{offset}, {offset + n_tokens}) of the {split} split in {data_dir}, "
-            f"which has {total} tokens"
+            f"asked for {n_tokens} tokens of the {split} split in {data_dir}, which has {total}"
         )
 
     out = []
-    shard_start = 0  # the shard's stream position
+    left = n_tokens
     for path, n in extents:
-        first = max(offset, shard_start) - shard_start
-        end = min(offset + n_tokens, shard_start + n) - shard_start
-        if first < end:
-            out.append(np.asarray(open_shard(path)[first:end], dtype=np.int64))
-        shard_start += n
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        out.append(np.asarray(open_shard(path)[: min(n, left)], dtype=np.int64))
+        left -= len(out[-1])
+    return np.concatenate(out)
 
 
 # ---- Batches
@@ -356,6 +358,7 @@ class TokenLoader:
         )
 
     def window_indices(self, step, micro_step=0, grad_accum=1):
+        """The windows of one batch (a micro step of a rank)."""
         first = ((step * grad_accum + micro_step) * self.world_size + self.rank) * self.batch_size
         return (first + np.arange(self.batch_size, dtype=np.int64)) % self.num_windows
 

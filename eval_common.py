@@ -1,9 +1,10 @@
 """
 What eval_passkey.py, eval_ruler.py, eval_ppl.py and analysis/ share: options, checkpoints loaded
-with the kernel's self-check, the out-of-memory skip note, resumable results' settings, summary and
-per-seed tables, figures.
+with the kernel's self-check, the Evaluation their scoring functions share, the attention work,
+the out-of-memory skip note, resumable results, summary and per-seed tables, figures.
 """
 
+import contextlib
 import csv
 import json
 import math
@@ -11,15 +12,18 @@ import os
 import re
 import statistics
 import sys
+from typing import NamedTuple
+from unittest import mock
 
 import torch
 
-from attention import IMPLS, impl_error
+import model as model_code
+from attention import IMPLS, AttentionArgs, attention, impl_error, plan
 from data import DataError, get_tokenizer
 from infra import runtime
 from infra.kernel_check import KernelMismatch, check_kernel
-from infra.runtime import CheckpointError, FolderBusy
-from model import load_model
+from infra.runtime import FolderBusy
+from model import CheckpointError, load_model
 
 
 class EvalError(ValueError):
@@ -40,7 +44,7 @@ def add_common_args(parser, default_out):
     add("--out", default=default_out, help="output directory")
     add("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     add("--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl")
-    add("--no_skip", action="store_true", help="read every key (no attention.key_windows)")
+    add("--no_skip", action="store_true", help="read every key (no attention.first_keys)")
     return parser
 
 
@@ -89,9 +93,7 @@ def model_device(model):
 # ---- checkpoints
 def load_run(path, device, attn_impl, dtype, skip=True):
     """A checkpoint as a run named by its directory, its kernel checked; skip: attention's."""
-    model, ckpt = load_model(path, device, attn_impl=attn_impl)
-    for block in model.blocks:
-        block.attn.skip = skip
+    model, ckpt = load_model(path, device, attn_impl, skip)
     why = impl_error(model.attn_impl, model.config.family, device, grad=False)
     if why:
         raise EvalError(f"{path}: --attn_impl {model.attn_impl}: {why}")
@@ -142,8 +144,52 @@ def start(args, dtype="auto"):
     return runs, enc, device, dtype
 
 
+class Evaluation(NamedTuple):
+    """What a command's scoring functions share, built once in main: the checkpoints (load_run's
+    runs), their tokenizer, the device and dtype they run in, and the per-sample results."""
+
+    runs: list
+    enc: object
+    device: str
+    dtype: str
+    log: runtime.ResultLog = None
+
+
+def kept_scores(q, k, v, **kwargs):
+    """(kept, visible) of attention(q, k, v, **kwargs): the scores it reads from its rows' first
+    keys on (attention.plan recomputes them, as the call's impl does), and the scores those rows
+    see. kept / visible is the "attention work"."""
+    args = AttentionArgs(**{n: kwargs[n] for n in AttentionArgs._fields if n in kwargs})
+    args = args.resolve(q, k, v)
+    _, first_key = plan(q, k, v, args, kwargs.get("impl", "auto"))
+
+    B, H, Tq, _ = q.shape
+    rows = torch.arange(Tq, device=q.device) + args.q_offset
+    earliest = torch.zeros(B, H, Tq, dtype=torch.long, device=q.device)
+    if args.doc_start is not None:
+        earliest = earliest + args.doc_start[:, None, rows]
+    kept = earliest if first_key is None else first_key
+    return int((rows + 1 - kept).sum()), int((rows + 1 - earliest).sum())
+
+
+@contextlib.contextmanager
+def counting_work():
+    """Yields [kept, visible], summed over the model's attention() calls while active
+    (kept_scores')."""
+    counts = [0, 0]
+
+    def counted(q, k, v, **kwargs):
+        kept, visible = kept_scores(q, k, v, **kwargs)
+        counts[0] += kept
+        counts[1] += visible
+        return attention(q, k, v, **kwargs)
+
+    with mock.patch.object(model_code, "attention", counted):
+        yield counts
+
+
 def work_fraction(work):
-    """attention.counting_work()'s counts as a share (None where no attention ran)."""
+    """counting_work()'s counts as a share (None where no attention ran)."""
     return round(work[0] / work[1], 5) if work[1] else None
 
 
@@ -180,7 +226,7 @@ def skip_note(label, length, reason):
 
 
 # ---- results
-def check_settings(jsonl_path, settings):
+def check_resume_settings(jsonl_path, settings):
     """Refuse to resume a JSONL made with other settings (kept in <jsonl>.settings.json)."""
     side = jsonl_path + ".settings.json"
     # tuples -> lists: an exact comparison
@@ -240,11 +286,11 @@ def seed_split(name):
     return match["variant"] + match["rest"], int(match["seed"])
 
 
-def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
+def seed_table(cells, path_prefix, caption, worst, figure):
     """Per-seed table of runs named <variant>-s<seed>: a row per run, then each variant's median
-    and worst (("min", min) or ("max", max)) over seeds. cells: {label: {multiple of the training
-    length: value}}. Writes <path_prefix>.{md,csv,json} (.png given figure); returns the markdown,
-    or None (nothing written) if no label has a seed."""
+    and worst (("min", min) or ("max", max)) over seeds, to 2 decimals. cells: {label: {multiple of
+    the training length: value}}. Writes <path_prefix>.{md,csv,json,png} (figure: plot_curves'
+    axes); returns the markdown, or None (nothing written) if no label has a seed."""
     by_run = {seed_split(label): values for label, values in cells.items()}
     if all(seed is None for _, seed in by_run):
         return None
@@ -276,7 +322,7 @@ def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
             first = [variant, "–" if seed is None else seed]
             if bold:
                 first = [f"**{variant}**", f"**{statistic} of {n_seeds}**"]
-            shown = [f"{bold}{values[m]:.{digits}f}{bold}" if m in values else "–" for m in mults]
+            shown = [f"{bold}{values[m]:.2f}{bold}" if m in values else "–" for m in mults]
             body.append(first + shown)
 
         label = f"{variant} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
@@ -285,9 +331,8 @@ def seed_table(cells, path_prefix, caption, worst, digits=2, figure=None):
             bands[label] = [[f(v) for v in per_mult.values()] for f in (min, max)]
 
     write_table(rows, path_prefix)
-    if figure is not None:
-        xlabel = "multiple of the training length (log scale)"
-        plot_curves(series, (), path_prefix + ".png", xlabel, bands=bands, **figure)
+    xlabel = "multiple of the training length (log scale)"
+    plot_curves(series, (), path_prefix + ".png", bands, xlabel=xlabel, **figure)
 
     text = markdown_table(["run", "seed", *(f"{m}×" for m in mults)], body) + f"\n\n{caption}\n"
     with runtime.atomic_file(path_prefix + ".md", "w") as f:
@@ -346,10 +391,9 @@ def curve_styles(names):
     return styles
 
 
-def plot_curves(
-    series, train_lengths, path, xlabel, ylabel, title, logy=False, ylim=None, bands=None
-):
-    """series = {name: (xs, ys)} on a log x axis; bands = {name: (lows, highs)}."""
+def plot_curves(series, train_lengths, path, bands=None, **axes):
+    """series = {name: (xs, ys)} on a log x axis; bands = {name: (lows, highs)}; axes: Axes.set's
+    (xlabel, ylabel, title, yscale, ylim)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     styles = curve_styles(series)
@@ -365,7 +409,7 @@ def plot_curves(
         ax.axvline(t, color="gray", linestyle="--", linewidth=1)
         ax.annotate(f"train length {t}", (t, 1), xycoords=("data", "axes fraction"), **note)
 
-    ax.set(yscale="log" if logy else "linear", ylim=ylim, xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set(**axes)
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)

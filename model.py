@@ -4,9 +4,11 @@ positional encoding switch nope | sinusoidal | rope | alibi | bam, each with or 
 Scalable-Softmax. sinusoidal adds to the token embeddings; rope rotates q and k (absolute
 positions, as the authors); alibi and bam add a log-prior (priors.py) to the logits in attention().
 SSMax multiplies query row i's logits by s_h * log(n_i), n_i the keys i sees in its document.
-Also: size presets, optimizer groups, loading a checkpoint.
+Also: size presets, optimizer groups, and the checkpoint format.
 """
 
+import os
+import re
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -14,8 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import IMPLS, attention, impl_error, ssmax_log_n
-from infra.runtime import CheckpointError, load_checkpoint
-from priors import PRIORS, BoundPrior, get_prior
+from priors import BoundPrior, get_prior
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 
@@ -122,29 +123,29 @@ class GPTConfig:
 # ---- Positions
 # From position indices per call (no tables): any length works; KV-cache decoding passes later
 # positions. float64 angles keep position 500,000's phase (fp32 loses ~0.03 rad).
+def angles(pos, dim, base):
+    """(T, dim / 2) float64: position p times frequency base^(-2k/dim), k = 0 .. dim / 2 - 1."""
+    exponents = torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim
+    return pos.double()[:, None] * base ** (-exponents)[None, :]
+
+
 def sinusoidal_embedding(pos, dim):
     """Vaswani et al.: PE[p, 2k] = sin(p / 10000^(2k/D)), PE[p, 2k+1] = cos(p / 10000^(2k/D)). The
     authors' cosine uses (2k+1)/D; this is the standard (README, "Where this repo departs")."""
-    exponents = torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim
-
-    inv_freq = 10000.0 ** (-exponents)
-    angles = pos.double()[:, None] * inv_freq[None, :]
+    phase = angles(pos, dim, 10000.0)
     # interleaved: sin, cos, sin, cos, ...
-
-    pe = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)
+    pe = torch.stack([phase.sin(), phase.cos()], dim=-1).flatten(1)
     return pe[:, :dim].float()
 
 
 def rope_cos_sin(pos, head_dim, theta):
     """LLaMA RoPE angles of pairs (2k, 2k+1): frequency theta^(-2k/head_dim)."""
-    exponents = torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float64) / head_dim
-    inv_freq = theta ** (-exponents)
-    angles = pos.double()[:, None] * inv_freq[None, :]
-    return angles.cos().float(), angles.sin().float()  # (T, head_dim/2) each
+    phase = angles(pos, head_dim, theta)[:, None]  # (T, 1, head_dim/2): the same for every head
+    return phase.cos().float(), phase.sin().float()
 
 
 def apply_rope(x, cos, sin):
-    """Rotate adjacent pairs of x (B, H, T, D) by angles (T, D/2)."""
+    """Rotate adjacent pairs of x (B, T, H, D) by angles (T, 1, D/2)."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
     return rotated.to(x.dtype)
@@ -165,7 +166,8 @@ class RMSNorm(nn.Module):
 
 class KVCache:
     """Every layer's keys and values for incremental decoding (prefill, then a token at a time), in
-    buffers of `capacity` positions allocated once: no copy as the cache grows. It keeps each
+    buffers of `capacity` positions allocated once: no copy as the cache grows. A buffer is laid
+    out (B, capacity, H, D), as the projections are, and read as (B, H, T, D) views. It keeps each
     layer's largest key norm (B, H): a skipping step reads only its window."""
 
     def __init__(self, n_layer, capacity):
@@ -179,26 +181,27 @@ class KVCache:
         """Append k, v (B, H, T, D); return views of all cached so far and the largest key norm."""
         if self.k[layer] is None:
             batch, heads, _, head_dim = k.shape
-            self.k[layer] = k.new_empty(batch, heads, self.capacity, head_dim)
-            self.v[layer] = v.new_empty(batch, heads, self.capacity, head_dim)
+            self.k[layer] = k.new_empty(batch, self.capacity, heads, head_dim)
+            self.v[layer] = v.new_empty(batch, self.capacity, heads, head_dim)
             self.key_norm[layer] = k.new_zeros(batch, heads, dtype=torch.float32)
 
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
+        self.k[layer][:, self.length : end] = k.transpose(1, 2)
+        self.v[layer][:, self.length : end] = v.transpose(1, 2)
         norm = k.float().norm(dim=-1).amax(-1)
         self.key_norm[layer] = torch.maximum(self.key_norm[layer], norm)
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self.key_norm[layer]
+        keys = self.k[layer][:, :end].transpose(1, 2)
+        return keys, self.v[layer][:, :end].transpose(1, 2), self.key_norm[layer]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_idx: int, attn_impl: str):
+    def __init__(self, cfg: GPTConfig, layer_idx: int, attn_impl: str, skip: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.attn_impl = attn_impl
-        self.skip = True  # attention()'s skip: evaluations turn it off with --no_skip
+        self.skip = skip
         self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
@@ -235,13 +238,15 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, doc_start, log_n, kv_cache):
         batch, seq_len, n_embd = x.shape
+        # (B, T, H, D), rotated in that layout, then seen as (B, H, T, D): what the kernel reads
         q, k, v = (
-            w(x).view(batch, seq_len, self.n_head, self.head_dim).transpose(1, 2)
+            w(x).view(batch, seq_len, self.n_head, self.head_dim)
             for w in (self.wq, self.wk, self.wv)
         )
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         key_norm = None
         if kv_cache is not None:
             k, v, key_norm = kv_cache.update(self.layer_idx, k, v)
@@ -279,10 +284,10 @@ class MLP(nn.Module):  # SwiGLU, hidden 2*D (authors' ffn_dim_multiplier 2)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_idx: int, attn_impl: str):
+    def __init__(self, cfg: GPTConfig, layer_idx: int, attn_impl: str, skip: bool):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.attn = Attention(cfg, layer_idx, attn_impl)
+        self.attn = Attention(cfg, layer_idx, attn_impl, skip)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -293,10 +298,10 @@ class Block(nn.Module):
 
 # ---- The model
 class GPT(nn.Module):
-    """A GPTConfig's model. attn_impl (attention.py's impl) is a runtime choice: it changes no
-    weight, so it is not in the config; a checkpoint loads under any impl."""
+    """A GPTConfig's model. attn_impl and skip (attention()'s impl and skip) are runtime choices:
+    they change no weight, so they are not in the config; a checkpoint loads under any."""
 
-    def __init__(self, cfg: GPTConfig, attn_impl: str = "auto"):
+    def __init__(self, cfg: GPTConfig, attn_impl: str = "auto", skip: bool = True):
         super().__init__()
         if attn_impl not in IMPLS:
             raise ValueError(impl_error(attn_impl, None, "cpu", False))
@@ -305,7 +310,7 @@ class GPT(nn.Module):
         V = cfg.padded_vocab_size
         # PyTorch's default init everywhere, as the authors
         self.wte = nn.Embedding(V, cfg.n_embd)
-        self.blocks = nn.ModuleList([Block(cfg, i, attn_impl) for i in range(cfg.n_layer)])
+        self.blocks = nn.ModuleList([Block(cfg, i, attn_impl, skip) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)  # untied from wte
 
@@ -404,7 +409,6 @@ class GPT(nn.Module):
     def param_groups(self):
         """The authors' train.py's four optimizer groups: decayed matrices, norms, prior, SSMax."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
-
         prior_params = set()
         for block in self.blocks:
             if block.attn.family is not None:
@@ -423,25 +427,17 @@ class GPT(nn.Module):
                 groups["no_decay"].append(p)
         return groups
 
-    def configure_optimizers(
-        self, weight_decay, learning_rate, betas, prior_lr=None, ssmax_lr=None
-    ):
-        """RAdam, decoupled weight decay on >= 2-D weights (as the authors); train.py schedules
-        each group's base_lr."""
-        params = self.param_groups()
-        # (params, weight decay, lr) per group
-        specs = [
-            (params["decay"], weight_decay, learning_rate),
-            (params["no_decay"], 0.0, learning_rate),
-            (params["prior"], 0.0, prior_lr or learning_rate),
-            (params["ssmax"], 0.0, ssmax_lr or learning_rate),
-        ]
-
-        groups = [
-            {"params": ps, "weight_decay": wd, "lr": lr, "base_lr": lr}
-            for ps, wd, lr in specs
-            if ps
-        ]
+    def configure_optimizers(self, weight_decay, learning_rate, betas, prior_lr=0, ssmax_lr=0):
+        """RAdam, decoupled weight decay on >= 2-D weights (as the authors); the prior's and
+        SSMax's rates default (0) to learning_rate; train.py schedules each group's base_lr."""
+        weight_decays = dict(decay=weight_decay, no_decay=0.0, prior=0.0, ssmax=0.0)
+        rates = dict(prior=prior_lr, ssmax=ssmax_lr)
+        groups = []
+        for name, params in self.param_groups().items():
+            lr = rates.get(name) or learning_rate
+            if params:
+                groups.append(dict(params=params, weight_decay=weight_decays[name], lr=lr))
+                groups[-1]["base_lr"] = lr
         return torch.optim.RAdam(groups, lr=learning_rate, betas=betas, decoupled_weight_decay=True)
 
     def flops_per_token(self, seq_len):
@@ -457,22 +453,76 @@ class GPT(nn.Module):
         if self.config.pos_encoding != "bam":
             return {}
 
-        shape_index = family.params.index(family.shape_param)
         record = {family.shape_param: []}
-        picked = 0
         for block in self.blocks:
-            params = block.attn.bound_prior().params
-            shape = params[shape_index].float().cpu()
+            shape = getattr(block.attn, family.shape_param).float().cpu()
             quantiles = [shape.min(), shape.quantile(0.5), shape.max()]
             record[family.shape_param].append([round(q.item(), 4) for q in quantiles])
-            if family.highlight is not None:
-                picked += int(family.highlight(*params).sum())
         if family.highlight is not None:
-            record["heads_highlighted"] = picked
+            picked = [family.highlight(*block.attn.bound_prior().params) for block in self.blocks]
+            record["heads_highlighted"] = int(sum(p.sum() for p in picked))
         return record
 
 
-# ---- Loading a checkpoint
+# ---- Checkpoints
+# A checkpoint is a dict: "model_args" (the GPTConfig), "model" (the state_dict) and what train.py
+# adds (optimizer, step, RNG, ...). It is read with weights_only=True, so that reading one never
+# runs code; infra/runtime.save_checkpoint writes one whole or not at all. A run directory holds
+# ckpt_<step>.pt files.
+CHECKPOINT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A file that is not a readable bam-gpt checkpoint, one that does not fit the model asked for,
+    or a checkpoint that could not be written."""
+
+
+def checkpoint_name(step):
+    return f"ckpt_{step:07d}.pt"
+
+
+def checkpoints(run_dir):
+    """[(step, path)] of a run directory's checkpoints, oldest first ([] without the directory)."""
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    matches = [CHECKPOINT_RE.match(name) for name in names]
+    return sorted((int(m.group(1)), os.path.join(run_dir, m.group(0))) for m in matches if m)
+
+
+def checkpoint_state(model, **extra):
+    """What a checkpoint of model (a plain GPT) holds, with train.py's `extra`."""
+    return {"model_args": asdict(model.config), "model": model.state_dict(), **extra}
+
+
+def load_checkpoint(path):
+    """The checkpoint dict of a .pt file, or of a run directory's newest checkpoint, on the CPU.
+    Its "path" says which file it was."""
+    if os.path.isdir(path):
+        found = checkpoints(path)
+        if not found:
+            raise FileNotFoundError(
+                f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?"
+            )
+        path = found[-1][1]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py"
+        )
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
+            "is it a bam-gpt checkpoint and fully written?"
+        ) from e
+
+    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
+        raise CheckpointError(
+            f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')"
+        )
+    return dict(ckpt, path=path)
+
+
 def checkpoint_config(ckpt):
     """A checkpoint's GPTConfig; CheckpointError if its settings are not this code's."""
     where = ckpt["path"]
@@ -483,12 +533,10 @@ def checkpoint_config(ckpt):
             f"checkpoint {where!r} has other model settings than this code: unknown "
             f"{sorted(set(saved) - names)}, missing {sorted(names - set(saved))}"
         )
-    if saved["pos_encoding"] == "bam" and saved["prior"] not in PRIORS:
-        raise CheckpointError(
-            f"checkpoint {where!r} uses the prior {saved['prior']!r}, which is not registered "
-            f"(registered: {', '.join(PRIORS)}); register it in priors.py to load it"
-        )
-    return GPTConfig(**saved)
+    try:
+        return GPTConfig(**saved)
+    except ValueError as e:  # a prior not registered in priors.py, among others
+        raise CheckpointError(f"checkpoint {where!r} makes no model of this code: {e}") from None
 
 
 def load_state(model, ckpt):
@@ -510,9 +558,9 @@ def load_state(model, ckpt):
         raise CheckpointError(f"checkpoint {where!r} does not fit this model: {message}") from None
 
 
-def load_model(path, device="cpu", attn_impl="auto"):
+def load_model(path, device="cpu", attn_impl="auto", skip=True):
     """(GPT in eval mode, checkpoint dict) of a checkpoint file or run directory."""
     ckpt = load_checkpoint(path)
-    model = GPT(checkpoint_config(ckpt), attn_impl=attn_impl)
+    model = GPT(checkpoint_config(ckpt), attn_impl, skip)
     load_state(model, ckpt)
     return model.to(device).eval(), ckpt

@@ -61,7 +61,7 @@ def check_kernel(layer, dtype, training):
     started = time.time()
     inputs = _check_problem(*problem, documents=training)
     errors = kernel_errors(inputs, device, training)
-    # and a steep prior's, whose rows skip most tiles (attention.key_windows)
+    # and a steep prior's, whose rows skip most tiles (attention.first_keys)
     steep = _check_problem(GGD, (), *problem[2:4], False, False, training, steep=True)
     errors |= {f"skipping {n}": e for n, e in kernel_errors(steep, device, training).items()}
     line, ok = _check_line(errors, inputs, *problem)

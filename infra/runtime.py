@@ -1,8 +1,9 @@
 """
 What a run needs from the machine, and a reader can skip: the device and its precision, one writer
-per output folder, files that appear whole or not at all (checkpoints among them), a full disk in
-one line, stop signals, the run's log files, the allocator and memory. The scripts call it; none of
-it changes a number they compute.
+per output folder, files that appear whole or not at all (checkpoints and shards among them), a
+full disk in one line, stop signals, the run's log files, the allocator and memory. Only the entry
+points call it (train.py, the eval and prepare scripts, analysis/, dev/); none of it changes a
+number they compute.
 """
 
 import contextlib
@@ -14,17 +15,17 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+
+from model import CheckpointError, checkpoint_state
 
 # ---- device and precision
 
@@ -230,35 +231,30 @@ def errors_in_one_line(script, expected, full_disk_remedy):
 
 
 # ---- per-sample results that resume
-def whole_records(path):
-    """The records of a JSONL file up to its first damaged line, and whether there is one."""
-    lines = []
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = f.readlines()
-
-    records = []
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            return records, True
-        if not line.endswith("\n"):
-            return records[:-1], True
-    return records, False
-
-
 class ResultLog:
     """Append-only per-sample JSONL that only ever holds whole records; reopening it resumes
-    (`done`: the keys written), and evaluates again a checkpoint path that now holds other weights
-    (runs: the evaluation's, each with ckpt_path and ckpt_sha256)."""
+    (`records`: {key: record} of those written, key the record's key_fields), and evaluates again
+    a checkpoint path that now holds other weights (runs: the evaluation's, each with ckpt_path
+    and ckpt_sha256)."""
 
     def __init__(self, path, key_fields, runs=()):
         self.path = path
         self.key_fields = key_fields
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+        lines = []
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = [line for line in f if line.strip()]
+        # the whole records: those before a line that a kill or a full disk cut
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        if records and not lines[len(records) - 1].endswith("\n"):
+            records.pop()
 
         # a path evaluated now with other weights: its records are dropped
         digest_now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
@@ -266,13 +262,12 @@ class ResultLog:
         def is_current(r):
             return digest_now.get(r.get("ckpt"), r.get("ckpt_sha256")) == r.get("ckpt_sha256")
 
-        records, damaged = whole_records(path)
-        self.records = list(filter(is_current, records))
+        current = list(filter(is_current, records))
         # a damaged tail goes first, else new records would be appended behind it and lost
-        if damaged or len(self.records) < len(records):
+        if len(current) < len(lines):
             with atomic_file(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.records)
-        self.done = {self.key(r) for r in self.records}
+                f.writelines(json.dumps(r) + "\n" for r in current)
+        self.records = {self.key(r): r for r in current}
 
         for stale in dict.fromkeys(r["ckpt"] for r in records if not is_current(r)):
             note = f"note: {stale} changed since {path} was written: its results are redone"
@@ -293,8 +288,7 @@ class ResultLog:
             e.filename = e.filename or self.path
             raise
 
-        self.records.append(record)
-        self.done.add(self.key(record))
+        self.records[self.key(record)] = record
 
 
 # ---- stop signals
@@ -322,16 +316,15 @@ def catch_stop_signals(names):
 
 
 def agreed_stop(received, device):
-    """The signal that stops the run after this step, or 0: the largest any rank received, so that
-    every rank stops at the same step."""
+    """The signal that stops the run after this step, or 0: in one process the one it received,
+    read without waiting; across processes the largest any rank received, so that every rank stops
+    at the same step (a collective that waits for the device)."""
+    if not dist.is_initialized():
+        return received["signal"]
+
     flag = torch.tensor(received["signal"], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag)
-
-
-def exit_code(signum):
-    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
 # ---- a run's environment
@@ -406,39 +399,11 @@ def run_log(settings, world_size, start_step, master):
     return write
 
 
-# ---- Checkpoints
-# A checkpoint is a dict of "model_args" (the GPTConfig), "model" (the state_dict) and what train.py
-# adds (optimizer, step, RNG, ...), written atomically and read with weights_only=True, so that
-# reading one never runs code. A run directory holds ckpt_<step>.pt files.
-CHECKPOINT_RE = re.compile(r"ckpt_(\d+)\.pt$")
-
-
-class CheckpointError(RuntimeError):
-    """A file that is not a readable bam-gpt checkpoint, one that does not fit the model asked for,
-    or a checkpoint that could not be written."""
-
-
-def checkpoint_name(step):
-    return f"ckpt_{step:07d}.pt"
-
-
-def checkpoints(run_dir):
-    """[(step, path)] of a run directory's checkpoints, oldest first ([] without the directory)."""
-    if not os.path.isdir(run_dir):
-        return []
-
-    found = []
-    for name in os.listdir(run_dir):
-        match = CHECKPOINT_RE.match(name)
-        if match:
-            found.append((int(match.group(1)), os.path.join(run_dir, name)))
-    return sorted(found)
-
-
+# ---- Checkpoints, written whole (the format is model.py's)
 def save_checkpoint(path, model, **extra):
     """Write the model (a plain GPT) and `extra` to path, whole or not at all. A CheckpointError
     says why a write failed; a full disk says what is free."""
-    state = {"model_args": asdict(model.config), "model": model.state_dict(), **extra}
+    state = checkpoint_state(model, **extra)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with atomic_file(path) as f:
@@ -455,36 +420,6 @@ def save_checkpoint(path, model, **extra):
         if disk_full(cause):
             why = no_space_left(path, "the checkpoint")
         raise CheckpointError(why) from e
-
-
-def load_checkpoint(path):
-    """The checkpoint dict of a .pt file, or of a run directory's newest checkpoint, on the CPU.
-    Its "path" says which file it was."""
-    if os.path.isdir(path):
-        found = checkpoints(path)
-        if not found:
-            raise FileNotFoundError(
-                f"run directory {path!r} holds no ckpt_<step>.pt; has train.py saved one yet?"
-            )
-        path = found[-1][1]
-    elif not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"no checkpoint at {path!r}: pass a .pt file or a run directory written by train.py"
-        )
-
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(
-            f"could not read checkpoint {path!r} ({type(e).__name__}: {e}); "
-            "is it a bam-gpt checkpoint and fully written?"
-        ) from e
-
-    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
-        raise CheckpointError(
-            f"{path!r} is not a bam-gpt checkpoint (expected keys 'model_args' and 'model')"
-        )
-    return dict(ckpt, path=path)
 
 
 def checkpoint_digest(ckpt):

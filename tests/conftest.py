@@ -26,3 +26,12 @@ def run_train(argv):
         sys.excepthook = excepthook
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def write_shard(path, tokens, tokenizer_name):
+    """A shard at path, written as the prepare scripts write theirs: whole or not at all."""
+    import data
+    from infra.runtime import atomic_file
+
+    with atomic_file(path) as f:
+        data.write_shard(f, tokens, tokenizer_name)

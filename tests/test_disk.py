@@ -13,8 +13,8 @@ import torch
 
 import eval_passkey
 import prepare_fineweb
-from infra.runtime import LOCK_NAME, CheckpointError, atomic_file, load_checkpoint, save_checkpoint
-from model import GPT, GPTConfig
+from infra.runtime import LOCK_NAME, atomic_file, save_checkpoint
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -696,6 +696,35 @@ def test_kernel_model_trains_through_kernel(monkeypatch, pos_encoding, ssmax):
         assert rel_err(g_k[n], g_ref[n]) < 2e-3, n
 
 
+@pytest.mark.parametrize("pos_encoding", ["bam", "rope"])
+def test_model_qkv_reach_the_kernel_without_a_copy(monkeypatch, pos_encoding):
+    """The model's q, k, v (projections seen through .transpose(1, 2), RoPE's rotation, the KV
+    cache's views) and autograd's dO are in the layout the kernels read: no copy."""
+    import model as model_mod
+
+    cfg = model_mod.GPTConfig(
+        vocab_size=64, n_layer=1, n_head=2, n_embd=32, block_size=16, pos_encoding=pos_encoding
+    )
+    torch.manual_seed(0)
+    net = model_mod.GPT(cfg, attn_impl="triton").to(DEVICE)
+    layout = ak._model_layout
+    copied = []
+
+    def recording(x, dense=True):
+        out = layout(x, dense)
+        copied.append(out is not x)
+        return out
+
+    monkeypatch.setattr(ak, "_model_layout", recording)
+    monkeypatch.setattr(ak, "INTERPRET_BLOCKS", (16, 16))
+    idx = torch.randint(0, 64, (2, 16)).to(DEVICE)
+    _, loss = net(idx, idx)
+    loss.backward()
+    net.generate(idx[:1, :8], max_new_tokens=2)
+    # q, k, v of the forward, the backward's dO, q, k, v of the prefill and of each decoding step
+    assert len(copied) >= 3 + 1 + 3 * 3 and not any(copied), copied
+
+
 # --------------------------------------------------------------------------- every registered prior
 def tanh_prior(d, theta_p, theta_q):
     """tests/test_priors.py's test prior, theta_p tanh(|d| / exp(theta_q)), registered here under

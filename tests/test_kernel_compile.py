@@ -104,12 +104,28 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
     )
     assert dtable.shape == (H, 2, table.shape[1]) and theta.requires_grad
     row_scale = (torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE).requires_grad_()
-    key_start = ak._key_starts(None, ak._configs(ak._block_d(D), q.dtype), B, H, T, DEVICE)
-    fwd_args = (q, k, v, ds, table, dtable, theta, row_scale, key_start, True, 0, 0.25, table_start)
+    group_first_key = ak._group_first_keys(
+        None, ak._configs(ak._block_d(D), q.dtype), B, H, T, DEVICE
+    )
+    fwd_args = (
+        q,
+        k,
+        v,
+        ds,
+        table,
+        dtable,
+        theta,
+        row_scale,
+        group_first_key,
+        True,
+        0,
+        0.25,
+        table_start,
+    )
     torch.library.opcheck(torch.ops.bam.triton_attention_fwd.default, fwd_args)
     detached = [t.detach() if torch.is_tensor(t) else t for t in fwd_args]
     o, lse = torch.ops.bam.triton_attention_fwd(*detached)
-    q, k, v, ds, table, dtable, theta, row_scale, key_start, *flags = detached
+    q, k, v, ds, table, dtable, theta, row_scale, group_first_key, *flags = detached
     torch.library.opcheck(
         torch.ops.bam.triton_attention_bwd.default,
         (
@@ -123,7 +139,7 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
             table,
             dtable,
             row_scale,
-            key_start,
+            group_first_key,
             *flags,
             True,
         ),

@@ -14,8 +14,17 @@ from attention import (
     dense_attention,
 )
 from configurator import ConfigError, configure
-from infra.runtime import CheckpointError, save_checkpoint
-from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig, KVCache, load_model, load_state
+from infra.runtime import save_checkpoint
+from model import (
+    GPT,
+    MODEL_SIZES,
+    POS_ENCODINGS,
+    CheckpointError,
+    GPTConfig,
+    KVCache,
+    load_model,
+    load_state,
+)
 from priors import BoundPrior, alibi_slopes, get_prior, ggd_prior
 
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]

@@ -16,8 +16,8 @@ import eval_passkey
 import priors
 from attention import attention, attention_probs, dense_attention, impl_error, pick_impl
 from eval_common import EXPECTED_ERRORS
-from infra.runtime import CheckpointError, save_checkpoint
-from model import GPT, GPTConfig, load_model
+from infra.runtime import save_checkpoint
+from model import GPT, CheckpointError, GPTConfig, load_model
 from priors import (
     LOG_PRIOR_FLOOR,
     PRIORS,
@@ -283,7 +283,10 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
     ckpt = torch.load(tmp_path / "run" / "ckpt_0000001.pt", weights_only=True)
     ckpt["model_args"]["prior"] = "my_unregistered_prior"
     torch.save(ckpt, tmp_path / "run" / "ckpt_0000001.pt")
-    with pytest.raises(CheckpointError, match="'my_unregistered_prior', which is not registered"):
+    with pytest.raises(
+        CheckpointError,
+        match="makes no model of this code: unknown prior 'my_unregistered_prior'; registered",
+    ):
         load_model(str(tmp_path / "run"))
     # what the script prints as one line `error: ...`
     with pytest.raises(EXPECTED_ERRORS) as e:

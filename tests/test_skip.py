@@ -1,4 +1,4 @@
-"""Skipping (attention.key_windows): the bound holds in float64 for every prior, nothing skipped is
+"""Skipping (attention.first_keys): the bound holds in float64 for every prior, nothing skipped is
 read, skipped equals unskipped, the kernel visits the tiles the windows predict, decoding with a KV
 cache, and the evaluations' --no_skip."""
 
@@ -12,7 +12,8 @@ from test_readme import register_readme_prior
 
 import attention_kernel as ak
 import eval_ppl
-from attention import AttentionArgs, attention, counting_work, key_windows
+from attention import AttentionArgs, attention, first_keys
+from eval_common import counting_work, kept_scores
 from infra.kernel_check import _check_problem
 from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig, KVCache
@@ -100,7 +101,7 @@ def test_bound_holds_for_every_prior(name, ssmax, monkeypatch):
     rows = torch.arange(q.shape[2]) + args.q_offset
     j = torch.arange(k.shape[2])
     for mode, check in ((True, "mass"), ("zero", "each")):
-        first = key_windows(q, k, args._replace(skip=mode))
+        first = first_keys(q, k, args._replace(skip=mode))
         assert (first <= rows).all() and (first >= args.doc_start[:, None, rows]).all()
         skipped = probs * (j < first[..., None])
         if check == "mass":
@@ -117,12 +118,12 @@ def test_flat_heads_and_flipped_rows_keep_every_key():
     prior) keep their whole row; the same steep head with s > 0 does not."""
     prior = BoundPrior(get_prior("ggd"), ggd([0.0, 1.0, 1.0], [-1.0, 0.0, 1.5], [0.0, 0.0, 0.0]))
     q, k, args = bound_case(prior, "s<0 scaling the prior")  # s = -0.2 on the steep head
-    first = key_windows(q, k, args._replace(skip=True))
+    first = first_keys(q, k, args._replace(skip=True))
     doc = args.doc_start[:, None, args.q_offset :].expand_as(first)
     assert torch.equal(first, doc)
 
     q, k, args = bound_case(prior, "s>0 scaling the prior")
-    first = key_windows(q, k, args._replace(skip=True))
+    first = first_keys(q, k, args._replace(skip=True))
     assert torch.equal(first[:, :2], doc[:, :2]) and (first[:, 2] > doc[:, 2] + 50).any()
 
 
@@ -151,7 +152,7 @@ def test_kernel_reads_nothing_it_skips(blocks, monkeypatch):
     q, k, v, kw = kernel_case()
     args = AttentionArgs(**kw).resolve(q, k, v)._replace(skip=True)
     cfg = ak._configs(ak._block_d(q.shape[-1]), q.dtype)
-    first = ak._key_starts(key_windows(q, k, args, grad=True), cfg, 1, 2, q.shape[2], "cpu")
+    first = ak._group_first_keys(first_keys(q, k, args, grad=True), cfg, 1, 2, q.shape[2], "cpu")
     before = int(first.min())
     assert before >= 256  # most of the row is skipped
     key_norm = k.norm(dim=-1).amax(-1)
@@ -177,13 +178,13 @@ def test_sdpa_reads_nothing_it_skips():
     q, k, v, kw = kernel_case(Tq=300, Tk=900)
     key_norm = k.norm(dim=-1).amax(-1)
     args = AttentionArgs(**kw).resolve(q, k, v)._replace(skip=True, key_norm=key_norm)
-    before = int(key_windows(q, k, args).min())
+    before = int(first_keys(q, k, args).min())
     assert before >= 500
-    with counting_work() as work:
-        out = attention(q, *poisoned(k, v, before), **kw, impl="sdpa", key_norm=key_norm)
+    out = attention(q, *poisoned(k, v, before), **kw, impl="sdpa", key_norm=key_norm)
     full = attention(q, k, v, **kw, impl="sdpa", skip=False)
     assert torch.isfinite(out).all() and (out - full).abs().max() <= 1e-6
-    assert work[0] < 0.1 * work[1]
+    kept, visible = kept_scores(q, k, v, **kw, impl="sdpa", key_norm=key_norm)
+    assert kept < 0.1 * visible
 
 
 CASES = {  # keywords beyond the prior: SSMax in both placements, documents
@@ -231,8 +232,9 @@ def test_skipped_equals_unskipped(name, case, monkeypatch):
             t.clone().requires_grad_(impl == "triton" and t.is_floating_point()) for t in leaves
         ]
         bound = BoundPrior(prior.family, tuple(tensors[3:]))
-        with torch.set_grad_enabled(impl == "triton"), counting_work() as work:
+        with torch.set_grad_enabled(impl == "triton"):
             out = attention(*tensors[:3], prior=bound, **kw, impl=impl, skip=skip)
+            work = kept_scores(*tensors[:3], prior=bound, **kw, impl=impl, skip=skip)
             if impl == "triton":
                 out.backward(torch.cos(torch.arange(out.numel()).view_as(out).float()))
         return [out] + [t.grad for t in tensors if t.grad is not None], work
@@ -255,13 +257,15 @@ def test_kernel_visits_the_tiles_the_windows_predict(monkeypatch):
     cfg = ak._configs(ak._block_d(q.shape[-1]), q.dtype)
     original = ak._tile_scores
     for grad in (False, True):
-        starts = ak._key_starts(key_windows(q, k, args, grad), cfg, 1, 2, 256, "cpu")
+        starts = ak._group_first_keys(first_keys(q, k, args, grad), cfg, 1, 2, 256, "cpu")
         last_block = (args.q_offset + torch.arange(32, 257, 32) - 1) // 32  # per query block
         predicted = int((last_block + 1 - starts // 32).sum())
         assert predicted < 2 * int((last_block + 1).sum()) / 3  # of the unskipped tiles
 
         calls = []
-        monkeypatch.setattr(ak, "_tile_scores", lambda *a: calls.append(1) or original(*a))
+        monkeypatch.setattr(
+            ak, "_tile_scores", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        )
         leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
         with torch.set_grad_enabled(grad):
             out = attention(*leaves, **kw, impl="triton")
@@ -270,10 +274,10 @@ def test_kernel_visits_the_tiles_the_windows_predict(monkeypatch):
         assert len(calls) == predicted * (3 if grad else 1)
 
 
-def steep_model(seed=0):
+def steep_model(seed=0, skip=True):
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=257, tokenizer="byte", n_layer=2, n_head=2, n_embd=16, block_size=32)
-    model = GPT(cfg).eval()
+    model = GPT(cfg, skip=skip).eval()
     with torch.no_grad():
         for block in model.blocks:
             block.attn.theta_alpha.copy_(torch.tensor(STEEP[0]))
@@ -285,13 +289,11 @@ def test_decoding_with_a_kv_cache_skips_and_gives_the_same_tokens():
     """Greedy decoding from a 600-token prompt: the same tokens and logits (<= 1e-6) with and
     without skipping; a step reads its window, not the whole cache; the cache's running key norm
     is the norm recomputed over every cached key."""
-    model = steep_model()
     prompt = torch.randint(0, 257, (1, 600), generator=torch.Generator().manual_seed(0))
 
     @torch.no_grad()
     def decode(skip):
-        for block in model.blocks:
-            block.attn.skip = skip
+        model = steep_model(skip=skip)
         cache = KVCache(2, 620)
         logits, _ = model(prompt, kv_cache=cache, logits_at=1)
         steps = [logits]
@@ -307,7 +309,7 @@ def test_decoding_with_a_kv_cache_skips_and_gives_the_same_tokens():
     assert (skipped - full).abs().max() <= 1e-6
     assert work[0] < 0.1 * work[1]
     for layer in range(2):
-        keys = cache.k[layer][:, :, : cache.length]
+        keys = cache.k[layer][:, : cache.length].transpose(1, 2)
         assert torch.allclose(cache.key_norm[layer], keys.norm(dim=-1).amax(-1))
 
 
@@ -322,7 +324,7 @@ def test_self_check_runs_a_steep_problem_that_skips(monkeypatch):
     prior = BoundPrior(get_prior("ggd"), problem["params"])
     args = AttentionArgs(prior=prior).resolve(q, k, k)._replace(skip=True)
     cfg = ak._configs(ak._block_d(16), torch.float32)
-    starts = ak._key_starts(key_windows(q, k, args, grad=True), cfg, *q.shape[:3], "cpu")
+    starts = ak._group_first_keys(first_keys(q, k, args, grad=True), cfg, *q.shape[:3], "cpu")
     assert (starts > 0).any()
 
 

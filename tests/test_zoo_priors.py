@@ -246,7 +246,7 @@ def test_kernel_gradient_by_diagonal_matches_per_score(monkeypatch):
     values = [torch.randn(2, 32, generator=gen)]
     import attention_kernel as ak
 
-    assert ak._grad_path(32)["BY_DIAGONAL"] and not ak._grad_path(2)["BY_DIAGONAL"]
+    assert ak._grad_plan(32, False).BY_DIAGONAL and not ak._grad_plan(2, False).BY_DIAGONAL
     out, grads = kernel_grads(prior, values, (32, 16), monkeypatch)
     again = kernel_grads(prior, values, (32, 16), monkeypatch)[1]
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
