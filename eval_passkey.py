@@ -25,14 +25,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import counting_work
 from eval_common import (
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
+    Evaluation,
     add_common_args,
-    check_settings,
+    check_resume_settings,
     checkpoint_fields,
+    counting_work,
     curves,
     default_lengths,
     markdown_table,
@@ -41,17 +42,18 @@ from eval_common import (
     plot_curves,
     pyplot,
     save_figure,
+    seed_table,
     skip_note,
     start,
     work_fraction,
     work_share,
     write_table,
 )
-from eval_common import seed_table as write_seed_table
 from infra import runtime
 
 # ---- prompts
-# optional: sep, document (open with doc_start), given_digits (leading key digits given, not scored)
+# task, filler, needle, question, digits; optional: sep (before each later piece), document (open
+# with the document-start token), given_digits (leading key digits given, not scored)
 TEMPLATES = {
     # the authors' evaluate.py, verbatim
     "paper": {
@@ -122,6 +124,7 @@ def widest_key(template):
 
 
 def random_keys(rng, template, n):
+    """n keys, uniform over those with exactly the template's digits."""
     digits = template["digits"]
     return rng.integers(10 ** (digits - 1), 10**digits, size=n)
 
@@ -221,27 +224,38 @@ def score_batch(model, prompts, answers, n_given=0):
     return [(pred == list(answer[n_given:]), pred) for pred, answer in zip(predicted, answers)]
 
 
-def score(runs, enc, template, lengths, samples, log, device, dtype, progress=True):
-    """Score what `log` misses: (how many, cells skipped for lack of memory)."""
+def record_key(run, length, i):
+    """KEY_FIELDS of sample i at one length: the question and the checkpoint answering it."""
+    return (run["label"], run["ckpt_path"], run["ckpt_sha256"], length, i)
+
+
+def score(ev, template, lengths, samples, progress=True):
+    """Score what ev.log misses: (how many, [the lengths skipped per run and why]): shorter than
+    the prompt, or out of memory."""
+    shortest = min_prompt_length(ev.enc, template)
+    fitting = [length for length in lengths if length >= shortest]
     todo = {}
-    for length in lengths:
-        for run in runs:
-            key = (run["label"], run["ckpt_path"], run["ckpt_sha256"], length)
-            todo[(run["label"], length)] = [i for i in range(samples) if (*key, i) not in log.done]
+    for length in fitting:
+        for run in ev.runs:
+            missing = [
+                i for i in range(samples) if record_key(run, length, i) not in ev.log.records
+            ]
+            todo[(run["label"], length)] = missing
 
     total = sum(len(v) for v in todo.values())
     bar = tqdm(total=total, desc="passkey", unit="sample", disable=not progress, file=sys.stderr)
 
+    too_short = f"shorter than the prompt without filler ({shortest} tokens)"
     skipped = []
     for length in lengths:
-        if not any(todo[(run["label"], length)] for run in runs):
-            continue
-
-        prompts = make_samples(enc, template, length, samples, SEED)
-        for run in runs:
-            bar.set_description(f"passkey {run['label']} L={length}")
-            missing = todo[(run["label"], length)]
-            reason = score_run(run, enc, length, prompts, missing, device, dtype, log, bar)
+        prompts = None
+        for run in ev.runs:
+            reason = None if length in fitting else too_short
+            missing = todo.get((run["label"], length))
+            if missing:
+                bar.set_description(f"passkey {run['label']} L={length}")
+                prompts = prompts or make_samples(ev.enc, template, length, samples, SEED)
+                reason = score_run(ev, run, length, prompts, missing, bar)
             if reason:
                 skipped.append(dict(label=run["label"], target_length=length, reason=reason))
                 skip_note(run["label"], length, reason)
@@ -250,22 +264,21 @@ def score(runs, enc, template, lengths, samples, log, device, dtype, progress=Tr
     return total, skipped
 
 
-def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
+def score_run(ev, run, length, prompts, missing, bar):
     """Score one run's `missing` samples at one length, batching equal token lengths, halving a
     batch out of memory down to one: None, or why the length is skipped."""
-    runtime.reset_peak_memory(device)
+    runtime.reset_peak_memory(ev.device)
 
     groups = {}
     for i in missing:
         prompt, answer, info = prompts[i]
         groups.setdefault((len(prompt), len(answer), info["n_given"]), []).append(i)
 
-    for (prompt_len, answer_len, n_given), group in groups.items():
+    for (prompt_len, answer_len, _), group in groups.items():
         batch = max(1, min(len(group), BATCH_TOKENS // (prompt_len + answer_len - 1)))
         while group:
             chunk = group[:batch]
-            args = (run, enc, length, prompts, chunk, n_given, device, dtype, log)
-            reason = runtime.fits(device, score_chunk, *args)
+            reason = runtime.fits(ev.device, score_chunk, ev, run, length, prompts, chunk)
             if not reason:
                 group = group[batch:]
                 bar.update(len(chunk))
@@ -276,15 +289,17 @@ def score_run(run, enc, length, prompts, missing, device, dtype, log, bar):
     return None
 
 
-def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
+def score_chunk(ev, run, length, prompts, chunk):
+    """Score the `chunk` samples (equal token lengths) in one forward, into ev.log."""
+    n_given = prompts[chunk[0]][2]["n_given"]
     t0 = time.perf_counter()
-    with runtime.autocast(device, dtype), counting_work() as work:
+    with runtime.autocast(ev.device, ev.dtype), counting_work() as work:
         chunk_prompts = [prompts[i][0] for i in chunk]
         chunk_answers = [prompts[i][1] for i in chunk]
         results = score_batch(run["model"], chunk_prompts, chunk_answers, n_given)
 
     seconds = (time.perf_counter() - t0) / len(chunk)
-    peak_mib = runtime.peak_memory_bytes(device) / 2**20
+    peak_mib = runtime.peak_memory_bytes(ev.device) / 2**20
 
     for i, (correct, predicted) in zip(chunk, results):
         _, answer, info = prompts[i]
@@ -293,14 +308,14 @@ def score_chunk(run, enc, length, prompts, chunk, n_given, device, dtype, log):
         record.update(
             answer_tokens=answer[n_given:],
             predicted=predicted,
-            predicted_text=enc.decode(predicted),
+            predicted_text=ev.enc.decode(predicted),
             correct=bool(correct),
             batch=len(chunk),
             seconds=round(seconds, 4),
             peak_mem_mib=round(peak_mib, 1),
             attention_work=work_fraction(work),
         )
-        log.add(record)
+        ev.log.add(record)
 
 
 # ---- summarise
@@ -321,34 +336,34 @@ def digits_right(rec, enc):
     return [None if k < len(given) - 1 else text[k : k + 1] == d for k, d in enumerate(key)]
 
 
-def summarise(records, runs, lengths, enc, template, meta, out, device, started):
+def summarise(ev, lengths, template, meta, out, started):
     """Write and print the tables, figures and passkey_meta.json."""
-    summary, by_depth = summary_rows(records, runs, lengths, enc, meta["skipped"])
+    summary, by_depth = summary_rows(ev, lengths, meta["settings"]["samples"], meta["skipped"])
     write_table(summary, os.path.join(out, "passkey_summary"))
     write_table(by_depth, os.path.join(out, "passkey_by_depth"))
 
-    figures = [plot_depth_heatmap(run, by_depth, out) for run in runs]
+    figures = [plot_depth_heatmap(run, by_depth, out) for run in ev.runs]
     series = curves(summary, "target_length", "accuracy")
     if series:
         figures.append(os.path.join(out, "passkey_accuracy.png"))
-        train_lengths = [run["block_size"] for run in runs if run["label"] in series]
-        axes = ("context length (tokens, log scale)", "passkey accuracy")
+        train_lengths = [run["block_size"] for run in ev.runs if run["label"] in series]
+        axes = dict(xlabel="context length (tokens, log scale)", ylabel="passkey accuracy")
         title = "Passkey retrieval: accuracy vs context length"
-        plot_curves(series, train_lengths, figures[-1], *axes, title, ylim=(-0.03, 1.03))
+        plot_curves(series, train_lengths, figures[-1], title=title, ylim=(-0.03, 1.03), **axes)
 
     meta["runs"] = []
-    for run in runs:
+    for run in ev.runs:
         config = run["model"].config
         row = dict(label=run["label"], **checkpoint_fields(run), train_length=run["block_size"])
         meta["runs"].append(dict(row, pos_encoding=config.pos_encoding, ssmax=config.ssmax))
 
-    cuda = torch.device(device).type == "cuda"
+    cuda = torch.device(ev.device).type == "cuda"
     meta.update(
-        device=str(device),
+        device=str(ev.device),
         torch=torch.__version__,
         wall_seconds=round(time.perf_counter() - started, 2),
         peak_rss_mib=round(runtime.peak_memory_bytes("cpu") / 2**20, 1),
-        peak_gpu_mib=round(runtime.peak_memory_bytes(device) / 2**20, 1) if cuda else None,
+        peak_gpu_mib=round(runtime.peak_memory_bytes(ev.device) / 2**20, 1) if cuda else None,
         figures=[os.path.basename(p) for p in figures if p],
     )
     with runtime.atomic_file(os.path.join(out, "passkey_meta.json"), "w") as f:
@@ -356,7 +371,7 @@ def summarise(records, runs, lengths, enc, template, meta, out, device, started)
 
     rows = []
     work = []
-    for run in runs:
+    for run in ev.runs:
         mine = [s for s in summary if s["label"] == run["label"]]
         shown = [f"{s['accuracy']:.2f}" if s["accuracy"] is not None else "skip" for s in mine]
         rows.append([run["label"], run["block_size"], *shown])
@@ -365,7 +380,7 @@ def summarise(records, runs, lengths, enc, template, meta, out, device, started)
     print(markdown_table(["checkpoint", "train len", *lengths], rows))
     print("attention work (the share of visible scores read):")
     print(markdown_table(["checkpoint", "train len", *lengths], work))
-    table = seed_table(summary, out, template["digits"])
+    table = demo_table(summary, out, template["digits"])
     if table:
         print("\n" + table)
 
@@ -373,27 +388,23 @@ def summarise(records, runs, lengths, enc, template, meta, out, device, started)
         f"{meta['scored_this_call']} samples scored in {meta['wall_seconds']:.1f}s "
         f"(peak RSS {meta['peak_rss_mib']:.0f} MiB); results in {out}/"
     )
+    records = list(ev.log.records.values())
     return dict(summary=summary, by_depth=by_depth, meta=meta, records=records, table=table)
 
 
-def summary_rows(records, runs, lengths, enc, skipped=()):
+def summary_rows(ev, lengths, samples, skipped):
     """(summary rows: checkpoint x length, by-depth rows: also x depth bin)."""
     why = {(s["label"], s["target_length"]): s["reason"] for s in skipped}
 
-    cells = {}
-    for rec in records:
-        cell = cells.setdefault((rec["label"], rec["ckpt"], rec["target_length"]), {})
-        cell[rec["sample"]] = rec
-
     summary = []
     by_depth = []
-    for run in runs:
+    for run in ev.runs:
         for L in lengths:
-            by_sample = cells.get((run["label"], run["ckpt_path"], L), {})
-            recs = [rec for _, rec in sorted(by_sample.items())]
+            keys = [record_key(run, L, i) for i in range(samples)]
+            recs = [ev.log.records[key] for key in keys if key in ev.log.records]
             row = dict(label=run["label"], ckpt=run["ckpt_path"], train_length=run["block_size"])
             row["target_length"] = L
-            summary.append(dict(row, **cell_scores(recs, enc, why.get((run["label"], L)))))
+            summary.append(dict(row, **cell_scores(recs, ev.enc, why.get((run["label"], L)))))
             by_depth += depth_rows(row, recs)
     return summary, by_depth
 
@@ -403,9 +414,9 @@ def cell_scores(recs, enc, reason=None):
     n = len(recs)
     if not n:
         fields = ("accuracy", "digit_accuracy", "mean_length", "seconds", "seconds_per_sample")
-        fields += ("attention_work",)
+        fields += ("attention_work", "peak_mem_mib")
         status = "not evaluated" if reason is None else f"skipped: {reason}"
-        return dict(n=0, correct=0, **dict.fromkeys(fields), peak_mem_mib=None, status=status)
+        return dict(n=0, correct=0, **dict.fromkeys(fields), status=status)
 
     n_correct = sum(rec["correct"] for rec in recs)
     seconds = sum(rec["seconds"] for rec in recs)
@@ -439,7 +450,7 @@ def depth_rows(row, recs, n_bins=DEPTH_BINS):
     ]
 
 
-def seed_table(summary, out, digits):
+def demo_table(summary, out, digits):
     """<out>/demo_table: accuracy per seed at each multiple of the training length."""
     cells = {}
     for s in summary:
@@ -457,7 +468,7 @@ def seed_table(summary, out, digits):
     title = "Passkey retrieval: median seed per variant, band from worst to best seed"
     figure = dict(ylabel="passkey exact match", title=title)
     path = os.path.join(out, "demo_table")
-    return write_seed_table(cells, path, caption, worst=("min", min), figure=figure)
+    return seed_table(cells, path, caption, ("min", min), figure)
 
 
 def plot_depth_heatmap(run, by_depth, out, n_bins=DEPTH_BINS):
@@ -531,7 +542,8 @@ def main(argv=None):
     lengths = parse_lengths(args.lengths) if args.lengths else lengths
     runtime.own_folder(args.out)
 
-    # prompts depend only on (seed, length, template, samples): a rerun with others is refused
+    # prompts depend only on (seed, length, template, samples): a rerun with these settings
+    # resumes the JSONL, one with others is refused
     settings = dict(
         seed=SEED,
         template=args.template,
@@ -542,24 +554,12 @@ def main(argv=None):
         dtype=dtype,
     )
     log_path = os.path.join(args.out, "passkey_samples.jsonl")
-    check_settings(log_path, settings)
-    log = runtime.ResultLog(log_path, KEY_FIELDS, runs)
+    check_resume_settings(log_path, settings)
+    ev = Evaluation(runs, enc, device, dtype, runtime.ResultLog(log_path, KEY_FIELDS, runs))
 
-    shortest = min_prompt_length(enc, template)
-    too_short = f"shorter than the prompt without filler ({shortest} tokens)"
-    skipped = []
-    for length in [L for L in lengths if L < shortest]:
-        for run in runs:
-            skipped.append(dict(label=run["label"], target_length=length, reason=too_short))
-            skip_note(run["label"], length, too_short)
-
-    fitting = [L for L in lengths if L >= shortest]
-    progress = not args.no_progress
-    scored, no_memory = score(runs, enc, template, fitting, samples, log, device, dtype, progress)
-
-    meta = dict(settings=settings, lengths=lengths, skipped=skipped + no_memory)
-    meta["scored_this_call"] = scored
-    return summarise(log.records, runs, lengths, enc, template, meta, args.out, device, started)
+    scored, skipped = score(ev, template, lengths, samples, not args.no_progress)
+    meta = dict(settings=settings, lengths=lengths, skipped=skipped, scored_this_call=scored)
+    return summarise(ev, lengths, template, meta, args.out, started)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import counting_work
 from data import DOC_END, DOC_START, VAL_TOKENS, open_shard, read_tokens, shard_paths
 from eval_common import (
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
+    Evaluation,
     add_common_args,
     checkpoint_fields,
+    counting_work,
     curves,
     markdown_table,
     model_device,
@@ -133,33 +134,33 @@ def window_sums(losses, window):
     return np.cumsum(counts).tolist(), [float(c.sum()) for c in chunks], counts
 
 
-def score(args, run, seqs, data_desc, dtype, device, log):
-    """One checkpoint's summary rows (one per window, then 'overall'), resuming from `log`; one
+def score(ev, run, seqs, args, data_desc):
+    """One checkpoint's summary rows (one per window, then 'overall'), resuming from ev.log; one
     "skipped" row if a forward over --seq_len tokens runs out of memory."""
     key = dict(checkpoint_fields(run), data=data_desc, seq_len=args.seq_len, window=args.window)
-    key["dtype"] = dtype
+    key["dtype"] = ev.dtype
     base = dict(label=run["label"], **key, n_seqs=len(seqs), train_length=run["block_size"])
 
     t0 = time.time()
-    runtime.reset_peak_memory(device)
-    records = []
-    n_logged = len(log.records)
-    reason = runtime.fits(device, score_all, args, run, seqs, key, device, dtype, log, records)
+    runtime.reset_peak_memory(ev.device)
+    n_logged = len(ev.log.records)
+    reason = runtime.fits(ev.device, score_all, ev, run, seqs, key)
     if reason:
         note = f"skipped: a forward over {args.seq_len} tokens ran {reason}"
         print(f"{run['label']}: {note}")
         return [dict(base, scope="skipped", note=note)]
 
-    resumed = len(seqs) - (len(log.records) - n_logged)
+    resumed = len(seqs) - (len(ev.log.records) - n_logged)
     if resumed:
-        print(f"{run['label']}: {resumed} of {len(seqs)} sequences resumed from {log.path}")
+        print(f"{run['label']}: {resumed} of {len(seqs)} sequences resumed from {ev.log.path}")
 
+    records = [ev.log.records[ev.log.key(dict(key, seq=i))] for i in range(len(seqs))]
     rows = window_rows(records, base)
     # compute time summed over sittings; peak memory of this one (CPU: peak RSS)
     rows[-1].update(
         seconds=round(sum(r["seconds"] for r in records), 3),
         attention_work=work_share(records),
-        peak_mem_bytes=runtime.peak_memory_bytes(device) if resumed < len(seqs) else None,
+        peak_mem_bytes=runtime.peak_memory_bytes(ev.device) if resumed < len(seqs) else None,
     )
     overall = rows[-1]
     work = overall["attention_work"]
@@ -168,30 +169,27 @@ def score(args, run, seqs, data_desc, dtype, device, log):
     return rows
 
 
-def score_all(args, run, seqs, key, device, dtype, log, records):
-    """Each sequence's record into `records`: from `log`, or scored now and logged."""
-    by_key = {log.key(r): r for r in log.records}
-
+def score_all(ev, run, seqs, key):
+    """Each sequence's record in ev.log: there already (from the same tokens), or scored now."""
     for i in tqdm(range(len(seqs)), desc=run["label"], unit="seq"):
         tokens = np.ascontiguousarray(seqs[i], dtype="<i8").tobytes()
         digest = hashlib.sha1(tokens).hexdigest()[:16]
-        rec = by_key.get(log.key(dict(key, seq=i)))
+        rec = ev.log.records.get(ev.log.key(dict(key, seq=i)))
         if rec is not None and rec["tokens_sha1"] != digest:
             raise EvalError(
-                f"{log.path} holds a result for sequence {i} computed on other tokens (the data "
+                f"{ev.log.path} holds a result for sequence {i} computed on other tokens (the data "
                 "changed since); use a fresh --out or delete that file"
             )
         if rec is None:
             t0 = time.time()
-            with runtime.autocast(device, dtype), counting_work() as work:
+            with runtime.autocast(ev.device, ev.dtype), counting_work() as work:
                 losses = full_token_losses(run["model"], seqs[i])
-            ends, sums, counts = window_sums(losses, args.window)
+            ends, sums, counts = window_sums(losses, key["window"])
 
             rec = dict(key, seq=i, tokens_sha1=digest, window_ends=ends, loss_sums=sums)
             rec.update(counts=counts, seconds=round(time.time() - t0, 3))
             rec.update(attention_work=work_fraction(work))
-            log.add(rec)
-        records.append(rec)
+            ev.log.add(rec)
 
 
 # ---- summarise
@@ -214,7 +212,7 @@ def window_rows(records, base):
     return rows + [overall]
 
 
-def ppl_seed_table(rows, args, data_desc, n_seqs):
+def ppl_table(rows, args, data_desc, n_seqs):
     """<out>/ppl_table: per seeded run the perplexity at k = 1, 2, 4, ... x training length L,
     pooled over windows ending in (k L / 2, k L] (in (0, L] for k = 1): an octave of positions, as
     wide as the step to the next column."""
@@ -244,17 +242,17 @@ def ppl_seed_table(rows, args, data_desc, n_seqs):
     figure = dict(
         ylabel="perplexity (log scale)",
         title="Perplexity at each octave of positions: median seed, band from best to worst seed",
-        logy=True,
+        yscale="log",
     )
     path = os.path.join(args.out, "ppl_table")
-    return seed_table(cells, path, caption, worst=("max", max), figure=figure)
+    return seed_table(cells, path, caption, ("max", max), figure)
 
 
 def summarise(args, runs, rows, data_desc, n_seqs):
     """ppl_summary, the per-seed table and curves, printed and drawn."""
     prefix = os.path.join(args.out, "ppl_summary")
     write_table(rows, prefix)
-    table = ppl_seed_table(rows, args, data_desc, n_seqs)
+    table = ppl_table(rows, args, data_desc, n_seqs)
     if table:
         print(table)
 
@@ -273,7 +271,9 @@ def summarise(args, runs, rows, data_desc, n_seqs):
     xlabel = f"position (end of {args.window}-token window)"
     title = f"Perplexity vs position: {data_desc.split(':')[0]}, {n_seqs} x {args.seq_len} tokens"
     train_lengths = [r["block_size"] for r in runs]
-    plot_curves(series, train_lengths, figure, xlabel, "perplexity", title, logy=True)
+    plot_curves(
+        series, train_lengths, figure, xlabel=xlabel, ylabel="perplexity", title=title, yscale="log"
+    )
     print(f"wrote {prefix}.json, {prefix}.csv, {figure}")
 
 
@@ -312,9 +312,10 @@ def main(argv=None):
     runtime.own_folder(args.out)
 
     log = runtime.ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS, runs)
+    ev = Evaluation(runs, enc, device, dtype, log)
     rows = []
     for run in runs:
-        rows += score(args, run, seqs, data_desc, dtype, device, log)
+        rows += score(ev, run, seqs, args, data_desc)
 
     summarise(args, runs, rows, data_desc, len(seqs))
     return rows

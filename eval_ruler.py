@@ -24,14 +24,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import counting_work
 from data import VAL_TOKENS, get_tokenizer, open_shard, read_tokens, shard_paths, shard_tokenizer
 from eval_common import (
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
+    Evaluation,
     add_common_args,
-    check_settings,
+    check_resume_settings,
+    counting_work,
     curves,
     default_lengths,
     markdown_table,
@@ -46,7 +47,8 @@ from eval_common import (
 )
 from infra import runtime
 
-# ---- prompts: RULER's strings, verbatim
+# ---- prompts
+# RULER's strings, verbatim (scripts/data/synthetic/constants.py, niah.py)
 TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
     "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
@@ -56,7 +58,8 @@ ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the
 MODEL_TEMPLATE = "{task_template}"  # scripts/data/template.py 'base': no chat wrapper
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))  # in order
+# singular forms when one value is asked, applied in order
+SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))
 TOKENS_TO_GENERATE = 128
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]
 
@@ -77,7 +80,7 @@ _TASK_ROWS = {
 }  # fmt: skip
 TASKS = {name: dict(zip(_TASK_FIELDS, row)) for name, row in _TASK_ROWS.items()}
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # RULER's SEQ_LENGTHS (scripts/run.sh)
-MAX_LENGTH = 32768
+MAX_LENGTH = 32768  # default lengths: training length x 1, 2, 4, ... up to this
 SEED = 42  # RULER's
 MAX_ATTEMPTS = 1000
 
@@ -102,9 +105,10 @@ _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "J", "U.S", "e.g", "i.e"
 
 
 def ends_sentence(word, next_word):
-    """Does a sentence end after `word`? In place of RULER's NLTK punkt: ! or ?; a period unless
-    after an initial ("J.", "U.S.", "e.g."); an ellipsis before a capital. "Mr." ends one: that
-    moves where a needle may go (3 of RULER's 5,484 sentence ends), never what is inserted."""
+    """Does a sentence end after `word`? A rule-based stand-in for RULER's NLTK punkt: ! or ? ends
+    one, a period too unless after an initial ("J.", "U.S.", "e.g."), an ellipsis only before a
+    capital. No abbreviations ("Mr."): that moves where a needle may go (3 of 5,484 sentence ends
+    in RULER's essays), never what is inserted."""
     core = word.rstrip(_CLOSERS)
     if not core or core[-1] not in ".!?":
         return False
@@ -120,6 +124,8 @@ def ends_sentence(word, next_word):
 
 
 class Essay:
+    """An essay's words and sentence ends, found once."""
+
     def __init__(self, text, label):
         # RULER's re.sub(r"\s+", " ", text).split(" ") without the empty ends
         self.words = text.split()
@@ -145,7 +151,8 @@ class Essay:
 # ---- keys and values
 @functools.lru_cache(maxsize=None)
 def word_lists():
-    """RULER's (adjectives, nouns), deduplicated: each pair is one of its 6,171,620 keys, once."""
+    """(adjectives, nouns) of RULER's niah.py (wonderwords), sorted, deduplicated: each pair is
+    one of RULER's 6,171,620 word keys, sorted(set(f"{adj}-{noun}")), exactly once."""
     from wonderwords import random_word
 
     adjs = random_word._get_words_from_text_file("adjectivelist.txt")
@@ -161,7 +168,8 @@ def words_digest():
 
 
 def random_value(kind, rng):
-    """A key or value: 7 digits, a uuid4, or adjective-noun (RULER draws one pair: same odds)."""
+    """A needle's key or value: 7 digits, a uuid4, or adjective-noun (RULER draws one of the
+    pairs: the same keys, equally likely)."""
     if kind == "numbers":
         return str(rng.randint(10**6, 10**7 - 1))
 
@@ -181,7 +189,7 @@ def random_key(kind, rng, taken):
 
 
 # ---- one input, RULER's generate_input_output
-def build_input(task, num_haystack, rng, essay=None, seed=42):
+def build_input(task, num_haystack, rng, essay=None):
     """RULER's generate_input_output (its rng draw order); input_text ends in the answer prefix."""
     cfg = TASKS[task]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
@@ -195,8 +203,8 @@ def build_input(task, num_haystack, rng, essay=None, seed=42):
         values.append([random_value(type_v, rng) for _ in range(cfg["num_needle_v"])])
         for value in values[-1]:
             needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value))
-    # RULER: a fresh Random(seed), one permutation for all samples
-    random.Random(seed).shuffle(needles)
+    # RULER: a fresh Random(SEED), one permutation for all samples
+    random.Random(SEED).shuffle(needles)
 
     if cfg["type_haystack"] == "essay":
         context, depths = essay_context(essay, num_haystack, needles, rng)
@@ -266,17 +274,18 @@ def haystack_step(task, max_len):
     return 5 if max_len < 4096 else 25
 
 
-def fit_haystack(task, max_len, enc, essay=None, seed=42):
+def fit_haystack(task, max_len, enc, essay=None):
     """RULER's binary search for the largest num_haystack whose probe prompt fits; unlike RULER's
     endless loop, it stops at min_haystack (then num_haystack is None)."""
     step = haystack_step(task, max_len)
-    rng = random.Random(f"{seed}/{task}/{max_len}/search")
+    rng = random.Random(f"{SEED}/{task}/{max_len}/search")
     # less the document-start token (RULER: no BOS)
     budget = max_len - TOKENS_TO_GENERATE - 1
+    # num_haystack -> tokens of its probe prompt
     prompt_tokens = {}
 
     def tokens(n):
-        text = build_input(task, n, rng, essay, seed)["input_text"]
+        text = build_input(task, n, rng, essay)["input_text"]
         prompt_tokens[n] = len(enc.encode_ordinary(text))
         return prompt_tokens[n]
 
@@ -306,15 +315,16 @@ def fit_haystack(task, max_len, enc, essay=None, seed=42):
     )
 
 
-def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
-    """Sample `index`: the fitted haystack, backed off a step (RULER) until it fits. Each attempt
-    has its own Random, not RULER's one stream, so --samples N gives the same first N samples."""
-    fit = fit or fit_haystack(task, max_len, enc, essay, seed)
+def generate_sample(task, max_len, enc, essay=None, index=0, fit=None):
+    """Sample `index`: the fitted haystack (score() skips a length where none fits), backed off a
+    step (RULER) until it fits. Each attempt has its own Random, not RULER's one stream, so
+    --samples N gives the same first N samples. build_input's dict + input_ids."""
+    fit = fit or fit_haystack(task, max_len, enc, essay)
 
     used = fit["num_haystack"]
     for attempt in range(MAX_ATTEMPTS):
-        rng = random.Random(f"{seed}/{task}/{max_len}/{index}/{attempt}")
-        sample = build_input(task, used, rng, essay, seed)
+        rng = random.Random(f"{SEED}/{task}/{max_len}/{index}/{attempt}")
+        sample = build_input(task, used, rng, essay)
         ids = [enc.doc_start] + enc.encode_ordinary(sample["input_text"])
         if len(ids) + TOKENS_TO_GENERATE <= max_len:
             break
@@ -334,7 +344,9 @@ def generate_sample(task, max_len, enc, essay=None, seed=42, index=0, fit=None):
 
 # ---- the haystack
 def load_haystack_file(path):
-    """Text of RULER's PaulGrahamEssays.json ({"text": ...}) or a plain text file."""
+    """Text of RULER's PaulGrahamEssays.json ({"text": ...}), which RULER's
+    scripts/data/synthetic/json/download_paulgraham_essay.py writes (it needs the internet), or
+    of a plain text file."""
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     if not path.endswith(".json"):
@@ -359,6 +371,7 @@ def val_text(data_dir, n_tokens):
 
 
 def load_essay(haystack_file, data_dir, max_len):
+    """The essay haystack: --haystack_file, else data_dir's validation text."""
     if haystack_file:
         text = load_haystack_file(haystack_file)
         where = f"file:{os.path.abspath(haystack_file)}"
@@ -420,6 +433,7 @@ def postprocess_pred(text):
 
 
 def sample_score(pred, refs):
+    """Fraction of refs found (case-insensitive) in one prediction."""
     return sum(1.0 if r.lower() in pred.lower() else 0.0 for r in refs) / len(refs)
 
 
@@ -429,52 +443,58 @@ def string_match_all(preds, refs):
     return round(total / len(preds) * 100, 2)
 
 
-def score(task, length, runs, enc, essay, samples, log, device, dtype, newline_ids, skipped):
-    """Generate and score the samples of one task and length that `log` misses. skipped: {(run
-    label or None, task or None, length): why}: a length too short, a run out of memory."""
+def score(ev, length, tasks, samples, essay, newline_ids):
+    """Generate and score, at one length, each task's samples that ev.log misses: {(run label or
+    None, task or None): why} of what is skipped: a task whose prompt does not fit, a run out of
+    memory (then at every task)."""
+    skipped = {}
+    for task in tasks:
+        # sample index -> runs yet to score it
+        todo = {}
+        for i in range(samples):
+            pending = [
+                r for r in ev.runs if record_key(r, task, length, i, essay) not in ev.log.records
+            ]
+            if pending:
+                todo[i] = pending
+        if not todo:
+            continue
 
-    def key(run, i):
-        return record_key(run, task, length, i, essay)
+        fit = fit_haystack(task, length, ev.enc, essay)
+        if fit["num_haystack"] is None:
+            needed = fit["prompt_tokens_at_min"] + 1
+            why = f"skipped: the prompt without haystack needs {needed} tokens, > {length} - 128"
+            skipped[(None, task)] = why
+            print(f"{task} @ {length}: {why}")
+            continue
 
-    def active(run):
-        return (run["label"], None, length) not in skipped
-
-    # sample index -> runs yet to score it
-    todo = {i: [r for r in runs if active(r) and key(r, i) not in log.done] for i in range(samples)}
-    todo = {i: pending for i, pending in todo.items() if pending}
-    if not todo:
-        return
-
-    fit = fit_haystack(task, length, enc, essay, SEED)
-    if fit["num_haystack"] is None:
-        needed = fit["prompt_tokens_at_min"] + 1
-        why = f"skipped: the prompt without haystack needs {needed} tokens, > {length} - 128"
-        skipped[(None, task, length)] = why
-        print(f"{task} @ {length}: {why}")
-        return
-
-    bar = tqdm(total=sum(map(len, todo.values())), desc=f"{task} @ {length}", dynamic_ncols=True)
-    for i, pending in todo.items():
-        sample = generate_sample(task, length, enc, essay, SEED, i, fit=fit)
-        for run in filter(active, pending):
-            args = (run, sample, enc, device, dtype, newline_ids, log, key(run, i))
-            reason = runtime.fits(device, generate_answer, *args)
-            if reason:
-                skipped[(run["label"], None, length)] = f"skipped: {reason}"
-                skip_note(run["label"], length, reason)
-            bar.update(1)
-    bar.close()
+        bar = tqdm(
+            total=sum(map(len, todo.values())), desc=f"{task} @ {length}", dynamic_ncols=True
+        )
+        for i, pending in todo.items():
+            sample = generate_sample(task, length, ev.enc, essay, i, fit)
+            for run in pending:
+                if (run["label"], None) in skipped:
+                    continue
+                key = record_key(run, task, length, i, essay)
+                reason = runtime.fits(ev.device, generate_answer, ev, run, sample, key, newline_ids)
+                if reason:
+                    skipped[(run["label"], None)] = f"skipped: {reason}"
+                    skip_note(run["label"], length, reason)
+                bar.update(1)
+        bar.close()
+    return skipped
 
 
-def generate_answer(run, sample, enc, device, dtype, newline_ids, log, key):
-    """One checkpoint's greedy answer to a sample, scored, into `log` under `key`."""
-    idx = torch.tensor([sample["input_ids"]], dtype=torch.long, device=device)
-    stop_ids = {enc.eot_token} | (newline_ids or set())
+def generate_answer(ev, run, sample, key, newline_ids):
+    """One checkpoint's greedy answer to a sample, scored, into ev.log under `key`."""
+    idx = torch.tensor([sample["input_ids"]], dtype=torch.long, device=ev.device)
+    stop_ids = {ev.enc.eot_token} | (newline_ids or set())
 
     t0 = time.time()
-    with runtime.autocast(device, dtype), counting_work() as work:
+    with runtime.autocast(ev.device, ev.dtype), counting_work() as work:
         out = run["model"].generate(idx, TOKENS_TO_GENERATE, stop_tokens=stop_ids)
-    text, stop = decode_output(out, enc, newline_ids)
+    text, stop = decode_output(out, ev.enc, newline_ids)
     pred = postprocess_pred(text)
 
     fields = ("input_tokens", "num_haystack", "attempts", "needles", "queries", "answers")
@@ -490,21 +510,21 @@ def generate_answer(run, sample, enc, device, dtype, newline_ids, log, key):
         seconds=round(time.time() - t0, 3),
         attention_work=work_fraction(work),
     )
-    log.add(record)
+    ev.log.add(record)
 
 
 # ---- summarise
-def summarise(log, args, runs, lengths, essay, skipped, out):
-    """RULER's score per run, task and length, then the mean over tasks."""
-    by_key = {log.key(r): r for r in log.records}
+def summarise(ev, args, lengths, essay, skipped):
+    """RULER's score per run, task and length, then the mean over tasks; skipped: score()'s, per
+    length."""
     rows = []
-    for run in runs:
+    for run in ev.runs:
         for length in lengths:
             task_rows = []
             for task in args.tasks:
                 keys = [record_key(run, task, length, i, essay) for i in range(args.samples)]
-                recs = [by_key[k] for k in keys if k in by_key]
-                why = skipped.get((run["label"], None, length)) or skipped.get((None, task, length))
+                recs = [ev.log.records[k] for k in keys if k in ev.log.records]
+                why = skipped[length].get((run["label"], None)) or skipped[length].get((None, task))
                 task_rows.append(task_row(run, task, length, recs, args.samples, why))
 
             scored = [row["score"] for row in task_rows if row["score"] is not None]
@@ -515,15 +535,16 @@ def summarise(log, args, runs, lengths, essay, skipped, out):
             rows[-1].update(score=average, mean_input_tokens=None, status=status)
             rows[-1].update(attention_work=work_share(task_rows))
 
-    write_table(rows, os.path.join(out, "ruler_summary"))
+    write_table(rows, os.path.join(args.out, "ruler_summary"))
     series = curves([r for r in rows if r["task"] == "average"], "target_length", "score")
     if series:
-        path = os.path.join(out, "ruler_scores.png")
-        axes = ("sequence length (tokens)", "string_match_all (%), mean over the tasks")
-        train_lengths = [r["block_size"] for r in runs]
-        plot_curves(series, train_lengths, path, *axes, "RULER NIAH", ylim=(-3, 103))
+        path = os.path.join(args.out, "ruler_scores.png")
+        ylabel = "string_match_all (%), mean over the tasks"
+        axes = dict(xlabel="sequence length (tokens)", ylabel=ylabel, title="RULER NIAH")
+        train_lengths = [r["block_size"] for r in ev.runs]
+        plot_curves(series, train_lengths, path, ylim=(-3, 103), **axes)
 
-    for run in runs:
+    for run in ev.runs:
         mine = [r for r in rows if r["label"] == run["label"]]
         scores = {(r["task"], r["target_length"]): r["score"] for r in mine}
         table = [[task] + [scores[(task, L)] for L in lengths] for task in args.tasks + ["average"]]
@@ -625,18 +646,13 @@ def main(argv=None):
         words=words_digest(),
     )
     log_path = os.path.join(args.out, "ruler_samples.jsonl")
-    check_settings(log_path, settings)
-    log = runtime.ResultLog(log_path, KEY_FIELDS, runs)
+    check_resume_settings(log_path, settings)
+    ev = Evaluation(runs, enc, device, dtype, runtime.ResultLog(log_path, KEY_FIELDS, runs))
 
-    skipped = {}
-    for task in args.tasks:
-        for length in lengths:
-            evaluation = (enc, essay, args.samples, log, device, dtype, newline_ids, skipped)
-            score(task, length, runs, *evaluation)
-
-    rows = summarise(log, args, runs, lengths, essay, skipped, args.out)
+    skipped = {L: score(ev, L, args.tasks, args.samples, essay, newline_ids) for L in lengths}
+    rows = summarise(ev, args, lengths, essay, skipped)
     seconds = time.time() - t_start
-    print(f"\nwrote {log.path}, ruler_summary.{{json,csv}} and ruler_scores.png in {seconds:.1f}s")
+    print(f"\nwrote {log_path}, ruler_summary.{{json,csv}} and ruler_scores.png in {seconds:.1f}s")
     return rows
 
 

@@ -4,7 +4,7 @@ registered as "bam-gpt", on the paper's MMLU, ARC and HellaSwag (arXiv 2505.2284
 
     python analysis/eval_lm.py --ckpt RUN [--ckpt RUN2 ...]
         --tasks arc_easy,arc_challenge,mmlu,hellaswag [--num_fewshot N] [--max_length N]
-        [--include_path DIR] --out DIR
+        [--include_path DIR] [--out DIR] [--device D] [--attn_impl I] [--no_skip]
 
 Every request is one document, as in training. Writes <label>.json per checkpoint (lm-eval's
 results and the checkpoint's identity) and lm_eval_summary (.json/.csv/.md) to --out.
@@ -30,12 +30,14 @@ from eval_common import (  # noqa: E402
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
+    add_common_args,
     checkpoint_fields,
     load_runs,
     markdown_table,
     model_device,
     pick_device,
     resolve_dtype,
+    start,
     write_table,
 )
 from infra import runtime  # noqa: E402
@@ -144,9 +146,9 @@ class BamGPT(LM):
         logp = torch.log_softmax(logits.float(), dim=-1)[..., : self.model.config.vocab_size]
 
         results = []
-        for row, (seq, n, start) in enumerate(zip(seqs, n_scored, first)):
+        for row, (seq, n, first_pos) in enumerate(zip(seqs, n_scored, first)):
             target = torch.tensor(seq[len(seq) - n :], device=logp.device)
-            target_logp = logp[row, start - lo : start - lo + n]
+            target_logp = logp[row, first_pos - lo : first_pos - lo + n]
             greedy = bool((target_logp.argmax(-1) == target).all())
             results.append((float(target_logp.gather(-1, target[:, None]).sum()), greedy))
         return results
@@ -217,13 +219,8 @@ def build_parser():
     p = argparse.ArgumentParser(
         description="Score checkpoints on lm-evaluation-harness tasks (lm-eval 0.4.x)."
     )
+    add_common_args(p, default_out="results/lm_eval")
     add = p.add_argument
-    add(
-        "--ckpt",
-        action="append",
-        required=True,
-        help="checkpoint file or run directory (newest ckpt_*.pt); repeat to compare several",
-    )
     add(
         "--tasks",
         required=True,
@@ -238,7 +235,6 @@ def build_parser():
         "left-truncated. BAM extrapolates: try several times the training length",
     )
     add("--include_path", help="a directory of extra task YAMLs (e.g. tests/lm_tasks)")
-    add("--out", required=True, help="output directory for the results JSON, CSV and Markdown")
     return p
 
 
@@ -249,8 +245,6 @@ def parse_args(argv=None):
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks:
         p.error("--tasks names no task")
-    if args.max_length is not None and args.max_length < 2:
-        p.error("--max_length must be >= 2")
     return args
 
 
@@ -322,9 +316,9 @@ def markdown_summary(rows):
     return markdown_table(["task", "metric", *labels], table)
 
 
-def evaluate(run, args, tm, device):
+def evaluate(run, args, tm, device, dtype):
     """One checkpoint's lm-eval results on --tasks, written to <out>/<label>.json: its rows."""
-    lm = BamGPT(run["model"], batch_size=BATCH_SIZE, max_length=args.max_length)
+    lm = BamGPT(run["model"], BATCH_SIZE, args.max_length, dtype=dtype)
     print(
         f"{run['label']}: {', '.join(args.tasks)} on {device} ({lm.dtype}), "
         f"max_length {lm.max_length} (trained at {run['block_size']})",
@@ -349,14 +343,12 @@ def evaluate(run, args, tm, device):
 def main(argv=None):
     args = parse_args(argv)
     tm = task_manager(args.include_path, args.tasks)
-    device = pick_device("auto")
-    runs, _ = load_runs(args.ckpt, device)
-
+    runs, _, device, dtype = start(args)
     runtime.own_folder(args.out)
 
     rows = []
     for run in runs:
-        rows += evaluate(run, args, tm, device)
+        rows += evaluate(run, args, tm, device, dtype)
 
     prefix = os.path.join(args.out, "lm_eval_summary")
     write_table(rows, prefix)

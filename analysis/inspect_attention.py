@@ -31,6 +31,7 @@ from eval_common import (  # noqa: E402
     EXPECTED_ERRORS,
     FULL_DISK_REMEDY,
     EvalError,
+    Evaluation,
     add_common_args,
     plot_curves,
     pyplot,
@@ -125,23 +126,25 @@ def head_priors(model):
 
 
 # ---- Measuring every head of a checkpoint at one length
-def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, digit):
-    """One prompt: ((n_layer, H, 4) needle mass, distance, entropy, digit mass; [length, needle
-    distance, uniform mass]; whether answer digit `digit` is the argmax)."""
+def inspect_prompt(ev, model, template, sample, digit):
+    """One prompt (make_samples' (prompt, answer, info)): ((n_layer, H, 4) needle mass, distance,
+    entropy, digit mass; [length, needle distance, uniform mass]; whether answer digit `digit` is
+    the argmax)."""
+    prompt, answer, info = sample
     n_given = info["n_given"] + digit - 1
     # the given answer tokens are read, then digit `digit` is predicted
     tokens = prompt + answer[:n_given]
     query = len(tokens) - 1
 
-    keys = key_positions(enc, prompt, info)
+    keys = key_positions(ev.enc, prompt, info)
     one_token_per_digit = len(keys) == template["digits"]
     if digit > 1 and not one_token_per_digit:
         raise EvalError(
             f"--digit {digit} needs one token per key digit; this tokenizer merges digits"
         )
 
-    idx = torch.tensor([tokens], dtype=torch.long, device=device)
-    with runtime.autocast(device, dtype):
+    idx = torch.tensor([tokens], dtype=torch.long, device=ev.device)
+    with runtime.autocast(ev.device, ev.dtype):
         probs, logits = answer_row_probs(model, idx)
     correct = int(logits[0, : model.config.vocab_size].argmax()) == answer[n_given]
 
@@ -157,21 +160,18 @@ def inspect_prompt(model, enc, template, prompt, answer, info, device, dtype, di
     return metrics, torch.tensor(prompt_stats, dtype=torch.float64), correct
 
 
-def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar=None, digit=1):
-    """Rows (per layer x head, sample means) and digit `digit`'s accuracy, earlier digits given."""
+def inspect_length(ev, run, template, length, samples, digit=1):
+    """Rows (per layer x head, sample means) and digit `digit`'s accuracy, earlier digits given,
+    on eval_passkey's prompts of SEED."""
     model = run["model"]
-    metric_sums = None
-    stat_sums = None
+    metric_sums = 0
+    stat_sums = 0
     n_correct = 0
-    for prompt, answer, info in passkey.make_samples(enc, template, length, samples, seed):
-        metrics, stats, correct = inspect_prompt(
-            model, enc, template, prompt, answer, info, device, dtype, digit
-        )
-        metric_sums = metrics if metric_sums is None else metric_sums + metrics
-        stat_sums = stats if stat_sums is None else stat_sums + stats
+    for sample in passkey.make_samples(ev.enc, template, length, samples, SEED):
+        metrics, stats, correct = inspect_prompt(ev, model, template, sample, digit)
+        metric_sums = metric_sums + metrics
+        stat_sums = stat_sums + stats
         n_correct += correct
-        if bar is not None:
-            bar.update(1)
 
     metrics = metric_sums / samples
     length_tokens, needle_distance, uniform_mass = (stat_sums / samples).tolist()
@@ -207,8 +207,11 @@ def inspect_length(run, enc, template, length, samples, seed, device, dtype, bar
 
 
 # ---- Summary
-def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
-    """Per checkpoint: the top heads at `length`, those with mass >= `reads`, the best's curve."""
+TOP = 3  # heads listed per checkpoint
+
+
+def summarize(rows, accuracy, runs, lengths, length):
+    """Per checkpoint: the TOP heads at `length`, those with mass >= READS, the best's curve."""
     keep = ("layer", "head", "needle_mass", "mean_distance", "entropy", "shape_param", "shape")
 
     out = []
@@ -220,7 +223,7 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
             continue
 
         best = ranked[0]
-        readers = [x for x in ranked if x["needle_mass"] >= reads]
+        readers = [x for x in ranked if x["needle_mass"] >= READS]
         out.append(
             dict(
                 label=run["label"],
@@ -228,7 +231,7 @@ def summarize(rows, accuracy, runs, lengths, length, top=3, reads=READS):
                 ssmax=best["ssmax"],
                 train_length=run["block_size"],
                 chosen_at=length,
-                top_heads=[{k: x[k] for k in keep if k in x} for x in ranked[:top]],
+                top_heads=[{k: x[k] for k in keep if k in x} for x in ranked[:TOP]],
                 readers=[{k: x[k] for k in keep if k in x} for x in readers],
                 curve=best_head_curve(mine, best, lengths, accuracy, run["label"]),
             )
@@ -342,9 +345,10 @@ def plot_needle_vs_length(summary, path):
         series,
         [s["train_length"] for s in summary],
         path,
-        "prompt length (tokens, log scale)",
-        "attention mass on the needle's key tokens",
-        f"Needle mass of each checkpoint's best head (chosen at {summary[0]['chosen_at']} tokens)",
+        xlabel="prompt length (tokens, log scale)",
+        ylabel="attention mass on the needle's key tokens",
+        title=f"Needle mass of each checkpoint's best head (chosen at {summary[0]['chosen_at']} "
+        "tokens)",
         ylim=(-0.03, 1.03),
     )
 
@@ -419,28 +423,29 @@ def build_parser():
     return ap
 
 
-def inspect_all(runs, enc, template, lengths, args, device, dtype):
+def inspect_all(ev, template, lengths, args):
     """(every checkpoint's and length's rows, {(label, length): accuracy}); OOM: EvalError."""
-    total = len(runs) * len(lengths) * args.samples
+    total = len(ev.runs) * len(lengths) * args.samples
     bar = tqdm(
         total=total, desc="inspect", unit="prompt", file=sys.stderr, disable=args.no_progress
     )
 
     rows = []
     accuracy = {}
-    for run in runs:
+    for run in ev.runs:
         for L in lengths:
             bar.set_description(f"inspect {run['label']} L={L}")
             try:
                 cell, accuracy[(run["label"], L)] = inspect_length(
-                    run, enc, template, L, args.samples, SEED, device, dtype, bar, args.digit
+                    ev, run, template, L, args.samples, args.digit
                 )
             except RuntimeError as error:
-                reason = runtime.out_of_memory(error, device)
+                reason = runtime.out_of_memory(error, ev.device)
                 if reason is None:
                     raise
                 raise EvalError(f"{run['label']} at {L} tokens: {reason}; drop that length")
             rows += cell
+            bar.update(args.samples)
     bar.close()
     return rows, accuracy
 
@@ -464,7 +469,7 @@ def main(argv=None):
         )
     runtime.own_folder(args.out)
 
-    rows, accuracy = inspect_all(runs, enc, template, lengths, args, device, dtype)
+    rows, accuracy = inspect_all(Evaluation(runs, enc, device, dtype), template, lengths, args)
     summary = summarize(rows, accuracy, runs, lengths, lengths[-1])
     settings = dict(
         template=args.template,

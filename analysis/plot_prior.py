@@ -98,7 +98,7 @@ def shape_of(h, prior):
     return value if isinstance(value, float) else h["bias"][-1]
 
 
-def head_label(h, prior):
+def legend_label(h, prior):
     """'h3: θbeta=+0.52, θalpha=-1.3, s=1.02': the shape parameter first, no vector parameters."""
     names = sorted(prior.params, key=lambda n: n != prior.shape_param)
     parts = [
@@ -123,7 +123,7 @@ def plot(layers, dist, block_size, prior, title, path):
         for group, cmap, lw, ls in ((rest, "winter", 1.2, "--"), (hot, "autumn", 2.6, "-")):
             for k, h in enumerate(sorted(group, key=lambda h: shape_of(h, prior))):
                 color = plt.get_cmap(cmap)(0.85 * k / max(1, len(group) - 1))
-                ax.plot(dist, h["bias"], ls, lw=lw, color=color, label=head_label(h, prior))
+                ax.plot(dist, h["bias"], ls, lw=lw, color=color, label=legend_label(h, prior))
 
         ax.axvline(block_size, color="gray", ls=":", lw=1)
         note = dict(rotation=90, fontsize=7, color="gray", ha="right", va="bottom")

@@ -1,5 +1,6 @@
 """
-Training-step time of BAM+SSMax relative to NoPE (the cost of prior and SSMax) on synthetic tokens.
+Training-step time of BAM+SSMax relative to NoPE (the cost of prior and SSMax) on synthetic tokens,
+and of BAM+SSMax with skipping relative to without (train.py trains without until this measures it).
 
     python dev/bench.py                       # CPU: a tiny model; CUDA: l12 with the Triton kernel
     python dev/bench.py --all --out b.json    # the five encodings, each with or without SSMax; JSON
@@ -26,7 +27,9 @@ from dev.bench_attention import time_interleaved, timed  # noqa: E402
 from infra import runtime  # noqa: E402
 from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
 
-ALL = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
+# (pos_encoding, ssmax, skip); skip=False is train.py's default
+ALL = [(pe, ss, False) for pe in POS_ENCODINGS for ss in (False, True)] + [("bam", True, True)]
+DEFAULT = [("nope", False, False), ("bam", True, False), ("bam", True, True)]
 SHAPE = ("n_layer", "n_embd", "n_head", "vocab_size")
 
 
@@ -51,7 +54,7 @@ def build_parser():
     add("--compile", action="store_true", help="torch.compile the models (train.py's default)")
     add("--steps", type=int, help="timed steps per variant (CUDA 50, CPU 20)")
     add("--warmup", type=int, default=3, help="untimed steps per variant first")
-    add("--all", action="store_true", help="each encoding with and without SSMax, not just two")
+    add("--all", action="store_true", help="every encoding with and without SSMax, not just NoPE")
     add("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     add("--out", help="write the results to this JSON file")
     add(
@@ -166,6 +169,12 @@ def report(runs, B, T, gpu):
         f"\nbam+ssmax / nope step time: {r['ratio_vs_nope']:.4f} ({r['median_ms']:.2f} ms vs "
         f"{base:.2f} ms, medians of wall time; {fastest:.3f} on the fastest steps{cpu_note})"
     )
+    skip = results["bam+ssmax+skip"]
+    r["ratio_skip_on_vs_off"] = skip["median_ms"] / r["median_ms"]
+    print(
+        f"bam+ssmax step time with / without skipping: {r['ratio_skip_on_vs_off']:.4f} "
+        f"({skip['median_ms']:.2f} ms vs {r['median_ms']:.2f} ms, medians of wall time)"
+    )
     if gpu and peak is None:
         print(f"note: no bf16 peak known for {gpu!r}; MFU not reported")
     return results
@@ -173,13 +182,13 @@ def report(runs, B, T, gpu):
 
 def build_runs(args, variants, device):
     runs = {}
-    for pe, ss in variants:
-        key = pe + ("+ssmax" if ss else "")
+    for pe, ss, skip in variants:
+        key = pe + ("+ssmax" if ss else "") + ("+skip" if skip else "")
         config = model_config(args, pe, ss, args.block_size)
         if error := impl_error(args.attn_impl, config.family, device, grad=True):
             sys.exit(f"bench.py: error: {key}: {error}")
         torch.manual_seed(42)
-        model = GPT(config, attn_impl=args.attn_impl).to(device)
+        model = GPT(config, attn_impl=args.attn_impl, skip=skip).to(device)
         runs[key] = {
             "model": model,
             "step_fn": torch.compile(model) if args.compile else model,
@@ -222,7 +231,7 @@ def main(argv=None):
                 json.dump(result, f, indent=2)
         return result
 
-    runs = build_runs(args, ALL if args.all else [("nope", False), ("bam", True)], device)
+    runs = build_runs(args, ALL if args.all else DEFAULT, device)
     print(
         f"device {device}{f' ({gpu})' if cuda else ''}, "
         f"torch threads {torch.get_num_threads()}, {args.dtype}, compile={args.compile}"
@@ -250,8 +259,9 @@ def main(argv=None):
         "warmup": args.warmup,
         "steps": args.steps,
     }
-    ratio = results["bam+ssmax"]["ratio_vs_nope"]
-    output = {"meta": meta, "ratio_bam_ssmax_vs_nope": ratio, "variants": results}
+    bam = results["bam+ssmax"]
+    output = {"meta": meta, "ratio_bam_ssmax_vs_nope": bam["ratio_vs_nope"], "variants": results}
+    output["ratio_skip_on_vs_off"] = bam["ratio_skip_on_vs_off"]
     with open(args.out, "w") as f:
         json.dump(output, f, indent=2)
     print(f"wrote {args.out}")

@@ -1,6 +1,6 @@
 """
 Skipping's speed on the CPU: eval_ppl.py's scoring of one validation sequence at each length, with
-and without skipping (attention.key_windows), in one process on one thread, for each checkpoint;
+and without skipping (attention.first_keys), in one process on one thread, for each checkpoint;
 beside each ratio, the work share measured and the one the priors alone predict.
 
     python dev/bench_skip.py --ckpt out/text/bam-s1 --ckpt out/text/alibi-s1 [--lengths 8192 32768]
@@ -20,8 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention import counting_work  # noqa: E402
-from eval_common import curve_styles, pyplot, save_figure, write_table  # noqa: E402
+from eval_common import counting_work, curve_styles, pyplot, save_figure, write_table  # noqa: E402
 from eval_ppl import full_token_losses, val_sequences, window_sums  # noqa: E402
 from model import load_model  # noqa: E402
 
@@ -50,25 +49,31 @@ def predicted_share(model, length):
     return read / (len(model.blocks) * model.config.n_head), full_heads
 
 
-def timed(model, seq, skip):
-    """(seconds, losses, measured work share) of one scoring."""
-    for block in model.blocks:
-        block.attn.skip = skip
+def timed(model, seq):
+    """(seconds, losses) of one scoring."""
     started = time.perf_counter()
+    losses = full_token_losses(model, seq)
+    return time.perf_counter() - started, losses
+
+
+def work_share(model, seq):
+    """The share of visible scores the model's first keys keep on seq (a scoring of its own)."""
     with counting_work() as work:
-        losses = full_token_losses(model, seq)
-    return time.perf_counter() - started, losses, work[0] / work[1]
+        full_token_losses(model, seq)
+    return work[0] / work[1]
 
 
 def bench(path, data_dir, lengths):
     model, _ = load_model(path)
+    full_model, _ = load_model(path, skip=False)
     label = os.path.basename(os.path.normpath(path))
     rows = []
     for length in lengths:
         seq = val_sequences(data_dir, model.config.tokenizer, length)[0][0]
-        timed(model, seq[:1025], True)  # warm-up
-        on, losses_on, share = timed(model, seq, True)
-        off, losses_off, _ = timed(model, seq, False)
+        timed(model, seq[:1025])  # warm-up
+        on, losses_on = timed(model, seq)
+        off, losses_off = timed(full_model, seq)
+        share = work_share(model, seq)
         sums_on = torch.tensor(window_sums(losses_on, 1024)[1])
         sums_off = torch.tensor(window_sums(losses_off, 1024)[1])
         relative = float(((sums_on - sums_off) / sums_off).abs().max())

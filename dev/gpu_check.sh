@@ -13,8 +13,9 @@
 #   (its self-check for evaluation). Most of its time is compilation: about 70 kernel
 #   specialisations, 1-5 s each on one CPU core, 4 test processes at a time.
 # performance: the kernel, prior and torch.compile test suites compiled instead of interpreted;
-#   every prior's forward + backward time; the kernel against SDPA; the l12 step-time ratio BAM+SSMax / NoPE with MFU; a 131,072-token l12
-#   forward; a bf16 + torch.compile training on the demo data.
+#   every prior's forward + backward time; the kernel against SDPA; the l12 training step's time,
+#   BAM+SSMax / NoPE with MFU and BAM+SSMax with / without skipping (train.py's skip waits for it);
+#   a 131,072-token l12 forward; a bf16 + torch.compile training on the demo data.
 #
 # Every step runs even if an earlier one failed (no -x: one failure does not hide the others). Each
 # writes OUT/<step>.log, and OUT/summary.md gets its PASS/FAIL row as soon as it ends; the exit
@@ -27,6 +28,8 @@ case $tier in
   *) echo "gpu_check.sh: error: unknown tier '$tier'; use correctness, performance or all" >&2; exit 1 ;;
 esac
 PY=${PYTHON:-python3}
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: error: torch finds no CUDA GPU here')" \
+  || exit 1
 OUT=${OUT:-dev/results/gpu}
 WORK=$(mktemp -d)  # the runs' data and checkpoints
 mkdir -p "$OUT"
@@ -50,8 +53,6 @@ step() {  # step NAME CMD...: log to OUT/NAME.log, append its row to the summary
   echo "| $name | $result | $seconds | $name.log |" >> "$summary"
 }
 
-$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: error: torch finds no CUDA GPU here')" \
-  || exit 1
 {
   echo "# GPU check ($tier), $(date -u +%Y-%m-%dT%H:%MZ)"
   echo

@@ -59,7 +59,10 @@ def test_bench_smoke(tmp_path):
     )
     saved = json.load(open(out))
     variants = {f"{p}{'+ssmax' if s else ''}" for p in POS_ENCODINGS for s in (False, True)}
+    variants.add("bam+ssmax+skip")
     assert set(saved["variants"]) == variants == set(results)
+    skip_ratio = results["bam+ssmax+skip"]["median_ms"] / results["bam+ssmax"]["median_ms"]
+    assert saved["ratio_skip_on_vs_off"] == skip_ratio > 0
     assert (
         saved["ratio_bam_ssmax_vs_nope"]
         == results["bam+ssmax"]["median_ms"] / results["nope"]["median_ms"]

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 import torch
+from conftest import write_shard
 
-from data import get_tokenizer, write_shard
+from data import get_tokenizer
 from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
 

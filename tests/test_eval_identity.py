@@ -7,12 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import write_shard
 
 import eval_common as ec
 import eval_passkey
 import eval_ppl
 import eval_ruler
-from data import EOT, write_shard
+from data import EOT
 from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
 

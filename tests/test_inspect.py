@@ -17,7 +17,7 @@ import eval_passkey as passkey
 from analysis import inspect_attention as ia
 from analysis import plot_prior
 from data import get_tokenizer
-from eval_common import EvalError
+from eval_common import EvalError, Evaluation
 from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
 from priors import Prior, alibi_slopes, register
@@ -117,8 +117,8 @@ def expected_forced(tokens):
 def test_forced_heads_measure_the_closed_form(enc):
     model = forced_model()
     run = dict(label="forced", model=model, block_size=32)
-    rows, _ = ia.inspect_length(run, enc, DEMO, 96, 3, 1234, "cpu", "float32")
-    prompts = passkey.make_samples(enc, DEMO, 96, 3, 1234)
+    rows, _ = ia.inspect_length(Evaluation([run], enc, "cpu", "float32"), run, DEMO, 96, 3)
+    prompts = passkey.make_samples(enc, DEMO, 96, 3, passkey.SEED)
     expected = [expected_forced(p + a[: info["n_given"]]) for p, a, info in prompts]
     # needle at 0%, 50%, 100%
     assert {info["k"] for _, _, info in prompts} == {
@@ -222,9 +222,10 @@ def test_digit_mass_is_the_attention_on_the_needle_digit_to_copy(enc, digit):
     attention on the needle's K-th digit. forced_model's head 0 has a content score only at the
     space (digit 1's query)."""
     run = dict(label="forced", model=forced_model(), block_size=32)
-    rows, _ = ia.inspect_length(run, enc, DEMO, 96, 3, 1234, "cpu", "float32", digit=digit)
+    ev = Evaluation([run], enc, "cpu", "float32")
+    rows, _ = ia.inspect_length(ev, run, DEMO, 96, 3, digit=digit)
     expected = [[], []]
-    for p, a, info in passkey.make_samples(enc, DEMO, 96, 3, 1234):
+    for p, a, info in passkey.make_samples(enc, DEMO, 96, 3, passkey.SEED):
         tokens = p + a[: info["n_given"] + digit - 1]
         n = len(tokens)
         d = n - 1 - np.arange(n, dtype=np.float64)

@@ -437,7 +437,7 @@ def test_resume_scores_only_the_missing_samples(tmp_path, ckpts, monkeypatch):
         run_main(out, ckpts, *args, "--samples", "6")
 
 
-def test_seed_table_per_run_then_median_and_minimum(tmp_path):
+def test_demo_table_per_run_then_median_and_minimum(tmp_path):
     acc = {
         "bam_ssmax": [[1, 0.9, 0.6, 0.55], [1, 0.7, 0.5, 0.1], [1, 1.0, 0.9, 0.8]],
         "rope": [[1, 0.3, 0.1, 0.0], [1, 0.6, 0.2, 0.0], [1, 0.2, 0.0, 0.3]],
@@ -450,7 +450,7 @@ def test_seed_table_per_run_then_median_and_minimum(tmp_path):
     ]
     # skipped: no column
     rows.append(dict(label="rope-s2", train_length=64, target_length=128, accuracy=None))
-    text = ep.seed_table(rows, str(tmp_path), 5)
+    text = ep.demo_table(rows, str(tmp_path), 5)
     assert text == (tmp_path / "demo_table.md").read_text()
     lines = text.splitlines()
     assert lines[0] == "| run | seed | 1× | 4× | 8× | 16× |"
@@ -476,9 +476,9 @@ def test_seed_table_per_run_then_median_and_minimum(tmp_path):
         0
     ] == "variant,statistic,seed,n_seeds,1x,4x,8x,16x"
     # one seed: its row alone; names without a seed: no table
-    assert len(ep.seed_table(rows[:4], str(tmp_path / "one"), 5).split("\n\n")[0].splitlines()) == 3
+    assert len(ep.demo_table(rows[:4], str(tmp_path / "one"), 5).split("\n\n")[0].splitlines()) == 3
     assert (
-        ep.seed_table([dict(r, label="runA") for r in rows[:4]], str(tmp_path / "none"), 5) is None
+        ep.demo_table([dict(r, label="runA") for r in rows[:4]], str(tmp_path / "none"), 5) is None
     )
     assert not (tmp_path / "none").exists()
 

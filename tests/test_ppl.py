@@ -10,9 +10,10 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import write_shard
 
 import eval_ppl
-from data import EOT, write_shard
+from data import EOT
 from eval_common import EvalError
 from eval_ppl import full_token_losses, hf_sequences, window_sums
 from infra.runtime import save_checkpoint

@@ -17,7 +17,7 @@ from test_disk import on_a_full_disk
 from test_train import ROOT, data_dir, metrics, tiny  # noqa: F401 (data_dir is a fixture)
 
 from infra import runtime
-from infra.runtime import checkpoints, load_checkpoint
+from model import checkpoints, load_checkpoint
 
 TRAIN_PY = os.path.join(ROOT, "train.py")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -120,7 +120,9 @@ def test_ctrl_c_saves_the_step_and_exits_130(data_dir, tmp_path):  # noqa: F811
     """At a terminal, Ctrl-C does what a preemption does: the step ends, the checkpoint is written,
     and the exit code is the shell's for an interrupt."""
     stopped = tmp_path / "stopped"
-    process = start([sys.executable, TRAIN_PY, *tiny(data_dir, stopped, **LONG_RUN)])
+    # one process reads its stop signals every step, not only at log steps
+    args = tiny(data_dir, stopped, **dict(LONG_RUN, log_interval=7))
+    process = start([sys.executable, TRAIN_PY, *args])
     wait_for_step(stopped, 3, process)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)

@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 import torch
+from conftest import write_shard
 
 import attention_kernel
 import model
@@ -22,7 +23,6 @@ import priors
 import train
 from attention import attention
 from configurator import ConfigError, configure
-from data import write_shard
 from infra import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

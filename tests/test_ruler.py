@@ -13,10 +13,11 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import write_shard
 
 import eval_ruler as R
 import model as model_mod
-from data import get_tokenizer, write_shard
+from data import get_tokenizer
 from eval_common import EvalError
 from infra.runtime import save_checkpoint
 from model import GPT, GPTConfig
@@ -126,7 +127,7 @@ def test_singular_rewrite():
     assert R.task_template(R.TASKS["niah_single_1"]) == (SINGULAR_FULL, "number")
     for task in ("niah_multivalue", "niah_multiquery"):
         assert R.task_template(R.TASKS[task]) == (SPEC_TEMPLATE + SPEC_ANSWER_PREFIX, "numbers")
-    s = R.generate_sample("niah_single_2", 1500, ENC, ESSAY, seed=3)
+    s = R.generate_sample("niah_single_2", 1500, ENC, ESSAY, index=3)
     assert s["input_text"].startswith("A special magic number is hidden within the following text.")
     assert s["input_text"].endswith(
         f"\nWhat is the special magic number for {s['queries'][0]} mentioned in the "
@@ -144,7 +145,7 @@ def test_generator(task):
     L = 2500
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
     for index in range(3):
-        s = R.generate_sample(task, L, ENC, ESSAY, seed=7, index=index)
+        s = R.generate_sample(task, L, ENC, ESSAY, index=7 + index)
         text = s["input_text"]
         # length budget, and the ids are [end-of-text] + the prompt
         assert s["input_tokens"] + R.TOKENS_TO_GENERATE <= L
@@ -223,7 +224,7 @@ def expected_essay_context(sents, sample):
 def test_essay_needles_sit_at_sentence_boundaries_from_depths():
     for task in ("niah_single_2", "niah_multikey_1", "niah_multiquery"):
         for index in range(4):
-            s = R.generate_sample(task, 3000, ENC, ESSAY, seed=11, index=index)
+            s = R.generate_sample(task, 3000, ENC, ESSAY, index=11 + index)
             sents = ESSAY.sentences(s["num_haystack"])
             assert len(s["depths"]) == len(s["needles"]) and set(s["depths"]) <= set(R.DEPTHS)
             assert context_of(s, R.TASKS[task]) == expected_essay_context(sents, s)
@@ -309,8 +310,9 @@ def test_paper_preset(tmp_path):
     assert args.lengths[-1] == 131072
 
 
-def test_needles_are_shuffled_with_a_fresh_random_seed():
-    s = R.generate_sample("niah_multivalue", 3000, ENC, ESSAY, seed=5, index=2)
+def test_needles_are_shuffled_with_a_fresh_random_seed(monkeypatch):
+    monkeypatch.setattr(R, "SEED", 5)
+    s = R.generate_sample("niah_multivalue", 3000, ENC, ESSAY, index=2)
     needles = [
         R.NEEDLE.format(type_needle_v="numbers", key=s["keys"][0], value=v) for v in s["values"][0]
     ]
@@ -318,11 +320,12 @@ def test_needles_are_shuffled_with_a_fresh_random_seed():
     assert s["needles"] == needles
 
 
-def test_samples_are_reproducible_and_independent():
-    a = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, seed=42, index=3)
-    b = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, seed=42, index=3)
-    c = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, seed=42, index=4)
-    d = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, seed=43, index=3)
+def test_samples_are_reproducible_and_independent(monkeypatch):
+    a = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, index=3)
+    b = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, index=3)
+    c = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, index=4)
+    monkeypatch.setattr(R, "SEED", 43)
+    d = R.generate_sample("niah_multikey_2", 1800, ENC, ESSAY, index=3)
     assert a == b
     assert a["input_text"] != c["input_text"] and a["input_text"] != d["input_text"]
 
@@ -337,7 +340,7 @@ def test_fit_is_the_largest_that_fits():
         for seed in range(5):
             over = R.build_input("niah_single_1", n + 2, random.Random(seed))
             assert len(ENC.encode_ordinary(over["input_text"])) + 1 + R.TOKENS_TO_GENERATE > L
-            s = R.generate_sample("niah_single_1", L, ENC, seed=seed, fit=fit)
+            s = R.generate_sample("niah_single_1", L, ENC, index=seed, fit=fit)
             assert s["input_tokens"] + 128 <= L and s["num_haystack"] >= n - fit["step"]
     assert (
         R.haystack_step("niah_single_1", 4095) == 5

@@ -12,15 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import run_train
+from conftest import run_train, write_shard
 
 import data
 import model as model_module
 import train
 from configurator import ConfigError, configure
-from data import TokenLoader, get_tokenizer, write_shard
-from infra.runtime import load_checkpoint
-from model import GPT, POS_ENCODINGS, GPTConfig, load_model
+from data import TokenLoader, get_tokenizer
+from model import GPT, POS_ENCODINGS, GPTConfig, load_checkpoint, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(pe, ss) for pe in POS_ENCODINGS for ss in (False, True)]
@@ -422,9 +421,8 @@ def test_resume_after_a_crash_is_exact(data_dir, tmp_path, monkeypatch):
 
     class CrashingLoader(TokenLoader):
         def get_batch(self, step, micro_step=0, grad_accum=1):
-            if (
-                step == 4 and micro_step == 1
-            ):  # update 5, second micro-batch: forward/backward of micro 0 done
+            # update 5's second micro-batch, fetched while the first one computes
+            if step == 4 and micro_step == 1:
                 raise Crash
             return super().get_batch(step, micro_step, grad_accum)
 
@@ -494,7 +492,13 @@ def test_every_variant_learns(data_dir, tmp_path, pos_encoding, ssmax):
     )
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("log_interval, stopped_at", [(1, 5), (4, 6)])
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
+    data_dir, tmp_path, monkeypatch, log_interval, stopped_at
+):
+    """The loss is read at log steps and before each evaluation and checkpoint: a NaN at step 5 is
+    found there (log_interval 4: at step 6's checkpoint, which is not written)."""
+
     class NaNAtStep5(GPT):
         calls = 0
 
@@ -509,8 +513,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     monkeypatch.setattr(model_module, "GPT", NaNAtStep5)
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match=r"non-finite loss nan at step 5") as e:
-        run_train(tiny(data_dir, out, max_iters=8, ckpt_interval=2))
+        run_train(tiny(data_dir, out, max_iters=8, ckpt_interval=2, log_interval=log_interval))
     assert e.typename == "TrainingError" and "ckpt_0000004.pt" in str(e.value)
+    assert f"training stopped at step {stopped_at}, unsaved" in str(e.value)
     assert sorted(f for f in os.listdir(out) if f.startswith("ckpt")) == [
         "ckpt_0000002.pt",
         "ckpt_0000004.pt",
