@@ -34,8 +34,6 @@ test: dev-deps
 test-all: dev-deps
 	$(PYTHON) -m pytest -q -n $(TEST_JOBS) tests/
 
-# every GPU check in one go (dev/README.md): kernel correctness and speed, l12 step time, a 131K-token forward,
-# bf16 + torch.compile training
 # the GPU check's correctness tier (dev/README.md), with whatever python3 has: it installs nothing
 gpu-check:
 	bash dev/gpu_check.sh correctness

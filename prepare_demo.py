@@ -25,7 +25,8 @@ from infra.runtime import FolderBusy, atomic_file, errors_in_one_line, own_folde
 
 TOKENIZER = "byte"
 TEMPLATE = "demo"
-# letter -> its successors (SUCCESSOR_P); fixed: the "demo" passkey template's filler walks it too
+# The filler language: letter -> its three successors, with probabilities SUCCESSOR_P. Fixed (not
+# seeded): the "demo" passkey template's filler must walk it too.
 CHAIN = {
     "a": "heq", "b": "gnk", "c": "bjl", "d": "ipl", "e": "lps",
     "f": "mnt", "g": "nda", "h": "eaf", "i": "obm", "j": "nlg",
@@ -66,8 +67,10 @@ def min_document_length():
 
 
 def make_documents(rng, lengths):
-    """A token list per entry of `lengths` (end-of-text included). The filler is a random walk, not
-    repeated units: the demo template has no separator, so a walk joins pieces as units do."""
+    """A token list per entry of `lengths` (tokens, with the leading end-of-text). A uniform random
+    number of filler letters (0 .. all) precedes the needle. Pieces are eval_passkey.py's, the
+    filler a random walk, not repeated units: the demo template has no separator, so a walk joins
+    pieces as filler units do."""
     enc = get_tokenizer(TOKENIZER)
     template = eval_passkey.TEMPLATES[TEMPLATE]
     parts = eval_passkey.pieces(enc, template)
@@ -141,6 +144,7 @@ def build_parser():
 
 
 def parse_args(argv=None):
+    """The arguments and parsed --docs_per_window; a bad value is a one-line usage error."""
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
@@ -171,6 +175,7 @@ def main(argv=None):
 
     written = {}
     for split, index, n_windows in (("val", 0, args.val_windows), ("train", 1, args.train_windows)):
+        # independent streams per split
         rng = np.random.default_rng([args.seed, index])
         layouts = window_layouts(rng, n_windows, args.block_size, args.min_doc_len, docs_per_window)
         docs = make_documents(rng, [length for layout in layouts for length in layout])
@@ -179,7 +184,8 @@ def main(argv=None):
         tokens = np.concatenate([tokens, [EOT[TOKENIZER]]])
 
         path = os.path.join(args.out_dir, shard_name("demo", split, index))
-        write_shard(path, tokens, TOKENIZER)
+        with atomic_file(path) as f:
+            write_shard(f, tokens, TOKENIZER)
         written[split] = dict(
             path=path,
             windows=n_windows,

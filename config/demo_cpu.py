@@ -1,8 +1,9 @@
-# The CPU demo (make demo): a ~210K-parameter model trained on prepare_demo.py's synthetic passkey
-# corpus at a 64-token context, then asked for the passkey at up to 64x that length (eval_passkey.py
-# --template demo). Runs on one CPU thread; `make demo` trains two variants at a time. Training is
-# by iteration count, so one seed gives one model. Override anything with --key=value, e.g.
-# --pos_encoding=rope --ssmax=False --seed=2.
+# The CPU demo (make demo): a model of about 205K parameters trained on prepare_demo.py's synthetic
+# passkey corpus at a 64-token context, then asked for the passkey at up to 64x that length
+# (eval_passkey.py --template demo). Runs on one CPU thread; `make demo` trains two variants at a
+# time.
+# Training is by iteration count, so one seed gives one model. Override anything with --key=value,
+# e.g. --pos_encoding=rope --ssmax=False --seed=2.
 out_dir = "out/demo/bam_ssmax-s1"
 data_dir = "data/demo"
 device = "cpu"
