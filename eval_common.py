@@ -94,9 +94,9 @@ def model_device(model):
 def load_run(path, device, attn_impl, dtype, skip=True):
     """A checkpoint as a run named by its directory, its kernel checked; skip: attention's."""
     model, ckpt = load_model(path, device, attn_impl, skip)
-    why = impl_error(model.attn_impl, model.config.family, device, grad=False)
+    why = impl_error(attn_impl, model.config.family, device, grad=False)
     if why:
-        raise EvalError(f"{path}: --attn_impl {model.attn_impl}: {why}")
+        raise EvalError(f"{path}: --attn_impl {attn_impl}: {why}")
 
     path = os.path.normpath(path)
     label = os.path.basename(os.path.dirname(path) if os.path.isfile(path) else path)

@@ -314,11 +314,6 @@ class GPT(nn.Module):
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)  # untied from wte
 
-    @property
-    def attn_impl(self):
-        """The impl of every layer's attention (each layer holds it)."""
-        return self.blocks[0].attn.attn_impl
-
     def num_params(self, non_embedding=False):
         """Total params (trainable or not); non_embedding drops the input embedding (as the
         authors report)."""

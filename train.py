@@ -55,10 +55,9 @@ wandb_log = False  # also log metrics to Weights & Biases (pip install wandb)
 wandb_project = "bam-gpt"
 wandb_run_name = ""  # "" = out_dir's name
 
-# data: 589,824 tokens/step = 1152 sequences x 512 (batch_size x accumulation x processes)
+# data: 589,824 tokens/step = 1152 sequences x 512 = batch_size x accumulation x block_size
 batch_size = 48  # sequences per micro-batch per process (48 x 512 fits an 80 GB GPU)
-gradient_accumulation_steps = 1  # micro-batches per step over ALL processes (each: this / world)
-tokens_per_step = 589824  # > 0 overrides the above: accumulation = this / (batch x block x world)
+gradient_accumulation_steps = 24  # micro-batches per step over ALL processes (each: this / world)
 allow_data_repeat = False  # may read the training data more than once (else refused)
 
 # model (model.GPTConfig; vocab_size and tokenizer come from the data)
@@ -122,7 +121,7 @@ def setting_errors(cfg, world_size):
     for key in at_least_one.split():
         if getattr(cfg, key) < 1:
             errors.append(f"{key} must be at least 1, got {getattr(cfg, key)}")
-    non_negative = "tokens_per_step warmup_iters keep_last grad_clip weight_decay prior_lr ssmax_lr"
+    non_negative = "warmup_iters keep_last grad_clip weight_decay prior_lr ssmax_lr"
     for key in (non_negative + " min_lr").split():
         if getattr(cfg, key) < 0:
             errors.append(f"{key} must be >= 0, got {getattr(cfg, key)}")
@@ -139,14 +138,7 @@ def setting_errors(cfg, world_size):
         if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
             errors.append(f"stop_signals: {name!r} is not a signal a process can catch")
 
-    per_micro = cfg.batch_size * cfg.block_size * world_size
-    if cfg.tokens_per_step > 0 and per_micro > 0 and cfg.tokens_per_step % per_micro:
-        errors.append(
-            f"tokens_per_step={cfg.tokens_per_step} is not a multiple of batch_size x block_size x "
-            f"world_size = {per_micro}; choose a batch_size that divides it, or set "
-            "tokens_per_step=0 and use gradient_accumulation_steps"
-        )
-    if cfg.tokens_per_step == 0 and cfg.gradient_accumulation_steps % world_size:
+    if cfg.gradient_accumulation_steps % world_size:
         errors.append(
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
             f"the world size {world_size} (it counts micro-batches over all processes)"
@@ -155,16 +147,13 @@ def setting_errors(cfg, world_size):
 
 
 def check_settings(cfg, world_size, ddp):
-    """Check every setting before data or model are touched; fill in derived ones (model_size's
-    sizes, tokens_per_step's accumulation). Returns (device, GPTConfig); a ConfigError says why."""
+    """Check every setting before data or model are touched; fill in model_size's sizes. Returns
+    (device, GPTConfig); a ConfigError says why."""
     if cfg.model_size in MODEL_SIZES:
         cfg.n_layer, cfg.n_embd, cfg.n_head = MODEL_SIZES[cfg.model_size]
     errors = setting_errors(cfg, world_size)
     if errors:
         raise ConfigError("invalid settings: " + "; ".join(errors))
-
-    if cfg.tokens_per_step > 0:
-        cfg.gradient_accumulation_steps = cfg.tokens_per_step // (cfg.batch_size * cfg.block_size)
 
     # the model's checks (incl. unused settings), then the device's
     names = [f.name for f in fields(GPTConfig) if f.name not in ("vocab_size", "tokenizer")]

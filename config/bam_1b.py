@@ -4,7 +4,8 @@
 out_dir = "out/l24_bam_ssmax"
 data_dir = "data/fineweb_mistral"
 model_size = "l24"
-# batch_size 16 per 80 GB GPU (weights, grads and RAdam state take ~18 GB in fp32): 9 micro-batches
-# on 8 GPUs for 1152 x 512 tokens per step; the world size must divide 1152 / 16 = 72
+# batch_size 16 per 80 GB GPU (weights, grads and RAdam state take ~18 GB in fp32): 72
+# micro-batches in all (9 each on 8 GPUs) for 1152 x 512 tokens per step; the world size divides 72
 batch_size = 16
+gradient_accumulation_steps = 72
 eval_iters = 479  # 479 batches of 16 x 512 cover 99.8% of the 3,932,160-token val split

@@ -13,7 +13,7 @@ seed = 1
 # data: one window = one row; prepare_demo.py writes windows of whole documents of this length
 block_size = 64
 batch_size = 16
-tokens_per_step = 0  # no gradient accumulation: a step is one batch of 16 windows
+gradient_accumulation_steps = 1  # a step is one batch of 16 windows
 # model: 4 layers, 8 heads of 8 dims. With 3 layers, or with weight decay, some seeds lost the
 # digit-by-digit copy of the key beyond 4x (results/demo/README.md has the search)
 n_layer = 4

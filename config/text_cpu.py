@@ -13,7 +13,7 @@ seed = 1
 # training bytes once
 block_size = 64
 batch_size = 16
-tokens_per_step = 0  # no gradient accumulation
+gradient_accumulation_steps = 1
 # model: the passkey demo's, 4 layers of 8 heads of 8 dims (BAM + SSMax unless overridden)
 n_layer = 4
 n_head = 8

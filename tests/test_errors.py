@@ -85,7 +85,7 @@ def test_train_truncated_shard(data_dir, tmp_path):
         "--n_embd=16",
         "--block_size=32",
         "--batch_size=2",
-        "--tokens_per_step=0",
+        "--gradient_accumulation_steps=1",
     )
     assert_one_line_error(r, "train.py", "tiny_train_000001.bin", "truncated")
     assert not (tmp_path / "out").exists()
@@ -108,7 +108,7 @@ def test_train_refuses_an_attn_impl_that_cannot_train_on_cpu(data_dir, tmp_path,
         "--n_embd=16",
         "--block_size=32",
         "--batch_size=2",
-        "--tokens_per_step=0",
+        "--gradient_accumulation_steps=1",
         f"--attn_impl={impl}",
     )
     assert r.returncode == 1 and r.stderr.startswith("train.py: error: invalid settings:"), (

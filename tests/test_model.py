@@ -563,8 +563,8 @@ def test_checkpoint_roundtrip_and_mismatch_errors(tmp_path):
         torch.testing.assert_close(loaded(idx)[0], model.eval()(idx)[0])
     # how attention is computed is the caller's choice, never the checkpoint's
     assert "attn_impl" not in ckpt["model_args"]
-    assert load_model(path, attn_impl="torch")[0].attn_impl == "torch"
-    assert load_model(path)[0].attn_impl == "auto"
+    assert load_model(path, attn_impl="torch")[0].blocks[0].attn.attn_impl == "torch"
+    assert load_model(path)[0].blocks[0].attn.attn_impl == "auto"
     other = GPT(tiny("rope", False))
     with pytest.raises(ValueError, match="pos_encoding: 'bam' vs 'rope'"):
         load_state(other, ckpt)

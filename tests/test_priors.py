@@ -278,7 +278,7 @@ def test_checkpoint_records_its_prior_and_unknown_priors_fail_to_load(tmp_path, 
     model = GPT(tiny(prior="test_tanh"), attn_impl="torch")
     save_checkpoint(str(tmp_path / "run" / "ckpt_0000001.pt"), model, step=1)
     loaded, ckpt = load_model(str(tmp_path / "run"), attn_impl="auto")
-    assert ckpt["model_args"]["prior"] == "test_tanh" and loaded.attn_impl == "auto"
+    assert ckpt["model_args"]["prior"] == "test_tanh" and loaded.blocks[0].attn.attn_impl == "auto"
     assert loaded.blocks[1].attn.bound_prior().family is TANH
     ckpt = torch.load(tmp_path / "run" / "ckpt_0000001.pt", weights_only=True)
     ckpt["model_args"]["prior"] = "my_unregistered_prior"

@@ -53,7 +53,6 @@ def tiny(data_dir, out_dir, **overrides):
         n_head=4,
         block_size=32,
         batch_size=4,
-        tokens_per_step=0,
         gradient_accumulation_steps=1,
         max_iters=6,
         eval_interval=3,
@@ -104,10 +103,10 @@ def test_end_to_end_cli(data_dir, tmp_path):
     are complete, and the logged val loss is the document-masked loss of the saved model on the val
     split."""
     config = tmp_path / "tiny.py"
-    # tokens_per_step 256 / (4 x 32) = 2 micro-batches
+    # 2 micro-batches of 4 x 32 tokens a step
     config.write_text(
         "n_layer = 2\nn_embd = 32\nn_head = 4\nblock_size = 32\nbatch_size = 4\n"
-        "tokens_per_step = 256\n"
+        "gradient_accumulation_steps = 2\n"
     )
     out = tmp_path / "run"
     settings = "--max_iters=6 --eval_interval=3 --eval_iters=4 --log_interval=2 --ckpt_interval=3"
@@ -178,10 +177,6 @@ def test_cli_config_typo_is_a_clear_error():
     "bad, message",
     [
         (["--pos_encoding=alibbi"], "pos_encoding must be one of"),
-        (
-            ["--tokens_per_step=1000"],
-            "tokens_per_step=1000 is not a multiple of batch_size x block_size",
-        ),
         (["--model_size=l13"], "model_size must be '' or one of"),
         (["--n_embd=30"], "n_embd=30 is not divisible by n_head=4"),
         (["--dtype=fp16"], "dtype must be bfloat16, float16 or float32"),
@@ -337,15 +332,10 @@ def test_every_model_setting_is_written_out_in_train_py():
     assert all(k.islower() for k in train.config_keys)
 
 
-def test_tokens_per_step_sets_accumulation():
+def test_a_world_size_that_does_not_divide_the_accumulation_is_refused():
     c = settings(device="cpu")
-    _, config = train.check_settings(c, world_size=8, ddp=True)
-    assert c.gradient_accumulation_steps == 589824 // (48 * 512)  # 24 in all, 3 per process
-    assert (config.n_layer, config.n_embd, config.n_head) == (12, 768, 16)
-    c = changed(c, model_size="l24", batch_size=16)
-    _, config = train.check_settings(c, world_size=8, ddp=True)
-    assert c.gradient_accumulation_steps == 72
-    assert (config.n_layer, config.n_embd, config.n_head) == (24, 2048, 64)
+    with pytest.raises(ConfigError, match="not divisible by the world size 5"):
+        train.check_settings(c, world_size=5, ddp=True)
 
 
 def test_lr_schedule():
