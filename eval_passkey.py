@@ -555,7 +555,7 @@ def main(argv=None):
     )
     log_path = os.path.join(args.out, "passkey_samples.jsonl")
     check_resume_settings(log_path, settings)
-    ev = Evaluation(runs, enc, device, dtype, runtime.ResultLog(log_path, KEY_FIELDS, runs))
+    ev = Evaluation(runs, enc, device, dtype, runtime.ResultLog(log_path, KEY_FIELDS))
 
     scored, skipped = score(ev, template, lengths, samples, not args.no_progress)
     meta = dict(settings=settings, lengths=lengths, skipped=skipped, scored_this_call=scored)

@@ -311,7 +311,7 @@ def main(argv=None):
     print(f"data: {data_desc}: {len(seqs)} x {args.seq_len} targets; {device}, {dtype}")
     runtime.own_folder(args.out)
 
-    log = runtime.ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS, runs)
+    log = runtime.ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS)
     ev = Evaluation(runs, enc, device, dtype, log)
     rows = []
     for run in runs:

@@ -647,7 +647,7 @@ def main(argv=None):
     )
     log_path = os.path.join(args.out, "ruler_samples.jsonl")
     check_resume_settings(log_path, settings)
-    ev = Evaluation(runs, enc, device, dtype, runtime.ResultLog(log_path, KEY_FIELDS, runs))
+    ev = Evaluation(runs, enc, device, dtype, runtime.ResultLog(log_path, KEY_FIELDS))
 
     skipped = {L: score(ev, L, args.tasks, args.samples, essay, newline_ids) for L in lengths}
     rows = summarise(ev, args, lengths, essay, skipped)

@@ -23,17 +23,6 @@ POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
 # SSMax's s starts at 1 per head, as the authors' code (seq_scale)
 SSMAX_INIT = 1.0
 
-# (n_layer, n_embd, n_head) from the authors' configs (ArthurSBianchessi/BAM); l12 is the paper's
-# "120M", l24 its "1.1B"
-MODEL_SIZES = {
-    "l6": (6, 512, 16),
-    "l8": (8, 768, 16),
-    "l12": (12, 768, 16),
-    "l15": (15, 1152, 24),
-    "l18": (18, 1536, 32),
-    "l24": (24, 2048, 64),
-}
-
 
 @dataclass
 class GPTConfig:

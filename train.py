@@ -31,7 +31,6 @@ from infra import runtime
 from infra.kernel_check import KernelMismatch, check_kernel
 from model import (
     GPT,
-    MODEL_SIZES,
     CheckpointError,
     GPTConfig,
     checkpoint_name,
@@ -61,7 +60,6 @@ gradient_accumulation_steps = 24  # micro-batches per step over ALL processes (e
 allow_data_repeat = False  # may read the training data more than once (else refused)
 
 # model (model.GPTConfig; vocab_size and tokenizer come from the data)
-model_size = ""  # "" or l6 | l8 | l12 | l15 | l18 | l24 (model.MODEL_SIZES): sets the next three
 n_layer = 12
 n_head = 16
 n_embd = 768
@@ -109,8 +107,6 @@ class TrainingError(RuntimeError):
 def setting_errors(cfg, world_size):
     """A message per problem with the settings."""
     errors = []
-    if cfg.model_size not in ("", *MODEL_SIZES):
-        errors.append(f"model_size must be '' or one of {list(MODEL_SIZES)}: {cfg.model_size!r}")
     if cfg.dtype not in ("bfloat16", "float16", "float32"):
         errors.append(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
 
@@ -147,10 +143,8 @@ def setting_errors(cfg, world_size):
 
 
 def check_settings(cfg, world_size, ddp):
-    """Check every setting before data or model are touched; fill in model_size's sizes. Returns
-    (device, GPTConfig); a ConfigError says why."""
-    if cfg.model_size in MODEL_SIZES:
-        cfg.n_layer, cfg.n_embd, cfg.n_head = MODEL_SIZES[cfg.model_size]
+    """Check every setting before data or model are touched. Returns (device, GPTConfig); a
+    ConfigError says why."""
     errors = setting_errors(cfg, world_size)
     if errors:
         raise ConfigError("invalid settings: " + "; ".join(errors))

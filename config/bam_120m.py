@@ -11,10 +11,14 @@
 #     python prepare_fineweb.py --tokenizer gpt2
 #     train.py config/bam_120m.py --data_dir=data/fineweb_gpt2
 # Every variant of the sweep uses the same recipe, e.g. --pos_encoding=rope --ssmax=False
-# --out_dir=out/l12_rope (other sizes: --model_size=l6 ... l24). batch_size 48 per GPU, 24
+# --out_dir=out/l12_rope. batch_size 48 per GPU, 24
 # micro-batches in all making up 1152 sequences per step: the world size must divide 24. Another
 # batch_size keeps the recipe with gradient_accumulation_steps = 1152 / batch_size.
 out_dir = "out/l12_bam_ssmax"
 # prepare_fineweb.py's default: mistral, sample-100BT, 11.9B tokens
 data_dir = "data/fineweb_mistral"
-model_size = "l12"  # 12 layers, n_embd 768, 16 heads of 48
+# l12: the authors' configs' (n_layer, n_embd, n_head); their others: l6 (6, 512, 16), l8 (8, 768,
+# 16), l15 (15, 1152, 24), l18 (18, 1536, 32), l24 (24, 2048, 64; config/bam_1b.py)
+n_layer = 12
+n_embd = 768
+n_head = 16

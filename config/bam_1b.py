@@ -3,7 +3,9 @@
 #     torchrun --standalone --nproc_per_node=8 train.py config/bam_1b.py
 out_dir = "out/l24_bam_ssmax"
 data_dir = "data/fineweb_mistral"
-model_size = "l24"
+n_layer = 24
+n_embd = 2048
+n_head = 64
 # batch_size 16 per 80 GB GPU (weights, grads and RAdam state take ~18 GB in fp32): 72
 # micro-batches in all (9 each on 8 GPUs) for 1152 x 512 tokens per step; the world size divides 72
 batch_size = 16

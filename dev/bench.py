@@ -25,7 +25,7 @@ from attention import IMPLS, impl_error  # noqa: E402
 from data import doc_starts  # noqa: E402
 from dev.bench_attention import time_interleaved, timed  # noqa: E402
 from infra import runtime  # noqa: E402
-from model import GPT, MODEL_SIZES, POS_ENCODINGS, GPTConfig  # noqa: E402
+from model import GPT, POS_ENCODINGS, GPTConfig  # noqa: E402
 
 # (pos_encoding, ssmax, skip); skip=False is train.py's default
 ALL = [(pe, ss, False) for pe in POS_ENCODINGS for ss in (False, True)] + [("bam", True, True)]
@@ -37,10 +37,9 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--device", default="auto", help="auto (cuda if any) | cpu | cuda | cuda:1")
-    add("--model_size", choices=MODEL_SIZES, help="default l12 on CUDA, a tiny model on CPU")
-    add("--n_layer", type=int, help="a custom shape instead (default 4)")
-    add("--n_embd", type=int, help="(default 128)")
-    add("--n_head", type=int, help="(default 4)")
+    add("--n_layer", type=int, help="default 12 on CUDA (the paper's l12), 4 on CPU")
+    add("--n_embd", type=int, help="default 768 on CUDA, 128 on CPU")
+    add("--n_head", type=int, help="default 16 on CUDA, 4 on CPU")
     add("--vocab_size", type=int, help="default 50257 (gpt2) on CUDA, 257 (byte) on CPU")
     add("--block_size", type=int, help="default 512 on CUDA, 256 on CPU")
     add("--batch_size", type=int, help="default 16 on CUDA, 8 on CPU")
@@ -68,13 +67,9 @@ def build_parser():
 
 
 def fill_defaults(args, cuda):
-    custom = any(v is not None for v in (args.n_layer, args.n_embd, args.n_head))
-    if args.model_size or (cuda and not custom):
-        args.n_layer, args.n_embd, args.n_head = MODEL_SIZES[args.model_size or "l12"]
-    else:
-        args.n_layer = args.n_layer or 4
-        args.n_embd = args.n_embd or 128
-        args.n_head = args.n_head or 4
+    sizes = (12, 768, 16) if cuda else (4, 128, 4)
+    for name, size in zip(("n_layer", "n_embd", "n_head"), sizes):
+        setattr(args, name, getattr(args, name) or size)
     args.vocab_size = args.vocab_size or (50257 if cuda else 257)
     args.block_size = args.block_size or (512 if cuda else 256)
     args.batch_size = args.batch_size or (16 if cuda else 8)

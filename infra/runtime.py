@@ -233,11 +233,10 @@ def errors_in_one_line(script, expected, full_disk_remedy):
 # ---- per-sample results that resume
 class ResultLog:
     """Append-only per-sample JSONL that only ever holds whole records; reopening it resumes
-    (`records`: {key: record} of those written, key the record's key_fields), and evaluates again
-    a checkpoint path that now holds other weights (runs: the evaluation's, each with ckpt_path
-    and ckpt_sha256)."""
+    (`records`: {key: record} of those written, key the record's key_fields). Keys hold the
+    checkpoint's digest, so a path that now holds other weights is evaluated again."""
 
-    def __init__(self, path, key_fields, runs=()):
+    def __init__(self, path, key_fields):
         self.path = path
         self.key_fields = key_fields
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -256,22 +255,11 @@ class ResultLog:
         if records and not lines[len(records) - 1].endswith("\n"):
             records.pop()
 
-        # a path evaluated now with other weights: its records are dropped
-        digest_now = {r["ckpt_path"]: r["ckpt_sha256"] for r in runs}
-
-        def is_current(r):
-            return digest_now.get(r.get("ckpt"), r.get("ckpt_sha256")) == r.get("ckpt_sha256")
-
-        current = list(filter(is_current, records))
         # a damaged tail goes first, else new records would be appended behind it and lost
-        if len(current) < len(lines):
+        if len(records) < len(lines):
             with atomic_file(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in current)
-        self.records = {self.key(r): r for r in current}
-
-        for stale in dict.fromkeys(r["ckpt"] for r in records if not is_current(r)):
-            note = f"note: {stale} changed since {path} was written: its results are redone"
-            print(note, file=sys.stderr)
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        self.records = {self.key(r): r for r in records}
 
     def key(self, record):
         return tuple(record[k] for k in self.key_fields)

@@ -177,7 +177,6 @@ def test_cli_config_typo_is_a_clear_error():
     "bad, message",
     [
         (["--pos_encoding=alibbi"], "pos_encoding must be one of"),
-        (["--model_size=l13"], "model_size must be '' or one of"),
         (["--n_embd=30"], "n_embd=30 is not divisible by n_head=4"),
         (["--dtype=fp16"], "dtype must be bfloat16, float16 or float32"),
         (["--min_lr=1.0"], "min_lr=1.0 is above learning_rate"),
