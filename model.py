@@ -393,12 +393,15 @@ class GPT(nn.Module):
     def param_groups(self):
         """The authors' train.py's four optimizer groups: decayed matrices, norms, prior, SSMax."""
         groups = {"decay": [], "no_decay": [], "prior": [], "ssmax": []}
-        # a layer's prior params are its attribute of the family's names (alibi's are buffers)
-        prior_names = self.config.family.params if self.config.family is not None else ()
+        prior_params = set()
+        for block in self.blocks:
+            if block.attn.family is not None:
+                prior_params |= {id(p) for p in block.attn.bound_prior().params}
+
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
-            if name.rsplit(".", 1)[-1] in prior_names:
+            if id(p) in prior_params:
                 groups["prior"].append(p)
             elif name.endswith("ssmax_s"):
                 groups["ssmax"].append(p)
