@@ -11,9 +11,9 @@
 #     python prepare_fineweb.py --tokenizer gpt2
 #     train.py config/bam_120m.py --data_dir=data/fineweb_gpt2
 # Every variant of the sweep uses the same recipe, e.g. --pos_encoding=rope --ssmax=False
-# --out_dir=out/l12_rope. batch_size 48 per GPU, 24
-# micro-batches in all making up 1152 sequences per step: the world size must divide 24. Another
-# batch_size keeps the recipe with gradient_accumulation_steps = 1152 / batch_size.
+# --out_dir=out/l12_rope. batch_size 48 per GPU, 24 micro-batches in all making up 1152 sequences
+# per step: the world size must divide 24. Another batch_size keeps the recipe with
+# gradient_accumulation_steps = 1152 / batch_size.
 out_dir = "out/l12_bam_ssmax"
 # prepare_fineweb.py's default: mistral, sample-100BT, 11.9B tokens
 data_dir = "data/fineweb_mistral"

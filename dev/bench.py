@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -37,9 +38,9 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--device", default="auto", help="auto (cuda if any) | cpu | cuda | cuda:1")
-    add("--n_layer", type=int, help="default 12 on CUDA (the paper's l12), 4 on CPU")
-    add("--n_embd", type=int, help="default 768 on CUDA, 128 on CPU")
-    add("--n_head", type=int, help="default 16 on CUDA, 4 on CPU")
+    add("--n_layer", type=int, help="default GPTConfig's (the paper's l12) on CUDA, 4 on CPU")
+    add("--n_embd", type=int, help="default GPTConfig's on CUDA, 128 on CPU")
+    add("--n_head", type=int, help="default GPTConfig's on CUDA, 4 on CPU")
     add("--vocab_size", type=int, help="default 50257 (gpt2) on CUDA, 257 (byte) on CPU")
     add("--block_size", type=int, help="default 512 on CUDA, 256 on CPU")
     add("--batch_size", type=int, help="default 16 on CUDA, 8 on CPU")
@@ -67,9 +68,10 @@ def build_parser():
 
 
 def fill_defaults(args, cuda):
-    sizes = (12, 768, 16) if cuda else (4, 128, 4)
-    for name, size in zip(("n_layer", "n_embd", "n_head"), sizes):
-        setattr(args, name, getattr(args, name) or size)
+    # CUDA: the model train.py trains by default; CPU: a tiny one
+    default = GPTConfig() if cuda else SimpleNamespace(n_layer=4, n_embd=128, n_head=4)
+    for name in ("n_layer", "n_embd", "n_head"):
+        setattr(args, name, getattr(args, name) or getattr(default, name))
     args.vocab_size = args.vocab_size or (50257 if cuda else 257)
     args.block_size = args.block_size or (512 if cuda else 256)
     args.batch_size = args.batch_size or (16 if cuda else 8)

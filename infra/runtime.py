@@ -233,8 +233,9 @@ def errors_in_one_line(script, expected, full_disk_remedy):
 # ---- per-sample results that resume
 class ResultLog:
     """Append-only per-sample JSONL that only ever holds whole records; reopening it resumes
-    (`records`: {key: record} of those written, key the record's key_fields). Keys hold the
-    checkpoint's digest, so a path that now holds other weights is evaluated again."""
+    (`records`: {key: record} of those written, key the record's key_fields). The evaluations'
+    key_fields hold the checkpoint's digest: a path that now holds other weights is evaluated
+    again, and the earlier weights' records stay beside the new ones."""
 
     def __init__(self, path, key_fields):
         self.path = path
