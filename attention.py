@@ -43,6 +43,7 @@ def attention(
     impl="auto",
     skip=True,
     key_norm=None,
+    prior_gap=None,
 ):
     """Causal attention with a prior, computed by `impl` (resolved by pick_impl).
 
@@ -55,9 +56,10 @@ def attention(
     tensors; prior(d) is its log-prior table by distance (priors.py). row_scale: r, (B or 1, H, Tq),
     SSMax's s_h log n_i, or None for 1. doc_start (B, Tk): where each position's document starts.
     skip: False reads every key, True skips keys provably below 2^-24 / Tk, "zero" below 2^-150
-    (first_keys). key_norm (B, H): max |k_j|, if known (a KV cache's)."""
+    (first_keys). key_norm (B, H): max |k_j|; prior_gap (H, >= Tk): prior_gap(prior, n); both if
+    known (a KV cache's)."""
     args = AttentionArgs(doc_start, prior, row_scale, scale_prior, q_offset, softmax_scale, skip)
-    args = args._replace(key_norm=key_norm).resolve(q, k, v)
+    args = args._replace(key_norm=key_norm, prior_gap=prior_gap).resolve(q, k, v)
     impl, first_key = plan(q, k, v, args, impl)
     if impl == "torch":
         return attention_torch(q, k, v, args)
@@ -77,6 +79,7 @@ class AttentionArgs(NamedTuple):
     softmax_scale: Optional[float] = None
     skip: bool | str = True
     key_norm: Optional[torch.Tensor] = None
+    prior_gap: Optional[torch.Tensor] = None
 
     def resolve(self, q, k, v):
         """Args checked against q, k, v (ValueError names the misfit); prior bound (priors.bind,
@@ -263,10 +266,10 @@ def first_keys(q, k, args, grad=False):
     if grad or args.skip == "zero":
         tau = 150 * math.log(2) + 1
 
-    # G(n), non-decreasing in n
-    log_prior = args.prior.table(-torch.arange(Tk, device=q.device)).float()
-    suffix_max = log_prior.flip(-1).cummax(-1).values.flip(-1)
-    gap = (log_prior[:, :1] - suffix_max).expand(B, H, Tk).contiguous()
+    # a longer table (a KV cache's, to its capacity) has a G no larger: its windows still hold
+    gap = args.prior_gap
+    if gap is None:
+        gap = prior_gap(args.prior, Tk, q.device)
 
     # of the keys, only the rows' own are read: a decode step converts one, not the cache
     rows = torch.arange(Tq, device=q.device) + args.q_offset
@@ -285,11 +288,21 @@ def first_keys(q, k, args, grad=False):
     need = (r.abs() * content - r * diagonal + tau) / w
     need = need.masked_fill(w <= 0, float("inf"))
 
-    distance = torch.searchsorted(gap, need.contiguous())
+    # per head, every batch's rows at once
+    need = need.transpose(0, 1).reshape(H, B * Tq)
+    distance = torch.searchsorted(gap, need).view(H, B, Tq).transpose(0, 1)
     first_key = (rows - distance + 1).clamp_min(0)
     if args.doc_start is not None:
         first_key = torch.maximum(first_key, args.doc_start[:, None, rows])
     return first_key
+
+
+def prior_gap(prior, n, device):
+    """G(n) = B_h(0) - max_{m >= n} B_h(-m) at n = 0 .. n - 1: (H, n) float32, non-decreasing. It
+    depends on the prior alone: a KV cache builds it once, for its capacity."""
+    log_prior = prior.table(-torch.arange(n, device=device)).float()
+    suffix_max = log_prior.flip(-1).cummax(-1).values.flip(-1)
+    return (log_prior[:, :1] - suffix_max).contiguous()
 
 
 # ---- Which impl can compute which prior, where

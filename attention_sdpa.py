@@ -1,17 +1,23 @@
 """
 attention() on CPU via PyTorch's fused scaled_dot_product_attention (impl "sdpa"), prior as a
 mask, per query chunk. Evaluation only: the mask is a constant to the fused kernel, so no
-prior trains (attention.impl_error). r_i moves into the queries, so with keys reversed the mask,
-prior(j - i) (times r_i if scale_prior), is a strided view of the reversed table. Other masks go
-to one buffer all chunks reuse (fresh ones page-fault): memory stays linear in length. Heads are
-grouped by width, the keys i - F_i + 1 a row reads from its first key F_i (attention.first_keys):
-a chunk reads keys from the first its group's rows need.
+prior trains (attention.impl_error). Heads are grouped by width, the keys i - F_i + 1 a row reads
+from its first key F_i (attention.first_keys), and a group reads keys from the first its rows need:
+- A group that reads every key, or many, goes chunk by chunk to the fused kernel. r_i moves into
+  the queries, so with keys reversed the mask, prior(j - i) (times r_i if scale_prior), is a
+  strided view of the reversed table. Other masks go to one buffer all chunks reuse (fresh ones
+  page-fault): memory stays linear in length.
+- A narrow group (a local prior's) is a band: blocks of rows, each with the same number of keys
+  behind it, so one prior mask serves every block, and many blocks go to one batched product whose
+  scores fit in cache. The fused kernel's per-call and per-tile costs dominate at such widths.
 """
 
 import math
 
 import torch
 import torch.nn.functional as F
+
+BAND_WIDTH = 512  # the widest group that goes as a band (dev/bench_skip.py measures it)
 
 
 def attention_sdpa(q, k, v, args, first_key=None, chunk_size=None):
@@ -32,26 +38,19 @@ def attention_sdpa(q, k, v, args, first_key=None, chunk_size=None):
 
     if args.row_scale is not None:
         args = args._replace(row_scale=args.row_scale.expand(-1, H, -1))
-    # heads permuted once (index_select: 2x [:, order]), a group per slice; keys reversed
-    order, groups = _head_groups(first_key, args.q_offset, H, Tk)
-    q = q.index_select(1, order)
-    k_rev = k.index_select(1, order).flip(2)
-    v_rev = v.index_select(1, order).flip(2)
-    if first_key is not None:
-        first_key = first_key.index_select(1, order)
     out = torch.empty_like(q)
-    for heads, width in groups:
+    for heads, width in _head_groups(first_key, args.q_offset, H, Tk):
         group_first = None if first_key is None else first_key[:, heads]
-        group = (q[:, heads], k_rev[:, heads], v_rev[:, heads], group_first)
-        _attend(*group, args, order[heads], width, chunk_size, out[:, heads])
-    return out.index_select(1, order.argsort()).to(dtype)
+        attend = _attend_band if width < Tk and width <= BAND_WIDTH else _attend
+        out[:, heads] = attend(q[:, heads], k, v, group_first, args, heads, width, chunk_size)
+    return out.to(dtype)
 
 
 def _head_groups(first_key, q_offset, H, Tk):
-    """(order, groups): heads by widest row, groups as (slice, widest row's width). A head joins
-    a group within 1 % or 64 keys of its width; from Tk / 2 on, all keys."""
+    """[(heads, width)]: heads (a tensor of indices) by widest row, with that row's width. A head
+    joins a group within 1 % or 64 keys of its width; from Tk / 2 on, all keys."""
     if first_key is None:
-        return torch.arange(H), [(slice(0, H), Tk)]
+        return [(torch.arange(H), Tk)]
 
     rows = torch.arange(first_key.shape[2], device=first_key.device) + q_offset
     widths = (rows - first_key + 1).amax(dim=(0, 2))
@@ -63,29 +62,35 @@ def _head_groups(first_key, q_offset, H, Tk):
     lead = 0
     for h in range(1, H + 1):
         if h == H or widths[h] < widths[lead] - max(64, widths[lead] // 100):
-            groups.append((slice(lead, h), widths[lead]))
+            groups.append((order[lead:h], widths[lead]))
             lead = h
-    return order, groups
+    return groups
 
 
-def _attend(q, k_rev, v_rev, first_key, args, heads, width, chunk_size, out):
-    """One group of heads into out (q, k_rev, v_rev, first_key and out hold only them; `heads`
-    indexes them in args' tensors); width: the most keys any of its rows reads (Tk: every key)."""
+def _attend(q, k, v, first_key, args, heads, width, chunk_size):
+    """One group of heads (q and first_key hold only them; `heads` indexes them in k, v and args'
+    tensors) chunk by chunk; width: the most keys any of its rows reads (Tk: every key)."""
     B, H, Tq, _ = q.shape
-    Tk = k_rev.shape[2]
+    Tk = k.shape[2]
+    # keys reversed from the group's first one: index u holds position Tk - 1 - u
+    earliest = 0 if first_key is None else int(first_key.min())
+    k_rev = k[:, :, earliest:].index_select(1, heads).flip(2)
+    v_rev = v[:, :, earliest:].index_select(1, heads).flip(2)
+    out = torch.empty_like(q)
     # one fp32 (B, H, rows, keys) mask buffer; SDPA likes a few hundred rows, a narrow group's
-    # chunks half its width (each also scores a rows^2 triangle)
+    # chunks half its width (each also scores a rows^2 triangle), a written mask 128 rows (it is
+    # read back from cache)
+    scaled_prior = args.row_scale is not None and args.scale_prior and args.prior is not None
+    written = args.doc_start is not None or scaled_prior
     budget_bytes = 128 * 2**20
     rows = budget_bytes // (4 * B * H * width)
     if width < Tk:
         rows = width // 2
-    rows = chunk_size or int(min(512, max(64, rows)))
-    scaled_prior = args.row_scale is not None and args.scale_prior and args.prior is not None
-    written = args.doc_start is not None or scaled_prior
+    rows = min(512 if not written else 128, max(64, rows))
+    rows = chunk_size or int(rows)
     buf = None
-    if written and not args.needs_grad(q, k_rev, v_rev):
+    if written and not args.needs_grad(q, k, v):
         buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, width + rows))
-
     for start, stop, first in args.query_chunks(Tq, rows):
         # queries at [first_query, end); keys before `first` are hidden or skipped for all
         first_query = args.q_offset + start
@@ -112,6 +117,70 @@ def _attend(q, k_rev, v_rev, first_key, args, heads, width, chunk_size, out):
         out[:, :, start:stop] = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=args.softmax_scale
         )
+    return out
+
+
+def _attend_band(q, k, v, first_key, args, heads, width, chunk_size):
+    """One narrow group of heads (as _attend's) as a band: blocks of `rows` query rows, each scoring
+    the width + rows - 1 keys up to its last row, a cache's worth of blocks per product. Each row
+    reads from its own first key, so that no weight is left to underflow into subnormal floats
+    (which the CPU computes tens of times slower)."""
+    B, H, Tq, _ = q.shape
+    rows = chunk_size or min(Tq, max(16, width // 8))
+    keys = width + rows - 1
+    blocks = -(-Tq // rows)
+    padded_rows = blocks * rows - Tq
+
+    # the band's key positions from the first block's first key; zeros (hidden) before the
+    # group's first key and after the last
+    first = args.q_offset - width + 1
+    span = (blocks - 1) * rows + keys
+    earliest = int(first_key.min())
+    k_blocks = _key_band(k, heads, (first, span, earliest)).unfold(2, keys, rows)
+    v_blocks = _key_band(v, heads, (first, span, earliest)).unfold(2, keys, rows)
+    v_blocks = v_blocks.transpose(-1, -2)
+    queries = F.pad(q * args.softmax_scale, (0, 0, 0, padded_rows))
+    first_key = F.pad(first_key, (0, padded_rows), value=earliest)
+    r = None
+    if args.row_scale is not None:
+        r = F.pad(args.row_scale[:, heads].float(), (0, padded_rows), value=1.0)
+        queries = queries * r[..., None]
+    scaled_prior = r is not None and args.scale_prior
+
+    # block row a, key column c: d = j - i = c - a - (width - 1), the same in every block
+    col_minus_row = torch.arange(keys)[None, :] - torch.arange(rows)[:, None]
+    table = args.prior.table(torch.arange(-(keys - 1), rows, device=q.device))[heads]
+    log_prior = table[:, col_minus_row + rows - 1].unsqueeze(1)  # (h, 1, rows, keys)
+    future = col_minus_row > width - 1
+
+    out = q.new_empty(B, H, blocks * rows, q.shape[-1])
+    per_product = max(1, 2**19 // (B * H * rows * keys))
+    for block in range(0, blocks, per_product):
+        n = min(per_product, blocks - block)
+        at = slice(block * rows, (block + n) * rows)
+        scores = queries[:, :, at].unflatten(2, (n, rows)) @ k_blocks[:, :, block : block + n]
+        if scaled_prior:
+            scores.addcmul_(log_prior, r[:, :, at].unflatten(2, (n, rows))[..., None])
+        else:
+            scores.add_(log_prior)
+        # keys before the row's first key (its document's start, the band's zeros) or after it
+        key_pos = first + (block + torch.arange(n)[:, None]) * rows + torch.arange(keys)
+        row_first = first_key[:, :, at].unflatten(2, (n, rows))[..., None]
+        scores.masked_fill_((key_pos[:, None, :] < row_first) | future, float("-inf"))
+        values = torch.softmax(scores, dim=-1) @ v_blocks[:, :, block : block + n]
+        out[:, :, at] = values.flatten(2, 3)
+    return out[:, :, :Tq]
+
+
+def _key_band(k, heads, band):
+    """k's `heads` at positions first .. first + span - 1, band = (first, span, earliest), zeros
+    off earliest..Tk-1: (B, h, span, D)."""
+    first, span, earliest = band
+    Tk = k.shape[2]
+    lo = max(first, earliest)
+    hi = min(first + span, Tk)
+    band = k[:, :, lo:hi].index_select(1, heads)
+    return F.pad(band, (0, 0, lo - first, first + span - hi))
 
 
 def _reversed_table(prior, nearest, farthest, like):

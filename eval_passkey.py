@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import sys
 import time
 
@@ -362,7 +363,7 @@ def summarise(ev, lengths, template, meta, out, started):
         device=str(ev.device),
         torch=torch.__version__,
         wall_seconds=round(time.perf_counter() - started, 2),
-        peak_rss_mib=round(runtime.peak_memory_bytes("cpu") / 2**20, 1),
+        peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, 1),
         peak_gpu_mib=round(runtime.peak_memory_bytes(ev.device) / 2**20, 1) if cuda else None,
         figures=[os.path.basename(p) for p in figures if p],
     )

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import IMPLS, attention, impl_error, ssmax_log_n
+from attention import IMPLS, attention, impl_error, prior_gap, ssmax_log_n
 from priors import BoundPrior, get_prior
 
 POS_ENCODINGS = ("nope", "sinusoidal", "rope", "alibi", "bam")
@@ -156,23 +156,28 @@ class RMSNorm(nn.Module):
 class KVCache:
     """Every layer's keys and values for incremental decoding (prefill, then a token at a time), in
     buffers of `capacity` positions allocated once: no copy as the cache grows. A buffer is laid
-    out (B, capacity, H, D), as the projections are, and read as (B, H, T, D) views. It keeps each
-    layer's largest key norm (B, H): a skipping step reads only its window."""
+    out (B, capacity, H, D), as the projections are, and read as (B, H, T, D) views. It keeps what
+    a skipping step's windows need that decoding does not change, so that a step reads only its
+    window: each layer's largest key norm (B, H), and its prior's gap table to the capacity."""
 
     def __init__(self, n_layer, capacity):
         self.k = [None] * n_layer
         self.v = [None] * n_layer
         self.key_norm = [None] * n_layer
+        self.prior_gap = [None] * n_layer
         self.capacity = capacity
         self.length = 0  # positions cached (GPT.forward advances it after all layers)
 
-    def update(self, layer, k, v):
-        """Append k, v (B, H, T, D); return views of all cached so far and the largest key norm."""
+    def update(self, layer, k, v, prior):
+        """Append k, v (B, H, T, D); return views of all cached so far, the largest key norm and
+        the gap table of the layer's prior (a BoundPrior or None), built at the prefill."""
         if self.k[layer] is None:
             batch, heads, _, head_dim = k.shape
             self.k[layer] = k.new_empty(batch, self.capacity, heads, head_dim)
             self.v[layer] = v.new_empty(batch, self.capacity, heads, head_dim)
             self.key_norm[layer] = k.new_zeros(batch, heads, dtype=torch.float32)
+            if prior is not None:
+                self.prior_gap[layer] = prior_gap(prior, self.capacity, k.device)
 
         end = self.length + k.shape[2]
         self.k[layer][:, self.length : end] = k.transpose(1, 2)
@@ -180,7 +185,8 @@ class KVCache:
         norm = k.float().norm(dim=-1).amax(-1)
         self.key_norm[layer] = torch.maximum(self.key_norm[layer], norm)
         keys = self.k[layer][:, :end].transpose(1, 2)
-        return keys, self.v[layer][:, :end].transpose(1, 2), self.key_norm[layer]
+        values = self.v[layer][:, :end].transpose(1, 2)
+        return keys, values, self.key_norm[layer], self.prior_gap[layer]
 
 
 class Attention(nn.Module):
@@ -236,9 +242,11 @@ class Attention(nn.Module):
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        prior = self.bound_prior()
         key_norm = None
+        gap = None
         if kv_cache is not None:
-            k, v, key_norm = kv_cache.update(self.layer_idx, k, v)
+            k, v, key_norm, gap = kv_cache.update(self.layer_idx, k, v, prior)
 
         # SSMax: r_i = s_h * log n_i, shape (B or 1, H, T)
         row_scale = None
@@ -250,12 +258,13 @@ class Attention(nn.Module):
             k,
             v,
             doc_start=doc_start,
-            prior=self.bound_prior(),
+            prior=prior,
             row_scale=row_scale,
             scale_prior=self.scale_prior,
             impl=self.attn_impl,
             skip=self.skip,
             key_norm=key_norm,
+            prior_gap=gap,
         )
         return self.wo(y.transpose(1, 2).reshape(batch, seq_len, n_embd))
 
@@ -384,7 +393,8 @@ class GPT(nn.Module):
 
             token = int(next_id)
             new_tokens.append(token)
-            if token in stop_tokens or (stop is not None and stop(new_tokens)):
+            done = len(new_tokens) == max_new_tokens or token in stop_tokens
+            if done or (stop is not None and stop(new_tokens)):
                 break
             logits, _ = self(next_id, kv_cache=cache)
         return new_tokens

@@ -1,13 +1,20 @@
 """
-Skipping's speed on the CPU: eval_ppl.py's scoring of one validation sequence at each length, with
-and without skipping (attention.first_keys), in one process on one thread, for each checkpoint;
-beside each ratio, the work share measured and the one the priors alone predict.
+Skipping's cost on the CPU, in one process on one thread, for each checkpoint:
+- scoring: eval_ppl.py's scoring of one validation sequence at each length, with skipping
+  (attention.first_keys) and without it, alternately; beside each ratio the work share measured and
+  the one the priors alone predict, the perplexity, and the peak memory of each scoring.
+- decoding (--decode_contexts): ms per generated token after a prompt of each length, greedy, with
+  the KV cache, with and without skipping; the tokens must be the same.
 
     python dev/bench_skip.py --ckpt out/text/bam-s1 --ckpt out/text/alibi-s1 [--lengths 8192 32768]
+    python dev/bench_skip.py --ckpt out/text/bam-s1 --lengths 64 128 ... 262144 --full_lengths 64 \
+        128 ... 32768 131072
+    python dev/bench_skip.py --ckpt out/text/bam-s1 --lengths --decode_contexts 1024 4096 16384
 
-The prediction is the bound with no content term: head h reads at most the W_h nearest keys, W_h
-the smallest n where b(0) - max_{m >= n} b(m) >= tau (every row's window is at least that wide).
-Writes bench_skip.json, .csv and .png to --out.
+A length past the validation split is cut to it. The prediction is the bound with no content term:
+head h reads at most the W_h nearest keys, W_h the smallest n where b(0) - max_{m >= n} b(m) >= tau
+(every row's window is at least that wide). Writes bench_skip (.json, .csv, .png: seconds against
+length, log-log, with the slopes) and bench_decode (the same) to --out.
 """
 
 import argparse
@@ -16,12 +23,14 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval_common import counting_work, curve_styles, pyplot, save_figure, write_table  # noqa: E402
 from eval_ppl import full_token_losses, val_sequences, window_sums  # noqa: E402
+from infra import runtime  # noqa: E402
 from model import load_model  # noqa: E402
 
 
@@ -50,69 +59,130 @@ def predicted_share(model, length):
 
 
 def timed(model, seq):
-    """(seconds, losses) of one scoring."""
+    """(seconds, losses, work share, peak resident bytes) of one scoring; the work is counted in
+    it (a few first_keys calls more)."""
+    runtime.reset_peak_memory("cpu")
     started = time.perf_counter()
-    losses = full_token_losses(model, seq)
-    return time.perf_counter() - started, losses
-
-
-def work_share(model, seq):
-    """The share of visible scores the model's first keys keep on seq (a scoring of its own)."""
     with counting_work() as work:
-        full_token_losses(model, seq)
-    return work[0] / work[1]
+        losses = full_token_losses(model, seq)
+    seconds = time.perf_counter() - started
+    return seconds, losses, work[0] / work[1], runtime.peak_memory_bytes("cpu")
 
 
-def bench(path, data_dir, lengths):
+def bench(path, data_dir, lengths, full_lengths):
+    """One row per length: scoring with skipping, and without it at full_lengths."""
     model, _ = load_model(path)
     full_model, _ = load_model(path, skip=False)
     label = os.path.basename(os.path.normpath(path))
+    tokens = val_sequences(data_dir, model.config.tokenizer, 1)[0].reshape(-1)
+    timed(model, tokens[:1025])  # warm-up
     rows = []
-    for length in lengths:
-        seq = val_sequences(data_dir, model.config.tokenizer, length)[0][0]
-        timed(model, seq[:1025])  # warm-up
-        on, losses_on = timed(model, seq)
-        off, losses_off = timed(full_model, seq)
-        share = work_share(model, seq)
-        sums_on = torch.tensor(window_sums(losses_on, 1024)[1])
-        sums_off = torch.tensor(window_sums(losses_off, 1024)[1])
-        relative = float(((sums_on - sums_off) / sums_off).abs().max())
+    for length in sorted({min(n, len(tokens) - 1) for n in lengths}):
+        seq = tokens[: length + 1]
+        on, losses_on, share, peak_on = timed(model, seq)
         predicted, full_heads = predicted_share(model, length)
-        rows.append(
-            dict(label=label, length=length, seconds_skip=round(on, 3), seconds_full=round(off, 3))
-        )
-        rows[-1].update(speedup=round(off / on, 2), work_share=round(share, 5))
-        rows[-1].update(predicted_share=round(predicted, 5), full_range_heads=full_heads)
-        rows[-1].update(max_relative_window_loss_difference=relative)
+        row = dict(label=label, length=length, seconds_skip=round(on, 3), work_share=share)
+        row.update(predicted_share=round(predicted, 5), full_range_heads=full_heads)
+        row.update(ppl=math.exp(float(losses_on.double().mean())), peak_mib_skip=peak_on / 2**20)
+        note = ""
+        if length in full_lengths:
+            off, losses_off, _, peak_off = timed(full_model, seq)
+            sums_on = torch.tensor(window_sums(losses_on, 1024)[1])
+            sums_off = torch.tensor(window_sums(losses_off, 1024)[1])
+            relative = float(((sums_on - sums_off) / sums_off).abs().max())
+            row.update(seconds_full=round(off, 3), speedup=round(off / on, 2))
+            row.update(peak_mib_full=peak_off / 2**20)
+            row.update(max_relative_window_loss_difference=relative)
+            note = (
+                f"; every key {off:.2f} s ({off / on:.1f}x); 1,024-windows agree to {relative:.1e}"
+            )
+        rows.append(row)
         print(
-            f"{label} @ {length}: {off:.2f} s -> {on:.2f} s ({off / on:.1f}x); work {share:.1%} "
-            f"(priors alone: {predicted:.1%}, {full_heads} heads read every key); "
-            f"losses per 1,024 positions agree to {relative:.1e}",
+            f"{label} @ {length}: {on:.2f} s skipping, ppl {row['ppl']:.3f}, work {share:.1%} "
+            f"(priors alone: {predicted:.1%}, {full_heads} heads read every key), "
+            f"{peak_on / 2**20:.0f} MiB"
+            f"{note}",
             flush=True,
         )
     return rows
 
 
-def plot(rows, path):
+@torch.no_grad()
+def decode_bench(path, data_dir, contexts, new_tokens=64):
+    """ms per generated token after each prompt length, skipping and not; the same greedy tokens."""
+    label = os.path.basename(os.path.normpath(path))
+    models = {skip: load_model(path, skip=skip)[0] for skip in (True, False)}
+    tokens = val_sequences(data_dir, models[True].config.tokenizer, 1)[0].reshape(-1)
+    rows = []
+    for context in contexts:
+        prompt = torch.as_tensor(tokens[:context], dtype=torch.long)[None]
+        ms = {}
+        generated = {}
+        for skip, model in models.items():
+            model.generate(prompt[:, -64:], 4)  # warm-up
+            started = time.perf_counter()
+            model.generate(prompt, 1)
+            prefill = time.perf_counter() - started
+            started = time.perf_counter()
+            generated[skip] = model.generate(prompt, new_tokens)
+            ms[skip] = 1000 * (time.perf_counter() - started - prefill) / (new_tokens - 1)
+        if generated[True] != generated[False]:
+            raise RuntimeError(f"{label} @ {context}: greedy tokens differ with skipping")
+        rows.append(dict(label=label, context=context, ms_per_token_skip=round(ms[True], 3)))
+        rows[-1].update(
+            ms_per_token_full=round(ms[False], 3), speedup=round(ms[False] / ms[True], 2)
+        )
+        print(
+            f"{label} decoding after {context} tokens: {ms[False]:.2f} -> {ms[True]:.2f} ms a "
+            f"token ({ms[False] / ms[True]:.1f}x), the same {new_tokens} greedy tokens",
+            flush=True,
+        )
+    return rows
+
+
+def slope(xs, ys):
+    """The log-log slope over the upper half of the points (the asymptotic exponent)."""
+    half = len(xs) // 2
+    return float(np.polyfit(np.log(xs[half:]), np.log(ys[half:]), 1)[0])
+
+
+def plot(rows, x, series, path, labels):
+    """Log-log lines per checkpoint, series = {column: (linestyle, name)}, slopes in the legend."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    for label, style in curve_styles(labels).items():
-        mine = [r for r in rows if r["label"] == label]
-        x = [r["length"] for r in mine]
-        style = dict(color=style["color"], marker=style["marker"])
-        ax.plot(x, [r["seconds_full"] for r in mine], linestyle=":", **style)
-        ax.plot(x, [r["seconds_skip"] for r in mine], label=label, **style)
-    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="seconds")
-    ax.set_title("One sequence scored on one thread: every key (dotted), skipping (solid)")
-    ax.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    names = list(dict.fromkeys(r["label"] for r in rows))
+    for label, style in curve_styles(names).items():
+        for column, (linestyle, name) in series.items():
+            mine = [r for r in rows if r["label"] == label and r.get(column) is not None]
+            if len(mine) < 2:
+                continue
+            xs = [r[x] for r in mine]
+            ys = [r[column] for r in mine]
+            legend = f"{label} {name} (slope {slope(xs, ys):.2f})"
+            ax.plot(
+                xs,
+                ys,
+                linestyle=linestyle,
+                color=style["color"],
+                marker=style["marker"],
+                label=legend,
+            )
+    ax.set(xscale="log", yscale="log", xlabel=labels[0], ylabel=labels[1], title=labels[2])
+    ax.legend(fontsize=7)
     save_figure(fig, path)
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", action="append", required=True, help="checkpoint or run directory")
-    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
+    p.add_argument("--lengths", type=int, nargs="*", default=[8192, 16384, 32768])
+    p.add_argument(
+        "--full_lengths",
+        type=int,
+        nargs="*",
+        help="lengths to score without skipping too (default: all)",
+    )
+    p.add_argument("--decode_contexts", type=int, nargs="*", default=[], help="prompt lengths")
     p.add_argument("--data_dir", default="data/text", help="the validation split to score")
     p.add_argument("--out", default="dev/results/skip")
     return p
@@ -122,14 +192,26 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
 
     torch.set_num_threads(1)
+    full_lengths = set(args.lengths if args.full_lengths is None else args.full_lengths)
     rows = []
+    decode_rows = []
     for path in args.ckpt:
-        rows += bench(path, args.data_dir, args.lengths)
+        rows += bench(path, args.data_dir, args.lengths, full_lengths)
+        decode_rows += decode_bench(path, args.data_dir, args.decode_contexts)
     os.makedirs(args.out, exist_ok=True)
-    write_table(rows, os.path.join(args.out, "bench_skip"))
-    plot(rows, os.path.join(args.out, "bench_skip.png"))
-    print(f"wrote {args.out}/bench_skip.json, .csv and .png")
-    return rows
+    if rows:
+        write_table(rows, os.path.join(args.out, "bench_skip"))
+        series = {"seconds_full": (":", "every key"), "seconds_skip": ("-", "skipping")}
+        labels = ("sequence length (tokens)", "seconds", "One sequence scored on one thread")
+        plot(rows, "length", series, os.path.join(args.out, "bench_skip.png"), labels)
+        print(f"wrote {args.out}/bench_skip.json, .csv and .png")
+    if decode_rows:
+        write_table(decode_rows, os.path.join(args.out, "bench_decode"))
+        series = {"ms_per_token_full": (":", "every key"), "ms_per_token_skip": ("-", "skipping")}
+        labels = ("context (tokens)", "ms per generated token", "Greedy decoding on one thread")
+        plot(decode_rows, "context", series, os.path.join(args.out, "bench_decode.png"), labels)
+        print(f"wrote {args.out}/bench_decode.json, .csv and .png")
+    return rows, decode_rows
 
 
 if __name__ == "__main__":

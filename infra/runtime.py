@@ -464,15 +464,30 @@ def fits(device, fn, *args):
 
 
 def reset_peak_memory(device):
+    """Start peak_memory_bytes afresh: CUDA's allocator peak; a Linux CPU's peak resident set
+    (writing 5 to /proc/self/clear_refs resets VmHWM). Elsewhere a CPU's peak is the process's."""
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(torch.device(device))
+        return
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def peak_memory_bytes(device):
-    """CUDA: the allocator's peak since reset_peak_memory. CPU: the process's peak resident set."""
+    """CUDA: the allocator's peak since reset_peak_memory. CPU: the peak resident set since then
+    (Linux), or the process's."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(torch.device(device))
 
-    import resource
+    try:
+        with open("/proc/self/status") as f:
+            peak_kib = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+        return int(peak_kib) * 1024
+    except (OSError, StopIteration):
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

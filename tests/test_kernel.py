@@ -720,8 +720,8 @@ def test_model_qkv_reach_the_kernel_without_a_copy(monkeypatch, pos_encoding):
     idx = torch.randint(0, 64, (2, 16)).to(DEVICE)
     _, loss = net(idx, idx)
     loss.backward()
-    net.generate(idx[:1, :8], max_new_tokens=2)
-    # q, k, v of the forward, the backward's dO, q, k, v of the prefill and of each decoding step
+    net.generate(idx[:1, :8], max_new_tokens=3)
+    # q, k, v of the forward, the backward's dO, q, k, v of the prefill and of both decoding steps
     assert len(copied) >= 3 + 1 + 3 * 3 and not any(copied), copied
 
 

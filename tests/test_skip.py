@@ -11,8 +11,9 @@ from test_ppl import argv, setup  # noqa: F401 (setup is a fixture)
 from test_readme import register_readme_prior
 
 import attention_kernel as ak
+import attention_sdpa
 import eval_ppl
-from attention import AttentionArgs, attention, first_keys
+from attention import AttentionArgs, attention, dense_attention, first_keys
 from eval_common import counting_work, kept_scores
 from infra.kernel_check import _check_problem
 from infra.runtime import save_checkpoint
@@ -187,6 +188,39 @@ def test_sdpa_reads_nothing_it_skips():
     assert kept < 0.1 * visible
 
 
+@pytest.mark.parametrize("scale_prior", [False, True])
+def test_sdpa_band_matches_the_dense_formula(scale_prior, monkeypatch):
+    """Narrow groups go as bands (attention_sdpa._attend_band): values against dense_attention
+    for every block size, with documents, a positive row scale and queries at an offset, and the
+    gradients of q, k, v and the row scale (the prior is fixed, as sdpa trains)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = qkv(2, 2, 90, 160, 8, seed=4)
+    doc_start = torch.zeros(2, 160, dtype=torch.long)
+    doc_start[1, 97:] = 97
+    row_scale = torch.rand(1, 2, 90, generator=gen) + 0.5
+    kw = dict(prior=ggd(*STEEP), doc_start=doc_start, scale_prior=scale_prior, q_offset=70)
+    bands = []
+    band = attention_sdpa._attend_band
+    monkeypatch.setattr(attention_sdpa, "_attend_band", lambda *a: bands.append(a[6]) or band(*a))
+
+    def run(impl, chunk_size=None):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, row_scale)]
+        args = AttentionArgs(**kw, row_scale=leaves[3]).resolve(*leaves[:3])
+        if impl == "dense":
+            out = dense_attention(*leaves[:3], **kw, row_scale=leaves[3]).float()
+        else:
+            first_key = first_keys(*leaves[:2], args, grad=True)
+            out = attention_sdpa.attention_sdpa(*leaves[:3], args, first_key, chunk_size)
+        out.backward(torch.cos(torch.arange(out.numel()).view_as(out).float()))
+        return [out] + [t.grad for t in leaves]
+
+    dense = run("dense")
+    for chunk_size in (None, 1, 7, 90):
+        for a, b in zip(run("sdpa", chunk_size), dense):
+            torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
+    assert bands  # narrow groups went as bands
+
+
 CASES = {  # keywords beyond the prior: SSMax in both placements, documents
     "plain": {},
     "ssmax": dict(ssmax=[1.0, -0.5], scale_prior=False),
@@ -285,11 +319,17 @@ def steep_model(seed=0, skip=True):
     return model
 
 
-def test_decoding_with_a_kv_cache_skips_and_gives_the_same_tokens():
+def test_decoding_with_a_kv_cache_skips_and_gives_the_same_tokens(monkeypatch):
     """Greedy decoding from a 600-token prompt: the same tokens and logits (<= 1e-6) with and
-    without skipping; a step reads its window, not the whole cache; the cache's running key norm
-    is the norm recomputed over every cached key."""
+    without skipping; a step reads its window, not the whole cache, and evaluates the prior over its
+    window only (the cache keeps the gap table from the prefill); the cache's running key norm is
+    the norm recomputed over every cached key."""
     prompt = torch.randint(0, 257, (1, 600), generator=torch.Generator().manual_seed(0))
+    evaluated = []  # distances per prior evaluation
+    table = BoundPrior.table
+    monkeypatch.setattr(
+        BoundPrior, "table", lambda self, d: evaluated.append(len(d)) or table(self, d)
+    )
 
     @torch.no_grad()
     def decode(skip):
@@ -297,17 +337,19 @@ def test_decoding_with_a_kv_cache_skips_and_gives_the_same_tokens():
         cache = KVCache(2, 620)
         logits, _ = model(prompt, kv_cache=cache, logits_at=1)
         steps = [logits]
+        evaluated.clear()
         with counting_work() as work:
             for _ in range(20):
                 logits, _ = model(logits[:, -1].argmax(-1, keepdim=True), kv_cache=cache)
                 steps.append(logits)
-        return torch.cat(steps, 1), cache, work
+        return torch.cat(steps, 1), cache, work, max(evaluated)
 
-    skipped, cache, work = decode(True)
-    full, _, _ = decode(False)
+    skipped, cache, work, widest = decode(True)
+    full, _, _, _ = decode(False)
     assert torch.equal(skipped.argmax(-1), full.argmax(-1))
     assert (skipped - full).abs().max() <= 1e-6
     assert work[0] < 0.1 * work[1]
+    assert widest < 60, widest  # the prior at a window's distances, not at the cache's 600+
     for layer in range(2):
         keys = cache.k[layer][:, : cache.length].transpose(1, 2)
         assert torch.allclose(cache.key_norm[layer], keys.norm(dim=-1).amax(-1))
@@ -343,28 +385,26 @@ def test_no_skip_scores_the_same(setup, capsys):  # noqa: F811 (the fixture)
 
 
 def test_bench_skip_end_to_end(setup, tmp_path):  # noqa: F811 (the fixture)
-    """dev/bench_skip.py: both timings, the work measured and predicted, the files."""
+    """dev/bench_skip.py: both timings where asked, the work measured and predicted, the
+    perplexity and peak memory, a length past the split cut to it, decoding, the files."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "dev"))
     import bench_skip
 
     save_checkpoint(setup["ckpt"], steep_model())
     out = str(tmp_path / "bench")
-    rows = bench_skip.main(
-        [
-            "--ckpt",
-            setup["ckpt"],
-            "--lengths",
-            "256",
-            "512",
-            "--data_dir",
-            setup["data"],
-            "--out",
-            out,
-        ]
+    argv = ["--ckpt", setup["ckpt"], "--data_dir", setup["data"], "--out", out]
+    split = len(eval_ppl.val_sequences(setup["data"], "byte", 1)[0].reshape(-1))
+    lengths = ["256", "512", str(10 * split)]
+    rows, decoded = bench_skip.main(
+        argv + ["--lengths", *lengths, "--full_lengths", "512", "--decode_contexts", "300"]
     )
-    assert [r["length"] for r in rows] == [256, 512]
+    assert [r["length"] for r in rows] == [256, 512, split - 1]
+    assert [r.get("seconds_full") is not None for r in rows] == [False, True, False]
     for r in rows:
         assert r["work_share"] < 0.3 and r["predicted_share"] <= r["work_share"] + 1e-3
-        assert r["max_relative_window_loss_difference"] < 1e-5
-    for name in ("bench_skip.json", "bench_skip.csv", "bench_skip.png"):
-        assert os.path.getsize(os.path.join(out, name)) > 0
+        assert 1 < r["ppl"] < 2000 and r["peak_mib_skip"] > 10
+    assert rows[1]["max_relative_window_loss_difference"] < 1e-5
+    assert [r["context"] for r in decoded] == [300] and decoded[0]["ms_per_token_skip"] > 0
+    for name in ("bench_skip", "bench_decode"):
+        for ext in (".json", ".csv", ".png"):
+            assert os.path.getsize(os.path.join(out, name + ext)) > 0
