@@ -91,6 +91,10 @@ def _attend(q, k, v, first_key, args, heads, width, chunk_size):
     buf = None
     if written and not args.needs_grad(q, k, v):
         buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, width + rows))
+    # the prior once, at every distance a chunk may need: index u holds distance rows - 1 - u
+    all_distances = _reversed_table(args.prior, earliest - Tk + 1, rows - 1, q)
+    if args.prior is not None:
+        all_distances = all_distances[heads]
     for start, stop, first in args.query_chunks(Tq, rows):
         # queries at [first_query, end); keys before `first` are hidden or skipped for all
         first_query = args.q_offset + start
@@ -98,9 +102,7 @@ def _attend(q, k, v, first_key, args, heads, width, chunk_size):
         if first_key is not None:
             first = max(first, int(first_key[:, :, start:stop].min()))
 
-        table = _reversed_table(args.prior, first - (end - 1), stop - start - 1, q)
-        if args.prior is not None:
-            table = table[heads]
+        table = all_distances[:, rows - (stop - start) : rows + end - 1 - first]
         queries = q[:, :, start:stop]
         row_scale = None
         if args.row_scale is not None:
@@ -209,7 +211,8 @@ def _hankel_mask(reversed_table, rows, row_scale, doc_rows, newest_key, buf):
     if row_scale is None:
         future = torch.arange(n, device=reversed_table.device) < rows - 1
         reversed_table = reversed_table.masked_fill(future, float("-inf"))
-    view = reversed_table.as_strided((1, H, rows, keys), (H * n, n, 1, 1))
+    head_stride = reversed_table.stride(0)
+    view = reversed_table.as_strided((1, H, rows, keys), (H * head_stride, head_stride, 1, 1))
     if row_scale is None and doc_rows is None:
         return view
 

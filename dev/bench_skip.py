@@ -146,7 +146,22 @@ def slope(xs, ys):
     return float(np.polyfit(np.log(xs[half:]), np.log(ys[half:]), 1)[0])
 
 
-def plot(rows, x, series, path, labels):
+# each table's figure: x, {column: (linestyle, name)}, (x label, y label, title)
+FIGURES = {
+    "bench_skip": (
+        "length",
+        {"seconds_full": (":", "every key"), "seconds_skip": ("-", "skipping")},
+        ("sequence length (tokens)", "seconds", "One sequence scored on one thread"),
+    ),
+    "bench_decode": (
+        "context",
+        {"ms_per_token_full": (":", "every key"), "ms_per_token_skip": ("-", "skipping")},
+        ("context (tokens)", "ms per generated token", "Greedy decoding on one thread"),
+    ),
+}
+
+
+def plot(rows, x, series, labels, path):
     """Log-log lines per checkpoint, series = {column: (linestyle, name)}, slopes in the legend."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -154,11 +169,11 @@ def plot(rows, x, series, path, labels):
     for label, style in curve_styles(names).items():
         for column, (linestyle, name) in series.items():
             mine = [r for r in rows if r["label"] == label and r.get(column) is not None]
-            if len(mine) < 2:
+            if not mine:
                 continue
             xs = [r[x] for r in mine]
             ys = [r[column] for r in mine]
-            legend = f"{label} {name} (slope {slope(xs, ys):.2f})"
+            legend = f"{label} {name}" + (f" (slope {slope(xs, ys):.2f})" if len(xs) > 1 else "")
             ax.plot(
                 xs,
                 ys,
@@ -199,18 +214,11 @@ def main(argv=None):
         rows += bench(path, args.data_dir, args.lengths, full_lengths)
         decode_rows += decode_bench(path, args.data_dir, args.decode_contexts)
     os.makedirs(args.out, exist_ok=True)
-    if rows:
-        write_table(rows, os.path.join(args.out, "bench_skip"))
-        series = {"seconds_full": (":", "every key"), "seconds_skip": ("-", "skipping")}
-        labels = ("sequence length (tokens)", "seconds", "One sequence scored on one thread")
-        plot(rows, "length", series, os.path.join(args.out, "bench_skip.png"), labels)
-        print(f"wrote {args.out}/bench_skip.json, .csv and .png")
-    if decode_rows:
-        write_table(decode_rows, os.path.join(args.out, "bench_decode"))
-        series = {"ms_per_token_full": (":", "every key"), "ms_per_token_skip": ("-", "skipping")}
-        labels = ("context (tokens)", "ms per generated token", "Greedy decoding on one thread")
-        plot(decode_rows, "context", series, os.path.join(args.out, "bench_decode.png"), labels)
-        print(f"wrote {args.out}/bench_decode.json, .csv and .png")
+    for name, table in (("bench_skip", rows), ("bench_decode", decode_rows)):
+        if table:
+            write_table(table, os.path.join(args.out, name))
+            plot(table, *FIGURES[name], os.path.join(args.out, name + ".png"))
+            print(f"wrote {args.out}/{name}.json, .csv and .png")
     return rows, decode_rows
 
 
