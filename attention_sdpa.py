@@ -124,9 +124,7 @@ def _attend(q, k, v, first_key, args, heads, width, chunk_size):
 
 def _attend_band(q, k, v, first_key, args, heads, width, chunk_size):
     """One narrow group of heads (as _attend's) as a band: blocks of `rows` query rows, each scoring
-    the width + rows - 1 keys up to its last row, a cache's worth of blocks per product. Each row
-    reads from its own first key, so that no weight is left to underflow into subnormal floats
-    (which the CPU computes tens of times slower)."""
+    the width + rows - 1 keys up to its last row, a cache's worth of blocks per product."""
     B, H, Tq, _ = q.shape
     rows = chunk_size or min(Tq, max(16, width // 8))
     keys = width + rows - 1
@@ -154,23 +152,37 @@ def _attend_band(q, k, v, first_key, args, heads, width, chunk_size):
     table = args.prior.table(torch.arange(-(keys - 1), rows, device=q.device))[heads]
     log_prior = table[:, col_minus_row + rows - 1].unsqueeze(1)  # (h, 1, rows, keys)
     future = col_minus_row > width - 1
+    if not scaled_prior:
+        log_prior = log_prior.masked_fill(future, float("-inf"))
 
+    # Only the blocks that reach before the group's first key (the band's zeros), or every block
+    # where documents hide keys, mask each row from its own first key. In the others a row reads
+    # all the block's keys: more than it needs, never fewer.
+    masked_blocks = blocks
+    if args.doc_start is None:
+        masked_blocks = -(-(earliest - first) // rows)
     out = q.new_empty(B, H, blocks * rows, q.shape[-1])
     per_product = max(1, 2**19 // (B * H * rows * keys))
-    for block in range(0, blocks, per_product):
-        n = min(per_product, blocks - block)
-        at = slice(block * rows, (block + n) * rows)
-        scores = queries[:, :, at].unflatten(2, (n, rows)) @ k_blocks[:, :, block : block + n]
-        if scaled_prior:
-            scores.addcmul_(log_prior, r[:, :, at].unflatten(2, (n, rows))[..., None])
-        else:
-            scores.add_(log_prior)
-        # keys before the row's first key (its document's start, the band's zeros) or after it
-        key_pos = first + (block + torch.arange(n)[:, None]) * rows + torch.arange(keys)
-        row_first = first_key[:, :, at].unflatten(2, (n, rows))[..., None]
-        scores.masked_fill_((key_pos[:, None, :] < row_first) | future, float("-inf"))
-        values = torch.softmax(scores, dim=-1) @ v_blocks[:, :, block : block + n]
-        out[:, :, at] = values.flatten(2, 3)
+    # far keys' weights underflow into subnormal floats, which the CPU computes tens of times slower
+    torch.set_flush_denormal(True)
+    try:
+        for block in range(0, blocks, per_product):
+            n = min(per_product, blocks - block)
+            at = slice(block * rows, (block + n) * rows)
+            scores = queries[:, :, at].unflatten(2, (n, rows)) @ k_blocks[:, :, block : block + n]
+            if scaled_prior:
+                scores.addcmul_(log_prior, r[:, :, at].unflatten(2, (n, rows))[..., None])
+                scores.masked_fill_(future, float("-inf"))
+            else:
+                scores.add_(log_prior)
+            if block < masked_blocks:
+                key_pos = first + (block + torch.arange(n)[:, None]) * rows + torch.arange(keys)
+                row_first = first_key[:, :, at].unflatten(2, (n, rows))[..., None]
+                scores.masked_fill_(key_pos[:, None, :] < row_first, float("-inf"))
+            values = torch.softmax(scores, dim=-1) @ v_blocks[:, :, block : block + n]
+            out[:, :, at] = values.flatten(2, 3)
+    finally:
+        torch.set_flush_denormal(False)
     return out[:, :, :Tq]
 
 

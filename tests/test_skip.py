@@ -188,15 +188,19 @@ def test_sdpa_reads_nothing_it_skips():
     assert kept < 0.1 * visible
 
 
+@pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("scale_prior", [False, True])
-def test_sdpa_band_matches_the_dense_formula(scale_prior, monkeypatch):
+def test_sdpa_band_matches_the_dense_formula(scale_prior, documents, monkeypatch):
     """Narrow groups go as bands (attention_sdpa._attend_band): values against dense_attention
-    for every block size, with documents, a positive row scale and queries at an offset, and the
-    gradients of q, k, v and the row scale (the prior is fixed, as sdpa trains)."""
+    for every block size, with documents or without (where a row reads its block's keys before
+    its first key), a positive row scale and queries at an offset, and the gradients of q, k, v
+    and the row scale (the prior is fixed, as sdpa trains)."""
     gen = torch.Generator().manual_seed(4)
     q, k, v = qkv(2, 2, 90, 160, 8, seed=4)
-    doc_start = torch.zeros(2, 160, dtype=torch.long)
-    doc_start[1, 97:] = 97
+    doc_start = None
+    if documents:
+        doc_start = torch.zeros(2, 160, dtype=torch.long)
+        doc_start[1, 97:] = 97
     row_scale = torch.rand(1, 2, 90, generator=gen) + 0.5
     kw = dict(prior=ggd(*STEEP), doc_start=doc_start, scale_prior=scale_prior, q_offset=70)
     bands = []
