@@ -17,8 +17,8 @@ from unittest import mock
 
 import torch
 
-import model as model_code
-from attention import IMPLS, AttentionArgs, attention, impl_error, plan
+import attention as attention_code
+from attention import IMPLS, AttentionArgs, impl_error, plan
 from data import DataError, get_tokenizer
 from infra import runtime
 from infra.kernel_check import KernelMismatch, check_kernel
@@ -162,7 +162,10 @@ def kept_scores(q, k, v, **kwargs):
     args = AttentionArgs(**{n: kwargs[n] for n in AttentionArgs._fields if n in kwargs})
     args = args.resolve(q, k, v)
     _, first_key = plan(q, k, v, args, kwargs.get("impl", "auto"))
+    return _kept_and_visible(q, args, first_key)
 
+
+def _kept_and_visible(q, args, first_key):
     B, H, Tq, _ = q.shape
     rows = torch.arange(Tq, device=q.device) + args.q_offset
     earliest = torch.zeros(B, H, Tq, dtype=torch.long, device=q.device)
@@ -174,17 +177,18 @@ def kept_scores(q, k, v, **kwargs):
 
 @contextlib.contextmanager
 def counting_work():
-    """Yields [kept, visible], summed over the model's attention() calls while active
-    (kept_scores')."""
+    """Yields [kept, visible], summed over the attention() calls while active (kept_scores'),
+    from the first keys each call plans: counting plans nothing twice."""
     counts = [0, 0]
 
-    def counted(q, k, v, **kwargs):
-        kept, visible = kept_scores(q, k, v, **kwargs)
+    def counted(q, k, v, args, impl):
+        chosen, first_key = plan(q, k, v, args, impl)
+        kept, visible = _kept_and_visible(q, args, first_key)
         counts[0] += kept
         counts[1] += visible
-        return attention(q, k, v, **kwargs)
+        return chosen, first_key
 
-    with mock.patch.object(model_code, "attention", counted):
+    with mock.patch.object(attention_code, "plan", counted):
         yield counts
 
 

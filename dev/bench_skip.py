@@ -34,6 +34,7 @@ from infra import runtime  # noqa: E402
 from model import load_model  # noqa: E402
 
 
+@torch.no_grad()
 def predicted_share(model, length):
     """The share of visible scores the priors alone leave over the layers and heads (SSMax's row
     scale s_h log n_i included where it scales the prior), and the heads that read every key."""
@@ -43,8 +44,7 @@ def predicted_share(model, length):
     full_heads = 0
     for block in model.blocks:
         layer = block.attn
-        with torch.no_grad():
-            log_prior = layer.bound_prior().table(-torch.arange(length)).double()
+        log_prior = layer.bound_prior().table(-torch.arange(length)).double()
         suffix_max = log_prior.flip(-1).cummax(-1).values.flip(-1)
         gap = log_prior[:, :1] - suffix_max
         for h, head_gap in enumerate(gap):
