@@ -794,13 +794,12 @@ FLOORED = {
 # extreme_alpha: the probability of most rows sits on one key whose log-prior is about -61 (head 1).
 # The dense formula's dk and prior gradients are then ~0, and the kernel's are fp32 rounding of
 # dS = P (dP - Delta) on such rows (P = 1 - 1e-7, not 1), times the tables' size: up to 1e-6 in dk
-# and 0.5 of the floor in d theta_mu with scale_prior. A known gap, strict so that a fix shows up.
+# and 0.5 of the floor in d theta_mu with scale_prior. A known gap. Not strict: whether that
+# rounding crosses the tolerance depends on the CPU (on some it stays within and the case passes).
 FLOORED_CASES = [
     pytest.param(
         n,
-        marks=pytest.mark.xfail(
-            strict=True, reason="fp32 rounding of dS on rows where P is one-hot"
-        ),
+        marks=pytest.mark.xfail(reason="fp32 rounding of dS on rows where P is one-hot"),
     )
     if n == "extreme_alpha"
     else n
