@@ -147,11 +147,7 @@ def _attend_band(q, k, v, first_key, args, heads, width, chunk_size):
         queries = queries * r[..., None]
     scaled_prior = r is not None and args.scale_prior
 
-    # block row a, key column c: d = j - i = c - a - (width - 1), the same in every block
-    col_minus_row = torch.arange(keys)[None, :] - torch.arange(rows)[:, None]
-    table = args.prior.table(torch.arange(-(keys - 1), rows, device=q.device))[heads]
-    log_prior = table[:, col_minus_row + rows - 1].unsqueeze(1)  # (h, 1, rows, keys)
-    future = col_minus_row > width - 1
+    log_prior, future = _band_prior(args.prior, heads, rows, keys, width)
     if not scaled_prior:
         log_prior = log_prior.masked_fill(future, float("-inf"))
 
@@ -184,6 +180,15 @@ def _attend_band(q, k, v, first_key, args, heads, width, chunk_size):
     finally:
         torch.set_flush_denormal(False)
     return out[:, :, :Tq]
+
+
+def _band_prior(prior, heads, rows, keys, width):
+    """(log-prior (h, 1, rows, keys), future (rows, keys)) of one band block, the same in every
+    block: block row a, key column c sit at distance d = j - i = c - a - (width - 1)."""
+    col_minus_row = torch.arange(keys)[None, :] - torch.arange(rows)[:, None]
+    table = prior.table(torch.arange(-(keys - 1), rows, device=heads.device))[heads]
+    log_prior = table[:, col_minus_row + rows - 1].unsqueeze(1)
+    return log_prior, col_minus_row > width - 1
 
 
 def _key_band(k, heads, band):
