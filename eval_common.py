@@ -7,7 +7,6 @@ the out-of-memory skip note, resumable results, summary and per-seed tables, fig
 import contextlib
 import csv
 import json
-import math
 import os
 import re
 import statistics
@@ -18,7 +17,7 @@ from unittest import mock
 import torch
 
 import attention as attention_code
-from attention import IMPLS, AttentionArgs, impl_error, plan
+from attention import IMPLS, impl_error, plan
 from data import DataError, get_tokenizer
 from infra import runtime
 from infra.kernel_check import KernelMismatch, check_kernel
@@ -61,11 +60,7 @@ def parse_lengths(values):
 def default_lengths(train_lengths, max_length=None):
     """Training length x 1, 2, 4, ... up to max_length (default 32 x the largest)."""
     max_length = max_length or 32 * max(train_lengths)
-
-    lengths = set()
-    for t in train_lengths:
-        n = int(math.floor(math.log2(max(max_length, t) / t)))
-        lengths.update(t * 2**k for k in range(n + 1))
+    lengths = {t * 2**k for t in train_lengths for k in range(max_length.bit_length())}
     return sorted(L for L in lengths if L <= max_length)
 
 
@@ -155,37 +150,23 @@ class Evaluation(NamedTuple):
     log: runtime.ResultLog = None
 
 
-def kept_scores(q, k, v, **kwargs):
-    """(kept, visible) of attention(q, k, v, **kwargs): the scores it reads from its rows' first
-    keys on (attention.plan recomputes them, as the call's impl does), and the scores those rows
-    see. kept / visible is the "attention work"."""
-    args = AttentionArgs(**{n: kwargs[n] for n in AttentionArgs._fields if n in kwargs})
-    args = args.resolve(q, k, v)
-    _, first_key = plan(q, k, v, args, kwargs.get("impl", "auto"))
-    return _kept_and_visible(q, args, first_key)
-
-
-def _kept_and_visible(q, args, first_key):
-    B, H, Tq, _ = q.shape
-    rows = torch.arange(Tq, device=q.device) + args.q_offset
-    earliest = torch.zeros(B, H, Tq, dtype=torch.long, device=q.device)
-    if args.doc_start is not None:
-        earliest = earliest + args.doc_start[:, None, rows]
-    kept = earliest if first_key is None else first_key
-    return int((rows + 1 - kept).sum()), int((rows + 1 - earliest).sum())
-
-
 @contextlib.contextmanager
 def counting_work():
-    """Yields [kept, visible], summed over the attention() calls while active (kept_scores'),
-    from the first keys each call plans: counting plans nothing twice."""
+    """Yields [kept, visible], summed over the attention() calls while active: the scores each call
+    reads from its rows' first keys on (those it plans: counting plans nothing twice), and the
+    scores those rows see. kept / visible is the "attention work"."""
     counts = [0, 0]
 
     def counted(q, k, v, args, impl):
         chosen, first_key = plan(q, k, v, args, impl)
-        kept, visible = _kept_and_visible(q, args, first_key)
-        counts[0] += kept
-        counts[1] += visible
+        B, H, Tq, _ = q.shape
+        rows = torch.arange(Tq, device=q.device) + args.q_offset
+        earliest = torch.zeros(B, H, Tq, dtype=torch.long, device=q.device)
+        if args.doc_start is not None:
+            earliest = earliest + args.doc_start[:, None, rows]
+        kept = earliest if first_key is None else first_key
+        counts[0] += int((rows + 1 - kept).sum())
+        counts[1] += int((rows + 1 - earliest).sum())
         return chosen, first_key
 
     with mock.patch.object(attention_code, "plan", counted):

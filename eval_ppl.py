@@ -200,16 +200,13 @@ def window_rows(records, base):
     counts = np.sum([r["counts"] for r in records], axis=0)
     starts = [0] + ends[:-1]
 
-    rows = []
-    for k, end in enumerate(ends):
-        loss = float(sums[k] / counts[k])
-        rows.append(dict(base, scope="window", window_start=starts[k], window_end=end))
-        rows[-1].update(n_tokens=int(counts[k]), loss=loss, ppl=math.exp(loss))
+    def row(scope, start, end, loss_sum, n_tokens):
+        loss = float(loss_sum / n_tokens)
+        span = dict(scope=scope, window_start=start, window_end=end, n_tokens=int(n_tokens))
+        return dict(base, **span, loss=loss, ppl=math.exp(loss))
 
-    loss = float(sums.sum() / counts.sum())
-    overall = dict(base, scope="overall", window_start=0, window_end=ends[-1])
-    overall.update(n_tokens=int(counts.sum()), loss=loss, ppl=math.exp(loss))
-    return rows + [overall]
+    rows = [row("window", *cell) for cell in zip(starts, ends, sums, counts)]
+    return rows + [row("overall", 0, ends[-1], sums.sum(), counts.sum())]
 
 
 def ppl_table(rows, args, data_desc, n_seqs):

@@ -393,6 +393,7 @@ def test_kernel_half_precision_signed_row_scales(dtype, scale_prior):
     )
 
 
+@pytest.mark.slow  # 30 s in the interpreter
 def test_kernel_offsets_past_2_31():
     """The last head's keys start past 2^31 elements (B H T D of a long context): the kernels'
     base offsets are 64-bit. Its query sees the last 64 keys only (its document), so the forward is
@@ -427,12 +428,13 @@ def test_kernel_jit_functions_take_at_most_40_parameters():
 
 
 # the GPU's tile configuration of every (dtype, head_dim) class of _configs, each with a prior whose
-# gradient takes one of the two paths (per score; per diagonal: t5_bucket)
+# gradient takes one of the two paths (per score; per diagonal: t5_bucket); the half-precision
+# 128-wide tiles take 20-30 s each in the interpreter, so they run with the slow tests
 GPU_TILE_CASES = [
     (torch.bfloat16, 64, "ggd", True),
-    (torch.bfloat16, 128, "t5_bucket", False),
+    pytest.param(torch.bfloat16, 128, "t5_bucket", False, marks=pytest.mark.slow),
     (torch.float16, 64, "kerple_power", False),
-    (torch.float16, 128, "cauchy", True),
+    pytest.param(torch.float16, 128, "cauchy", True, marks=pytest.mark.slow),
     (torch.float32, 64, "t5_bucket", True),
     (torch.float32, 128, "ggd", False),
 ]
