@@ -785,8 +785,7 @@ def _empty_heads(x):
 
 
 def _sizes(q, k, v, q_offset, softmax_scale):
-    batch, H, Tq, D = q.shape
-    return Sizes(H, Tq, k.shape[2], q_offset, softmax_scale, k.stride(0), v.stride(0))
+    return Sizes(*q.shape[1:3], k.shape[2], q_offset, softmax_scale, k.stride(0), v.stride(0))
 
 
 def _flags(q, doc_start, table, row_scale, scale_prior):
@@ -948,7 +947,6 @@ def _fwd_setup_context(ctx, inputs, output):
     q, k, v, doc_start, table, dtable, theta, row_scale, group_first_key = inputs[:9]
     ctx.save_for_backward(q, k, v, *output, doc_start, table, dtable, row_scale, group_first_key)
     ctx.args = inputs[9:]
-    ctx.theta_dtype = theta.dtype if theta is not None else None
     ctx.mark_non_differentiable(output[1])
 
 
@@ -961,7 +959,7 @@ def _fwd_backward(ctx, do, _dlse):
     do = _model_layout(do)
     tensors = (do, q, k, v, o, lse, doc_start, table, dtable, row_scale, group_first_key)
     dq, dk, dv, g, drow_scale = _triton_bwd(*tensors, *ctx.args, need_row_scale_grad)
-    grads = (dq, dk, dv, None, None, None, g.to(ctx.theta_dtype or g.dtype), drow_scale)
+    grads = (dq, dk, dv, None, None, None, g.float(), drow_scale)
     grads = [grad if want else None for grad, want in zip(grads, wanted)]
     return (*grads, None, None, None, None, None)
 

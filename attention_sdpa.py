@@ -92,9 +92,10 @@ def _attend(q, k, v, first_key, args, heads, width, chunk_size):
     if written and not args.needs_grad(q, k, v):
         buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, width + rows))
     # the prior once, at every distance a chunk may need: index u holds distance rows - 1 - u
-    all_distances = _reversed_table(args.prior, earliest - Tk + 1, rows - 1, q)
+    distances = torch.arange(earliest - Tk + 1, rows, device=q.device)
+    all_distances = q.new_zeros(1, len(distances))  # no prior
     if args.prior is not None:
-        all_distances = all_distances[heads]
+        all_distances = args.prior.table(distances).flip(1)[heads]
     for start, stop, first in args.query_chunks(Tq, rows):
         # queries at [first_query, end); keys before `first` are hidden or skipped for all
         first_query = args.q_offset + start
@@ -202,16 +203,6 @@ def _key_band(k, heads, band):
     return F.pad(band, (0, 0, lo - first, first + span - hi))
 
 
-def _reversed_table(prior, nearest, farthest, like):
-    """Log-prior at distances farthest down to nearest, (H, farthest - nearest + 1); no prior:
-    zeros (1, n)."""
-    if prior is None:
-        return like.new_zeros(1, farthest - nearest + 1)
-
-    distances = torch.arange(nearest, farthest + 1, device=like.device)
-    return prior.table(distances).flip(1)
-
-
 def _neg_inf_where(hidden):
     # 0 where visible, -inf where hidden; added in place to a mask
     return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
@@ -236,13 +227,8 @@ def _hankel_mask(reversed_table, rows, row_scale, doc_rows, newest_key, buf):
     batch = doc_rows.shape[0] if doc_rows is not None else row_scale.shape[0]
     shape = (batch, H if row_scale is None else row_scale.shape[1], rows, keys)
     mask = buf[: math.prod(shape)].view(shape) if buf is not None else None
-    if row_scale is None:
-        mask = view.expand(shape).clone() if mask is None else mask.copy_(view.expand(shape))
-    else:
-        if mask is None:
-            mask = view.expand(shape) * row_scale
-        else:
-            mask = torch.mul(view.expand(shape), row_scale, out=mask)
+    mask = torch.mul(view.expand(shape), 1.0 if row_scale is None else row_scale, out=mask)
+    if row_scale is not None:
         # causal: key column c follows query row r iff r + c < rows - 1 (first rows - 1 cols)
         idx = torch.arange(rows, device=mask.device)
         future = idx[:, None] + idx[None, : rows - 1] < rows - 1
