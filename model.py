@@ -216,9 +216,7 @@ class Attention(nn.Module):
                 else:
                     self.register_buffer(name, value, persistent=False)
 
-        self.ssmax_s = None
-        if cfg.ssmax:
-            self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), SSMAX_INIT))
+        self.ssmax_s = nn.Parameter(torch.full((cfg.n_head,), SSMAX_INIT)) if cfg.ssmax else None
         # bam + SSMax scales a trained prior too; a fixed one keeps its designed scale
         trained = self.family is not None and bool(self.family.trainable)
         self.scale_prior = cfg.pos_encoding == "bam" and cfg.ssmax and cfg.scale_prior and trained
@@ -339,10 +337,7 @@ class GPT(nn.Module):
         rope = None
         if cfg.pos_encoding == "rope":
             rope = rope_cos_sin(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta)
-
-        log_n = None
-        if cfg.ssmax:
-            log_n = ssmax_log_n(pos, doc_start)
+        log_n = ssmax_log_n(pos, doc_start) if cfg.ssmax else None
 
         for block in self.blocks:
             x = block(x, rope, doc_start, log_n, kv_cache)
@@ -363,13 +358,9 @@ class GPT(nn.Module):
 
     def _token_losses(self, x, targets, chunk_tokens=8192):
         losses = []
-        for start in range(0, x.shape[1], chunk_tokens):
-            chunk = slice(start, start + chunk_tokens)
-            logits = self.lm_head(x[:, chunk]).float()
-            loss = F.cross_entropy(
-                logits.transpose(1, 2), targets[:, chunk], ignore_index=-1, reduction="none"
-            )
-            losses.append(loss)
+        for xs, ts in zip(x.split(chunk_tokens, dim=1), targets.split(chunk_tokens, dim=1)):
+            logits = self.lm_head(xs).float().transpose(1, 2)
+            losses.append(F.cross_entropy(logits, ts, ignore_index=-1, reduction="none"))
         return torch.cat(losses, dim=1)
 
     @torch.no_grad()
@@ -424,14 +415,13 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, prior_lr=0, ssmax_lr=0):
         """RAdam, decoupled weight decay on >= 2-D weights (as the authors); the prior's and
         SSMax's rates default (0) to learning_rate; train.py schedules each group's base_lr."""
-        weight_decays = dict(decay=weight_decay, no_decay=0.0, prior=0.0, ssmax=0.0)
         rates = dict(prior=prior_lr, ssmax=ssmax_lr)
         groups = []
         for name, params in self.param_groups().items():
             lr = rates.get(name) or learning_rate
+            decay = weight_decay if name == "decay" else 0.0
             if params:
-                groups.append(dict(params=params, weight_decay=weight_decays[name], lr=lr))
-                groups[-1]["base_lr"] = lr
+                groups.append(dict(params=params, weight_decay=decay, lr=lr, base_lr=lr))
         return torch.optim.RAdam(groups, lr=learning_rate, betas=betas, decoupled_weight_decay=True)
 
     def flops_per_token(self, seq_len):

@@ -45,13 +45,12 @@ def random_walks(rng, n, length):
     state = rng.integers(len(LETTERS), size=n)
 
     walks = np.empty((n, length), dtype=np.int64)
-    uniform = rng.random((n, length))
-
+    # each step's successor, 0 .. 2 (the minimum: a draw past cumsum's rounded 1)
+    choice = np.searchsorted(cumulative_p, rng.random((n, length)), side="right")
+    choice = np.minimum(choice, len(SUCCESSOR_P) - 1)
     for t in range(length):
         walks[:, t] = state
-        choice = np.searchsorted(cumulative_p, uniform[:, t], side="right")
-        choice = np.minimum(choice, len(SUCCESSOR_P) - 1)
-        state = successors[state, choice]
+        state = successors[state, choice[:, t]]
 
     letter_bytes = np.frombuffer("".join(LETTERS).encode("ascii"), dtype=np.uint8)
     return letter_bytes.astype(np.int64)[walks]

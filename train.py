@@ -104,8 +104,9 @@ class TrainingError(RuntimeError):
     """The run cannot go on: non-finite loss, ill-fitting checkpoint, compile error."""
 
 
-def setting_errors(cfg, world_size):
-    """A message per problem with the settings."""
+def check_settings(cfg, world_size, ddp):
+    """Check every setting before data or model are touched. Returns (device, GPTConfig); a
+    ConfigError says why."""
     errors = []
     if cfg.dtype not in ("bfloat16", "float16", "float32"):
         errors.append(f"dtype must be bfloat16, float16 or float32, got {cfg.dtype!r}")
@@ -117,8 +118,7 @@ def setting_errors(cfg, world_size):
     for key in at_least_one.split():
         if getattr(cfg, key) < 1:
             errors.append(f"{key} must be at least 1, got {getattr(cfg, key)}")
-    non_negative = "warmup_iters keep_last grad_clip weight_decay prior_lr ssmax_lr"
-    for key in (non_negative + " min_lr").split():
+    for key in "warmup_iters keep_last grad_clip weight_decay prior_lr ssmax_lr min_lr".split():
         if getattr(cfg, key) < 0:
             errors.append(f"{key} must be >= 0, got {getattr(cfg, key)}")
 
@@ -139,13 +139,6 @@ def setting_errors(cfg, world_size):
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by "
             f"the world size {world_size} (it counts micro-batches over all processes)"
         )
-    return errors
-
-
-def check_settings(cfg, world_size, ddp):
-    """Check every setting before data or model are touched. Returns (device, GPTConfig); a
-    ConfigError says why."""
-    errors = setting_errors(cfg, world_size)
     if errors:
         raise ConfigError("invalid settings: " + "; ".join(errors))
 
@@ -211,18 +204,17 @@ def evaluate(model, loader, eval_iters, autocast, step):
     world_size = dist.get_world_size() if dist.is_initialized() else 1
 
     model.eval()
-    # sum of batch losses, number of batches
-    total = torch.zeros(2, device=device, dtype=torch.float64)
+    total = torch.zeros((), device=device, dtype=torch.float64)  # sum of batch losses
     for k in range(rank, eval_iters, world_size):
         x, y, doc_start = to_device(loader.get_batch(k), device)
         with autocast:
             loss = model(x, y, doc_start=doc_start)[1]
-        total += torch.stack([loss.double(), torch.ones_like(loss, dtype=torch.float64)])
+        total += loss.double()
     if dist.is_initialized():
         dist.all_reduce(total)
     model.train()
 
-    val_loss = (total[0] / total[1]).item()
+    val_loss = total.item() / eval_iters
     record = {"val_loss": val_loss}
     message = f"step {step}: val loss {val_loss:.4f}"
     prior = model.prior_record()
@@ -493,19 +485,17 @@ if __name__ == "__main__":
             break
         since = time.time()
 
+    if ddp:  # leave together: one rank tearing down gloo while another exits can hang it
+        dist.barrier()
+        dist.destroy_process_group()
     if step < cfg.max_iters:
         log(
             f"stopped by {signal.Signals(stop).name} after step {step}; checkpoint "
             f"{last_checkpoint}; continue with --resume=True"
         )
-    else:
-        took = timedelta(seconds=round(time.time() - started))
-        log(
-            f"done: step {step} of {cfg.max_iters} in {took}; val loss {val_loss}; checkpoint "
-            f"{last_checkpoint}"
-        )
-    if ddp:  # leave together: one rank tearing down gloo while another exits can hang it
-        dist.barrier()
-        dist.destroy_process_group()
-    if step < cfg.max_iters:
         sys.exit(runtime.EXIT_INTERRUPTED if stop == signal.SIGINT else runtime.EXIT_PREEMPTED)
+    took = timedelta(seconds=round(time.time() - started))
+    log(
+        f"done: step {step} of {cfg.max_iters} in {took}; val loss {val_loss}; checkpoint "
+        f"{last_checkpoint}"
+    )
