@@ -93,8 +93,9 @@ def _attend(q, k, v, first_key, args, heads, width, chunk_size):
         buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, width + rows))
     # the prior once, at every distance a chunk may need: index u holds distance rows - 1 - u
     distances = torch.arange(earliest - Tk + 1, rows, device=q.device)
-    all_distances = q.new_zeros(1, len(distances))  # no prior
-    if args.prior is not None:
+    if args.prior is None:
+        all_distances = q.new_zeros(1, len(distances))
+    else:
         all_distances = args.prior.table(distances).flip(1)[heads]
     for start, stop, first in args.query_chunks(Tq, rows):
         # queries at [first_query, end); keys before `first` are hidden or skipped for all
