@@ -10,7 +10,6 @@ Writes ruler_samples.jsonl (a rerun resumes it), ruler_summary (.json/.csv) and 
 """
 
 import argparse
-import contextlib
 import functools
 import hashlib
 import json
@@ -405,13 +404,8 @@ def record_key(run, task, length, i, essay):
 
 
 def newline_tokens(enc):
-    """Ids of tokens whose bytes contain a newline (vocabulary holes have none)."""
-    ids = set()
-    for t in range(enc.n_vocab):
-        with contextlib.suppress(KeyError):
-            if b"\n" in enc.token_bytes(t):
-                ids.add(t)
-    return ids
+    """Ids of tokens whose bytes contain a newline (every id below n_vocab is a token)."""
+    return {t for t in range(enc.n_vocab) if b"\n" in enc.token_bytes(t)}
 
 
 def decode_output(tokens, enc, newline_ids=None):
