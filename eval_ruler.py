@@ -234,12 +234,9 @@ def essay_context(essay, num_haystack, needles, rng):
     depths = sorted(rng.sample(DEPTHS, len(needles)))
     positions = [0] + [int(len(sentences) * (d / 100)) for d in depths] + [len(sentences)]
 
-    # RULER's document_sents_list: sentence runs and needles
-    parts = []
-    for i in range(1, len(positions)):
-        parts.append(" ".join(sentences[positions[i - 1] : positions[i]]))
-        if i - 1 < len(needles):
-            parts.append(needles[i - 1])
+    # RULER's document_sents_list: the sentence runs, a needle after each but the last
+    runs = [" ".join(sentences[a:b]) for a, b in zip(positions, positions[1:])]
+    parts = [runs[0]] + [part for pair in zip(needles, runs[1:]) for part in pair]
     return " ".join(parts), depths
 
 
