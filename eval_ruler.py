@@ -522,9 +522,8 @@ def summarise(ev, args, lengths, essay, skipped):
             average = round(sum(scored) / len(scored), 2) if scored else None
             status = f"{len(scored)}/{len(task_rows)} tasks"
             rows += task_rows
-            rows.append(dict(task_rows[0], task="average", haystack=None, samples=None))
-            rows[-1].update(score=average, mean_input_tokens=None, status=status)
-            rows[-1].update(attention_work=work_share(task_rows))
+            rows.append(task_row(run, "average", length, [], args.samples, status))
+            rows[-1].update(samples=None, score=average, attention_work=work_share(task_rows))
 
     write_table(rows, os.path.join(args.out, "ruler_summary"))
     series = curves([r for r in rows if r["task"] == "average"], "target_length", "score")
