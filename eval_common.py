@@ -44,7 +44,6 @@ def add_common_args(parser, default_out):
     add("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     add("--attn_impl", default="auto", choices=list(IMPLS), help="attention.py's impl")
     add("--no_skip", action="store_true", help="read every key (no attention.first_keys)")
-    return parser
 
 
 def parse_lengths(values):
@@ -258,13 +257,9 @@ def markdown_table(header, rows):
 
 
 # ---- the per-seed tables
-# <variant>-s<seed>[ ...]
-SEEDED_NAME = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$")
-
-
 def seed_split(name):
     """(variant, seed) of <variant>-s<seed>[ rest] (bam_ssmax-s3), else (name, None)."""
-    match = SEEDED_NAME.match(name)
+    match = re.match(r"^(?P<variant>.+)-s(?P<seed>\d+)(?P<rest>.*)$", name)
     if not match:
         return name, None
 
@@ -289,8 +284,7 @@ def seed_table(cells, path_prefix, caption, worst, figure):
         seeds = sorted((s for v, s in by_run if v == variant), key=lambda s: (s is None, s))
         runs = [by_run[(variant, s)] for s in seeds]
         # over seeds that have the cell (a length may be skipped for lack of memory)
-        per_mult = {m: [r[m] for r in runs if m in r] for m in mults}
-        per_mult = {m: v for m, v in per_mult.items() if v}
+        per_mult = {m: [r[m] for r in runs if m in r] for m in mults if any(m in r for r in runs)}
 
         lines = [("seed", s, 1, r) for s, r in zip(seeds, runs)]
         if len(seeds) > 1:
@@ -299,9 +293,8 @@ def seed_table(cells, path_prefix, caption, worst, figure):
                 lines.append((name, None, len(seeds), values))
 
         for statistic, seed, n_seeds, values in lines:
-            columns = {f"{m}x": values.get(m) for m in mults}
-            rows.append(dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds))
-            rows[-1].update(columns)
+            row = dict(variant=variant, statistic=statistic, seed=seed, n_seeds=n_seeds)
+            rows.append(row | {f"{m}x": values.get(m) for m in mults})
 
             bold = "" if statistic == "seed" else "**"
             first = [variant, "–" if seed is None else seed]

@@ -170,14 +170,12 @@ def build_prompt(enc, template, target_length, key, k):
     if fixed > target_length:
         raise ValueError(f"target length {target_length} is shorter than the prompt ({fixed})")
 
-    # a key longer than the widest: drop filler units after the needle, then before
+    # a key longer than the widest: drop filler units after the needle, then before, down to the
+    # `room` units that fit beside this needle
     unit = len(parts["filler"])
-    after = filler_units(enc, template, target_length) - k
-    while fixed + (k + after) * unit > target_length:
-        if after:
-            after -= 1
-        else:
-            k -= 1
+    room = (target_length - fixed) // unit
+    after = max(0, min(filler_units(enc, template, target_length) - k, room - k))
+    k = min(k, room - after)
 
     tokens = join(parts, parts["filler"] * k, needle, parts["filler"] * after)
     answer, n_given = answer_tokens(enc, key, template.get("given_digits", 0))
@@ -295,8 +293,7 @@ def score_chunk(ev, run, length, prompts, chunk):
     n_given = prompts[chunk[0]][2]["n_given"]
     t0 = time.perf_counter()
     with runtime.autocast(ev.device, ev.dtype), counting_work() as work:
-        chunk_prompts = [prompts[i][0] for i in chunk]
-        chunk_answers = [prompts[i][1] for i in chunk]
+        chunk_prompts, chunk_answers, _ = zip(*(prompts[i] for i in chunk))
         results = score_batch(run["model"], chunk_prompts, chunk_answers, n_given)
 
     seconds = (time.perf_counter() - t0) / len(chunk)

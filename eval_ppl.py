@@ -88,8 +88,7 @@ def hf_sequences(texts, tokenizer, seq_len, num_seqs):
     """(rows, texts read): the first num_seqs long enough texts, truncated."""
     rows = []
     read = 0
-    for text in texts:
-        read += 1
+    for read, text in enumerate(texts, 1):
         tokens = [tokenizer.doc_start] + tokenizer.encode_ordinary(text) if text else []
         if len(tokens) >= seq_len + 1:
             rows.append(np.asarray(tokens[: seq_len + 1], dtype=np.int64))
@@ -310,9 +309,7 @@ def main(argv=None):
 
     log = runtime.ResultLog(os.path.join(args.out, "ppl_samples.jsonl"), KEY_FIELDS)
     ev = Evaluation(runs, enc, device, dtype, log)
-    rows = []
-    for run in runs:
-        rows += score(ev, run, seqs, args, data_desc)
+    rows = [row for run in runs for row in score(ev, run, seqs, args, data_desc)]
 
     summarise(args, runs, rows, data_desc, len(seqs))
     return rows
