@@ -41,19 +41,15 @@ def random_walks(rng, n, length):
     """(n, length): n independent letter walks (byte values) from uniform random starts."""
     # (20, 3): each letter's successors' indices
     successors = np.array([[LETTERS.index(b) for b in CHAIN[a]] for a in LETTERS])
-    cumulative_p = np.cumsum(SUCCESSOR_P)
     state = rng.integers(len(LETTERS), size=n)
 
     walks = np.empty((n, length), dtype=np.int64)
-    # each step's successor, 0 .. 2 (the minimum: a draw past cumsum's rounded 1)
-    choice = np.searchsorted(cumulative_p, rng.random((n, length)), side="right")
-    choice = np.minimum(choice, len(SUCCESSOR_P) - 1)
+    # each step's successor, 0 .. 2: the last takes every draw past the others' cumulative p
+    choice = np.searchsorted(np.cumsum(SUCCESSOR_P)[:-1], rng.random((n, length)), side="right")
     for t in range(length):
         walks[:, t] = state
         state = successors[state, choice[:, t]]
-
-    letter_bytes = np.frombuffer("".join(LETTERS).encode("ascii"), dtype=np.uint8)
-    return letter_bytes.astype(np.int64)[walks]
+    return np.array([ord(letter) for letter in LETTERS], dtype=np.int64)[walks]
 
 
 def min_document_length():
@@ -106,10 +102,8 @@ def window_layouts(rng, n_windows, block_size, min_len, docs_per_window):
     """Document lengths per training window: k documents (k drawn with probabilities
     docs_per_window = (p1, p2, ...)) summing to block_size, each >= min_len, split uniformly."""
     probs = np.asarray(docs_per_window, dtype=np.float64)
+    # >= 1: parse_args holds block_size >= min_len
     most_docs = min(len(probs), block_size // min_len)
-    if most_docs < 1:
-        raise ValueError(f"block_size {block_size} is shorter than a document ({min_len} tokens)")
-
     probs = probs[:most_docs] / probs[:most_docs].sum()
     docs_in_window = rng.choice(np.arange(1, most_docs + 1), size=n_windows, p=probs)
 
@@ -179,8 +173,7 @@ def main(argv=None):
         layouts = window_layouts(rng, n_windows, args.block_size, args.min_doc_len, docs_per_window)
         docs = make_documents(rng, [length for layout in layouts for length in layout])
         # whole-document windows (exactly TokenLoader's), then an end-of-text: the last target
-        tokens = np.fromiter((t for d in docs for t in d), np.int64, n_windows * args.block_size)
-        tokens = np.concatenate([tokens, [EOT[TOKENIZER]]])
+        tokens = np.concatenate(docs + [[EOT[TOKENIZER]]])
 
         path = os.path.join(args.out_dir, shard_name("demo", split, index))
         with atomic_file(path) as f:
@@ -189,7 +182,7 @@ def main(argv=None):
             path=path,
             windows=n_windows,
             tokens=int(tokens.size),
-            documents=int((tokens[:-1] == EOT[TOKENIZER]).sum()),
+            documents=len(docs),
         )
 
     meta = dict(

@@ -149,12 +149,9 @@ def settings_of(args):
     else:
         source = {"dataset": args.dataset, "name": args.name, "split": args.split}
 
-    settings = dict(source=source)
-    for name in ("text_column", "tokenizer", "prefix", "shard_size", "val_tokens", "gap_tokens"):
-        settings[name] = getattr(args, name)
-    # the one a rerun may change
-    settings["max_tokens"] = args.max_tokens
-    return settings
+    names = ("text_column", "tokenizer", "prefix", "shard_size", "val_tokens", "gap_tokens")
+    # max_tokens last: the one a rerun may change
+    return dict(source=source, **{n: getattr(args, n) for n in names}, max_tokens=args.max_tokens)
 
 
 # ---- the source
@@ -245,8 +242,7 @@ def tokenized_documents(args, start_doc):
     """(tokens of each source row from start_doc on, worker pool or None). The first row is read
     now: a missing column fails before any write."""
     rows = itertools.islice(source_rows(args), start_doc, None)
-    first = next(rows, StopIteration)
-    rows = iter(()) if first is StopIteration else itertools.chain([first], rows)
+    rows = itertools.chain(list(itertools.islice(rows, 1)), rows)
 
     work = functools.partial(tokenize, args.tokenizer)
     pool = mp.Pool(args.num_proc) if args.num_proc > 1 else None
