@@ -57,17 +57,6 @@ def _run_file(path):
     }
 
 
-def _parse_value(raw, default):
-    """A --key=value arg's value: a Python literal, else the text as typed."""
-    try:
-        value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return raw  # a bare string such as --pos_encoding=rope
-    if isinstance(default, str) and not isinstance(value, str):
-        return raw  # a string setting keeps the text: --bam_init=0.5,-1 stays "0.5,-1"
-    return value
-
-
 def configure(defaults, argv=None):
     """A copy of `defaults` updated by config files, then --key=value arguments (see above)."""
     config = dict(defaults)
@@ -80,6 +69,11 @@ def configure(defaults, argv=None):
         key, eq, raw = arg[2:].partition("=")
         if not eq:
             raise ConfigError(f"argument {arg!r} must look like --key=value")
-        value = _parse_value(raw, defaults.get(key))
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw  # a bare string such as --pos_encoding=rope
+        if isinstance(defaults.get(key), str) and not isinstance(value, str):
+            value = raw  # a string setting keeps the text: --bam_init=0.5,-1 stays "0.5,-1"
         config[key] = _check(key, value, defaults, f"from {arg}")
     return config

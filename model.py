@@ -72,17 +72,15 @@ class GPTConfig:
                     f"bam_init {e} (the init of the prior {family.name!r}; 'default' is its own, "
                     f"{family.default_init!r})"
                 ) from None
-        self.check_used()
 
-    def check_used(self):
-        """A non-default setting this model does not use is an error: rope with --prior=kerple_log
-        would otherwise train with the prior silently unused."""
+        # a non-default setting this model does not use is an error: rope with --prior=kerple_log
+        # would otherwise train with the prior silently unused
         bam = self.pos_encoding == "bam"
         used = dict(
             prior=bam,
             bam_init=bam,
             train_mu=bam,
-            scale_prior=bam and self.ssmax and bool(get_prior(self.prior).trainable),
+            scale_prior=bam and self.ssmax and bool(family.trainable),
             rope_theta=self.pos_encoding == "rope",
         )
         defaults = {f.name: f.default for f in fields(self)}
@@ -125,12 +123,6 @@ def sinusoidal_embedding(pos, dim):
     # interleaved: sin, cos, sin, cos, ...
     pe = torch.stack([phase.sin(), phase.cos()], dim=-1).flatten(1)
     return pe[:, :dim].float()
-
-
-def rope_cos_sin(pos, head_dim, theta):
-    """LLaMA RoPE angles of pairs (2k, 2k+1): frequency theta^(-2k/head_dim)."""
-    phase = angles(pos, head_dim, theta)[:, None]  # (T, 1, head_dim/2): the same for every head
-    return phase.cos().float(), phase.sin().float()
 
 
 def apply_rope(x, cos, sin):
@@ -335,8 +327,9 @@ class GPT(nn.Module):
             x = x + sinusoidal_embedding(pos, cfg.n_embd).to(x.dtype)
 
         rope = None
-        if cfg.pos_encoding == "rope":
-            rope = rope_cos_sin(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta)
+        if cfg.pos_encoding == "rope":  # LLaMA's angles of pairs (2k, 2k+1), the same every head
+            phase = angles(pos, cfg.n_embd // cfg.n_head, cfg.rope_theta)[:, None]
+            rope = phase.cos().float(), phase.sin().float()
         log_n = ssmax_log_n(pos, doc_start) if cfg.ssmax else None
 
         for block in self.blocks:
