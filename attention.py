@@ -108,9 +108,7 @@ class AttentionArgs(NamedTuple):
                 f"attention: row_scale has {self.row_scale.shape[-1]} rows, queries have {Tq}"
             )
 
-        softmax_scale = self.softmax_scale
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(D)
+        softmax_scale = 1.0 / math.sqrt(D) if self.softmax_scale is None else self.softmax_scale
         return self._replace(
             prior=bind(self.prior),
             scale_prior=bool(self.scale_prior),
@@ -138,15 +136,11 @@ class AttentionArgs(NamedTuple):
             yield start, stop, earliest
 
 
-# SSMax's n_i: the contract takes r_i = s_h log n_i as row_scale
 def ssmax_log_n(pos, doc_start=None):
     """SSMax's log n_i at query positions pos (1-D); n_i = keys query i sees = its position in its
     document + 1 (as the authors). (B, T) with doc_start (B, T), else (1, T); r_i = s_h log n_i."""
-    if doc_start is not None:
-        n = pos[None, :] - doc_start + 1
-    else:
-        n = (pos + 1)[None, :]
-    return n.float().log()
+    start = 0 if doc_start is None else doc_start
+    return (pos[None, :] - start + 1).float().log()
 
 
 def dense_attention(q, k, v, **kwargs):
@@ -267,9 +261,7 @@ def first_keys(q, k, args, grad=False):
         tau = 150 * math.log(2) + 1
 
     # a longer table (a KV cache's, to its capacity) has a G no larger: its windows still hold
-    gap = args.prior_gap
-    if gap is None:
-        gap = prior_gap(args.prior, Tk, q.device)
+    gap = prior_gap(args.prior, Tk, q.device) if args.prior_gap is None else args.prior_gap
 
     # of the keys, only the rows' own are read: a decode step converts one, not the cache
     rows = torch.arange(Tq, device=q.device) + args.q_offset

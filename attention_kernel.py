@@ -51,11 +51,10 @@ FP_FUSION = True  # every launch's enable_fp_fusion
 # previous head; only the batch strides of k and v may differ (a KV cache's views: Sizes).
 # The outputs and gradients are laid out alike, so model.py reshapes them with no copy. The row
 # scale is (B, H, Tq), the queries' doc_start (B, Tq): a program moves its pointers to its (batch,
-# head) and derives offsets from the shapes. A launch passes three named tuples: Sizes (its sizes),
-# Inputs (the optional inputs) and Flags (compile-time). Tables (_prior_tables) are a row per head:
-# lp(d) in base 2, floored at priors.LOG_PRIOR_FLOOR, and J_k(d) = d lp(d) / d theta_k for the K
-# trained directions (GGD: 2, T5: 32; K a compile-time constant). A tile's log-prior depends on
-# d = j - i only: a gathered load.
+# head) and derives offsets from the shapes. Tables (_prior_tables) are a row per head: lp(d) in
+# base 2, floored at priors.LOG_PRIOR_FLOOR, and J_k(d) = d lp(d) / d theta_k for the K trained
+# directions (GGD: 2, T5: 32; K a compile-time constant). A tile's log-prior depends on d = j - i
+# only: a gathered load.
 #
 # Math, per (batch, head), query i (absolute position), key j, d = j - i, r_i the row scale (1
 # without SSMax):
@@ -625,7 +624,7 @@ def check_length(head_dim, dtype):
     """The length of the self-check's problem (infra/kernel_check.py): two full tiles of every
     kernel's configuration and a ragged third, to run unmasked, diagonal and ragged tiles."""
     cfg = _configs(_block_d(head_dim), dtype)
-    largest = max(max(cfg[kernel][:2]) for kernel in ("fwd", "dkdv", "dq"))
+    largest = max(_tile_groups(cfg))
     return 2 * largest + largest // 2 + 3
 
 
@@ -655,7 +654,7 @@ def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
     holds d lp / d theta_k in _parameter_directions' K directions, by forward-mode autograd (not
     allowed below the autograd key, where the ops run); theta (H, K) the entries whose gradient the
     ops return (None, None if K = 0). d > 0 is never visible: 0 there, so no 0 * inf gradient."""
-    largest = max(max(c[:2]) for c in (cfg["fwd"], cfg["dkdv"], cfg["dq"]))
+    largest = max(_tile_groups(cfg))
     table_start = -triton.cdiv(Tq + largest, 16) * 16
     table_stop = triton.cdiv(Tk + largest, 16) * 16
     d = torch.arange(table_start, table_stop, device=device) - q_offset

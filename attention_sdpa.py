@@ -86,8 +86,7 @@ def _attend(q, k, v, first_key, args, heads, width, chunk_size):
     rows = budget_bytes // (4 * B * H * width)
     if width < Tk:
         rows = width // 2
-    rows = min(512 if not written else 128, max(64, rows))
-    rows = chunk_size or int(rows)
+    rows = chunk_size or min(512 if not written else 128, max(64, rows))
     buf = None
     if written and not args.needs_grad(q, k, v):
         buf = q.new_empty(B * H * min(rows, Tq) * min(Tk, width + rows))
@@ -138,8 +137,8 @@ def _attend_band(q, k, v, first_key, args, heads, width, chunk_size):
     first = args.q_offset - width + 1
     span = (blocks - 1) * rows + keys
     earliest = int(first_key.min())
-    k_blocks = _key_band(k, heads, (first, span, earliest)).unfold(2, keys, rows)
-    v_blocks = _key_band(v, heads, (first, span, earliest)).unfold(2, keys, rows)
+    k_blocks = _key_band(k, heads, first, span, earliest).unfold(2, keys, rows)
+    v_blocks = _key_band(v, heads, first, span, earliest).unfold(2, keys, rows)
     v_blocks = v_blocks.transpose(-1, -2)
     queries = F.pad(q * args.softmax_scale, (0, 0, 0, padded_rows))
     first_key = F.pad(first_key, (0, padded_rows), value=earliest)
@@ -193,10 +192,8 @@ def _band_prior(prior, heads, rows, keys, width):
     return log_prior, col_minus_row > width - 1
 
 
-def _key_band(k, heads, band):
-    """k's `heads` at positions first .. first + span - 1, band = (first, span, earliest), zeros
-    off earliest..Tk-1: (B, h, span, D)."""
-    first, span, earliest = band
+def _key_band(k, heads, first, span, earliest):
+    """k's `heads` at first .. first + span - 1, zeros off earliest..Tk-1: (B, h, span, D)."""
     Tk = k.shape[2]
     lo = max(first, earliest)
     hi = min(first + span, Tk)
