@@ -1,5 +1,6 @@
 """Every script's expected failure, as a user meets it: one line `<script>: error: ...` on stderr,
-exit status 1, no traceback."""
+exit status 1, no traceback. The scripts run as their own __main__ in this process (no interpreter
+start-up per case); one case runs each evaluation under a new Python, as a user does."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import write_shard
+from conftest import run_script_here, write_shard
 
 from data import get_tokenizer
 from infra.runtime import save_checkpoint
@@ -73,7 +74,7 @@ def test_train_truncated_shard(data_dir, tmp_path):
         (broken / f).write_bytes((data_dir / f).read_bytes())
     with open(broken / "tiny_train_000001.bin", "r+b") as f:
         f.truncate(os.path.getsize(broken / "tiny_train_000001.bin") - 10)
-    r = run_script(
+    r = run_script_here(
         "train.py",
         f"--data_dir={broken}",
         f"--out_dir={tmp_path / 'out'}",
@@ -96,7 +97,7 @@ def test_train_truncated_shard(data_dir, tmp_path):
     [("sdpa", "impl='sdpa' cannot train a prior"), ("flex", "unknown attention impl 'flex'")],
 )
 def test_train_refuses_an_attn_impl_that_cannot_train_on_cpu(data_dir, tmp_path, impl, needle):
-    r = run_script(
+    r = run_script_here(
         "train.py",
         f"--data_dir={data_dir}",
         f"--out_dir={tmp_path / 'out'}",
@@ -122,7 +123,7 @@ def test_train_config_file_with_a_syntax_error(tmp_path):
     bad = tmp_path / "bad_config.py"
     bad.write_text("batch_size = 4\nlearning_rate = = 1e-3\n")
     assert_one_line_error(
-        run_script("train.py", bad, "--device=cpu"), "train.py", "bad_config.py", "line 2"
+        run_script_here("train.py", bad, "--device=cpu"), "train.py", "bad_config.py", "line 2"
     )
 
 
@@ -137,12 +138,12 @@ def test_eval_missing_checkpoint(script, tmp_path):
 @pytest.mark.parametrize("script", EVALS)
 def test_eval_garbage_checkpoint(script, tmp_path):
     (tmp_path / "ckpt_0000001.pt").write_bytes(b"this is not a checkpoint" * 100)
-    r = run_script(script, "--ckpt", tmp_path, "--out", tmp_path / "res", "--device", "cpu")
+    r = run_script_here(script, "--ckpt", tmp_path, "--out", tmp_path / "res", "--device", "cpu")
     assert_one_line_error(r, script, "could not read checkpoint", "ckpt_0000001.pt")
 
 
 def test_eval_ppl_missing_data_dir(ckpt, tmp_path):
-    r = run_script(
+    r = run_script_here(
         "eval_ppl.py",
         "--ckpt",
         ckpt,
@@ -156,7 +157,7 @@ def test_eval_ppl_missing_data_dir(ckpt, tmp_path):
         "64",
     )
     assert_one_line_error(r, "eval_ppl.py", "data directory", "does not exist")
-    r = run_script(
+    r = run_script_here(
         "eval_ppl.py",
         "--ckpt",
         ckpt,
@@ -171,7 +172,7 @@ def test_eval_ppl_missing_data_dir(ckpt, tmp_path):
 
 
 def test_prepare_fineweb_missing_input(tmp_path):
-    r = run_script(
+    r = run_script_here(
         "prepare_fineweb.py",
         "--local_files",
         tmp_path / "missing.jsonl",
@@ -187,7 +188,7 @@ def test_prepare_fineweb_no_text_column(tmp_path):
     (tmp_path / "other.jsonl").write_text(
         "\n".join(json.dumps({"body": f"text {i}"}) for i in range(3)) + "\n"
     )
-    r = run_script(
+    r = run_script_here(
         "prepare_fineweb.py",
         "--local_files",
         tmp_path / "other.jsonl",

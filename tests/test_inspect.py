@@ -5,12 +5,11 @@ and the command line end to end."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_script_here
 from test_passkey import merging_tokenizer
 
 import eval_passkey as passkey
@@ -302,14 +301,9 @@ def test_errors_are_one_line(tmp_path, ckpts, capsys):
     assert "the following arguments are required: --lengths" in capsys.readouterr().err
     assert not os.listdir(tmp_path)  # nothing written
 
-    script = os.path.join(ROOT, "analysis", "inspect_attention.py")
     missing = str(tmp_path / "missing")
-    r = subprocess.run(
-        [sys.executable, script, "--ckpt", missing, "--lengths", "64", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    script = os.path.join("analysis", "inspect_attention.py")
+    r = run_script_here(script, "--ckpt", missing, "--lengths", "64", "--out", tmp_path)
     assert r.returncode == 1 and r.stdout == "", r.stderr[-2000:]
     assert r.stderr == (
         f"inspect_attention.py: error: no checkpoint at {missing!r}: pass a .pt file or a run "

@@ -62,11 +62,8 @@ def small_tiles(monkeypatch):
 def test_kernel_compiled_model_has_no_graph_break_and_equals_eager(small_tiles):
     net, args, kwargs = tiny_gpt("triton")
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(net)(*args, **kwargs)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    assert explained.graph_count == 1
     loss_eager, g_eager = loss_and_grads(net, net, args, kwargs)
-    # fullgraph: a break would raise
+    # fullgraph: the model is one graph, and a graph break raises with its reason
     compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
     loss_comp, g_comp = loss_and_grads(compiled, net, args, kwargs)
     torch._dynamo.reset()

@@ -12,6 +12,7 @@ import pytest
 import tiktoken
 import torch
 import torch.nn as nn
+from conftest import run_script_here
 
 import attention_kernel as ak
 import eval_common
@@ -484,21 +485,8 @@ def test_demo_table_per_run_then_median_and_minimum(tmp_path):
 
 
 def test_samples_below_one_is_one_line_and_exit_1(tmp_path, ckpts):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "eval_passkey.py",
-            "--ckpt",
-            ckpts[0],
-            "--samples",
-            "0",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_script_here(
+        "eval_passkey.py", "--ckpt", ckpts[0], "--samples", "0", "--out", tmp_path
     )
     assert proc.returncode == 1 and proc.stdout == ""
     assert re.fullmatch(r"eval_passkey\.py: error: --samples .* at least 1.*\n", proc.stderr), (

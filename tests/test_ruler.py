@@ -6,14 +6,12 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import uuid
 from collections import Counter
 
 import pytest
 import torch
-from conftest import write_shard
+from conftest import run_script_here, write_shard
 
 import eval_ruler as R
 import model as model_mod
@@ -290,13 +288,7 @@ def test_word_keys_are_rulers_keys_each_once():
 
 
 def test_paper_preset(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "eval_ruler.py", "--ckpt", str(tmp_path / "none"), "--preset", "paper"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_script_here("eval_ruler.py", "--ckpt", tmp_path / "none", "--preset", "paper")
     assert (
         r.returncode == 1
         and r.stderr.count("\n") == 1

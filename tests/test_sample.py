@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import run_script_here
 from test_eval_lm import greedy_without_cache
 
 from analysis.sample import SEPARATOR, main
@@ -115,7 +116,9 @@ def test_top_k_sampling_stays_in_the_top_k():
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     """The script's entry point: one line `sample.py: error: ...` on stderr, exit status 1."""
-    r = run_sample("--ckpt", tmp_path / "nothing", "--start", "x")
+    r = run_script_here(
+        os.path.join("analysis", "sample.py"), "--ckpt", tmp_path / "nothing", "--start", "x"
+    )
     assert r.returncode == 1 and r.stdout == "", r.stderr[-2000:]
     assert r.stderr == (
         f"sample.py: error: no checkpoint at {str(tmp_path / 'nothing')!r}: pass a .pt file or "

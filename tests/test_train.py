@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import run_train, write_shard
+from conftest import run_script_here, run_train, write_shard
 
 import data
 import model as model_module
@@ -86,14 +86,14 @@ def settings(*argv, **overrides):
     return SimpleNamespace(**{**configure(defaults, list(argv)), **overrides})
 
 
-def run_cli(args, timeout=240, **env):
+def run_cli(args, timeout=240):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
 
 
@@ -167,7 +167,7 @@ def check_val_loss_is_the_masked_loss(out, data_dir):
 
 
 def test_cli_config_typo_is_a_clear_error():
-    r = run_cli(["--batch_sise=4"], timeout=60)
+    r = run_script_here("train.py", "--batch_sise=4")
     assert r.returncode == 1
     assert "unknown config key 'batch_sise'" in r.stderr and "Did you mean batch_size" in r.stderr
     assert "Traceback" not in r.stderr
@@ -197,7 +197,9 @@ def test_a_setting_the_model_ignores_is_one_line(tmp_path):
     """rope would train with --prior=kerple_log silently unused: refused before anything else."""
     config = os.path.join(ROOT, "config", "demo_cpu.py")
     out = tmp_path / "run"
-    r = run_cli([config, "--pos_encoding=rope", "--prior=kerple_log", f"--out_dir={out}"], 60)
+    r = run_script_here(
+        "train.py", config, "--pos_encoding=rope", "--prior=kerple_log", f"--out_dir={out}"
+    )
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(
         "train.py: error: invalid settings: prior='kerple_log' has no effect"
@@ -215,29 +217,22 @@ def test_missing_data_dir_is_a_clear_error(tmp_path):
     )
 
 
-# A kernel made wrong on purpose: every row reads the prior's table one distance off, as a wrong
-# address would. Run as train.py's own __main__, so that the error is what a user sees.
-WRONG_KERNEL = """
-import runpy, sys
-import attention_kernel as ak
-right = ak._prior_tables
-def misread(*args):
-    table, *rest = right(*args)
-    return (table.roll(1, -1), *rest)
-ak._prior_tables = misread
-sys.argv = ["train.py", *sys.argv[1:]]
-runpy.run_path("train.py", run_name="__main__")
-"""
+@pytest.fixture
+def unchecked_kernel(monkeypatch):
+    """The kernel self-check as in a new process: no problem checked yet."""
+    from infra import kernel_check
+
+    monkeypatch.setattr(kernel_check, "_checked", set())
 
 
-def test_triton_training_checks_the_kernel_before_step_1(data_dir, tmp_path):
+def test_triton_training_checks_the_kernel_before_step_1(data_dir, tmp_path, unchecked_kernel):
     """--attn_impl=triton (here through Triton's interpreter) compares the kernel with the
     reference on a problem shaped like the run, prints the line, then trains."""
     out = tmp_path / "run"
     args = tiny(
         data_dir, out, attn_impl="triton", ssmax=True, max_iters=2, eval_interval=2, eval_iters=1
     )
-    r = run_cli(args)
+    r = run_script_here("train.py", *args)
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("attention kernel check"))
     assert "(float32, head_dim 8, ggd + SSMax scaling the prior, documents," in line, line
@@ -246,18 +241,22 @@ def test_triton_training_checks_the_kernel_before_step_1(data_dir, tmp_path):
     assert "done: step 2 of 2" in r.stdout
 
 
-def test_a_wrong_kernel_stops_training_before_anything_is_written(data_dir, tmp_path):
+def test_a_wrong_kernel_stops_training_before_anything_is_written(
+    data_dir, tmp_path, monkeypatch, unchecked_kernel
+):
+    """A kernel made wrong on purpose: every row reads the prior's table one distance off, as a
+    wrong address would."""
+    import attention_kernel as ak
+
+    right = ak._prior_tables
+
+    def misread(*args):
+        table, *rest = right(*args)
+        return (table.roll(1, -1), *rest)
+
+    monkeypatch.setattr(ak, "_prior_tables", misread)
     out = tmp_path / "run"
-    args = tiny(data_dir, out, attn_impl="triton", ssmax=True)
-    r = subprocess.run(
-        [sys.executable, "-c", WRONG_KERNEL, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        # the interpreter's numpy warns of the NaN it computes in masked lanes; a GPU does not
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::RuntimeWarning"),
-    )
+    r = run_script_here("train.py", *tiny(data_dir, out, attn_impl="triton", ssmax=True))
     assert r.returncode == 1
     assert r.stderr.startswith("train.py: error: the Triton kernel disagrees with the reference")
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -267,22 +266,13 @@ def test_a_wrong_kernel_stops_training_before_anything_is_written(data_dir, tmp_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
-def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path):
+def test_gpu_recipe_refuses_a_cpu(data_dir, tmp_path, monkeypatch):
     # as torchrun launches rank 0 of 2: one line, before any process group, data or run directory
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "config/bam_120m.py",
-            f"--data_dir={data_dir}",
-            f"--out_dir={tmp_path / 'run'}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    config = os.path.join(ROOT, "config", "bam_120m.py")
+    r = run_script_here(
+        "train.py", config, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}"
     )
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(
@@ -381,7 +371,7 @@ def test_paper_config_has_the_papers_parameter_count():
 def test_a_run_that_would_repeat_data_is_refused(data_dir, tmp_path):
     windows = len(TokenLoader(data_dir, "train", 32, 4))
     steps = windows // 4 + 1  # one step more than the data holds
-    r = run_cli(tiny(data_dir, tmp_path / "run", max_iters=steps), timeout=120)
+    r = run_script_here("train.py", *tiny(data_dir, tmp_path / "run", max_iters=steps))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     missing = steps * 128 - windows * 32
     assert (
