@@ -11,7 +11,8 @@ from unittest import mock
 # before triton is imported anywhere. On a CUDA machine, unset it (TRITON_INTERPRET=0) to test the
 # compiled kernel.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
 def _patch_the_language_once_per_launch():
@@ -49,9 +50,6 @@ def _patch_the_language_once_per_launch():
 
 if os.environ["TRITON_INTERPRET"] == "1":
     _patch_the_language_once_per_launch()
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextlib.contextmanager

@@ -86,13 +86,13 @@ def settings(*argv, **overrides):
     return SimpleNamespace(**{**configure(defaults, list(argv)), **overrides})
 
 
-def run_cli(args, timeout=240):
+def run_cli(args):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=240,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
 
