@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from attention_kernel import attention_triton, interpreting, triton_available
+from attention_kernel import attention_triton, interpreting, triton_available, triton_too_old
 from attention_sdpa import attention_sdpa
 from priors import BoundPrior, Prior, bind
 
@@ -331,6 +331,10 @@ def impl_error(impl, prior, device, grad, dtype=None, head_dim=None):
 
     if impl == "triton" and not triton_available():
         return "impl='triton' needs the triton package (pip install triton)"
+    # a Triton too old for the kernel stops a GPU run, with "auto" too: not the slow reference
+    too_old = triton_too_old()
+    if too_old and (impl == "triton" or impl == "auto" and device.type == "cuda"):
+        return too_old
     if impl == "triton" and device.type != "cuda" and not interpreting():
         return (
             "impl='triton' needs a CUDA device (or TRITON_INTERPRET=1 set before triton is first "
@@ -349,14 +353,14 @@ def impl_error(impl, prior, device, grad, dtype=None, head_dim=None):
 def pick_impl(impl, prior, device, grad, dtype=None, head_dim=None):
     """`impl` resolved: "auto" is the fastest that can (CUDA: triton; CPU: sdpa without gradients,
     else torch); an impl that cannot raises ValueError(impl_error's message)."""
-    if impl == "auto":
-        if torch.device(device).type == "cuda":
-            order = ("triton", "torch")
-        else:
-            order = ("torch",) if grad else ("sdpa", "torch")
-        return next(i for i in order if impl_error(i, prior, device, grad, dtype, head_dim) is None)
-
     error = impl_error(impl, prior, device, grad, dtype, head_dim)
     if error:
         raise ValueError(error)
-    return impl
+    if impl != "auto":
+        return impl
+
+    if torch.device(device).type == "cuda":
+        order = ("triton", "torch")
+    else:
+        order = ("torch",) if grad else ("sdpa", "torch")
+    return next(i for i in order if impl_error(i, prior, device, grad, dtype, head_dim) is None)

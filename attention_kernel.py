@@ -11,6 +11,7 @@ are deterministic: partial sums per program, reduced in a fixed order, no atomic
 import contextlib
 import math
 import os
+import re
 from collections import namedtuple
 from typing import Optional
 
@@ -34,6 +35,27 @@ def interpreting():
 def triton_available():
     # the import is tried once, above (no import inside code that torch.compile traces)
     return triton is not None
+
+
+# The oldest Triton the kernels compile with (dev/compile_check.py). requirements.txt pins the one
+# that PyPI's CUDA build of the pinned torch requires.
+TRITON_FLOOR = (3, 4)
+
+
+def triton_too_old():
+    """The line to print where the installed Triton is older than TRITON_FLOOR (it would fail to
+    compile the kernels), else ""."""
+    if triton is None:
+        return ""
+    version = triton.__version__
+    major_minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    if tuple(map(int, major_minor)) >= TRITON_FLOOR:
+        return ""
+    floor = ".".join(map(str, TRITON_FLOOR))
+    return (
+        f"the Triton kernel needs Triton {floor} or newer, not {version}: pip install -r "
+        "requirements.txt, or use impl='torch' (the reference)"
+    )
 
 
 FP_FUSION = True  # every launch's enable_fp_fusion
@@ -86,6 +108,8 @@ Inputs = namedtuple("Inputs", "doc row_scale table dtable table_len")
 Flags = namedtuple("Flags", "HEAD_DIM BLOCK_D HAS_DOC HAS_PRIOR HAS_ROW_SCALE SCALE_PRIOR DOT_PREC")
 # Compile-time, what dQ sums besides dQ (_grad_plan).
 GradPlan = namedtuple("GradPlan", "N_GRAD NEED_ROW_SCALE_GRAD BY_DIAGONAL K_POW2 OWN_DELTA")
+# Triton before 3.8 reads a field of these compile-time tuples as a plain int, and before 3.7 a
+# plain str: a shape or a static_range takes one through tl.constexpr(...), and _dot takes F.
 # Inside the kernels: a tile's query rows (_query_rows), and the blocks a program visits: [start,
 # end) every one it reads, [clean_start, clean_end) those that need no mask (_stage_blocks).
 Rows = namedtuple("Rows", "index ok pos doc scale qk_scale")
@@ -100,13 +124,13 @@ if triton is not None:
     _LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
-    def _dot(a, b, acc, DOT_PREC: tl.constexpr):
+    def _dot(a, b, acc, F: tl.constexpr):
         if _INTERPRET_BF16_UPCAST:
             if a.dtype == tl.bfloat16:
                 a = a.to(tl.float32)
             if b.dtype == tl.bfloat16:
                 b = b.to(tl.float32)
-        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+        return tl.dot(a, b, acc, input_precision=F.DOT_PREC)
 
     @triton.jit
     def _tile(base, row0, T, H, ROWS: tl.constexpr, F: tl.constexpr, TRANSPOSED: tl.constexpr):
@@ -299,7 +323,7 @@ if triton is not None:
         # the online softmax; row_max is -inf while a row sees nothing
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, F.BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, tl.constexpr(F.BLOCK_D)], dtype=tl.float32)
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, blocks)
             for blk in range(blk_lo, blk_hi):
@@ -310,7 +334,7 @@ if triton is not None:
                 if F.HAS_PRIOR:
                     lp = _table_tile(table, rows.index[:, None], cols[None, :])
 
-                qk = _dot(q, kT, None, F.DOT_PREC)
+                qk = _dot(q, kT, None, F)
                 s = _tile_scores(qk, lp, cols, rows, MASKED=stage > 0, F=F)
 
                 # a row with nothing visible yet subtracts 0 instead (no -inf - -inf)
@@ -321,7 +345,7 @@ if triton is not None:
                 row_sum = row_sum * alpha + tl.sum(p, 1)
 
                 v = _load_tile(V, n0, Tk, H, BLOCK_N, F)
-                acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F.DOT_PREC)
+                acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F)
                 row_max = new_max
 
         # max and log2(sum) apart (_row_lse); a row that sees nothing stores +inf: backward P = 0
@@ -391,8 +415,8 @@ if triton is not None:
         q_end, q_clean = Q_END + bh * n_kblocks, Q_CLEAN + b * n_kblocks
         blocks = _query_blocks(pid_n, q_end, q_clean, sizes, BLOCK_M, BLOCK_N, F)
 
-        dk = tl.zeros([BLOCK_N, F.BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, F.BLOCK_D], dtype=tl.float32)
+        dk = tl.zeros([BLOCK_N, tl.constexpr(F.BLOCK_D)], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, tl.constexpr(F.BLOCK_D)], dtype=tl.float32)
         for stage in tl.static_range(3):
             blk_lo, blk_hi = _stage_blocks(stage, blocks)
             for blk in range(blk_lo, blk_hi):
@@ -407,19 +431,19 @@ if triton is not None:
                 if F.HAS_PRIOR:  # the transposed tile: entry (key, query)
                     lpT = _table_tile(table, rows.index[None, :], cols[:, None])
 
-                qkT = _dot(k, qT, None, F.DOT_PREC)  # (BLOCK_N, BLOCK_M): keys x queries
+                qkT = _dot(k, qT, None, F)  # (BLOCK_N, BLOCK_M): keys x queries
                 sT = _tile_scores(qkT, lpT, cols, rows, MASKED=stage > 0, F=F, TRANSPOSED=True)
                 pT = _tile_probs(sT, lse, F.SCALE_PRIOR, TRANSPOSED=True)
 
                 do = _load_tile(DO, m0, Tq, H, BLOCK_M, F)
-                dv = _dot(pT.to(do.dtype), do, dv, F.DOT_PREC)
-                dpT = _dot(v, tl.trans(do), None, F.DOT_PREC)
+                dv = _dot(pT.to(do.dtype), do, dv, F)
+                dpT = _dot(v, tl.trans(do), None, F)
                 if F.HAS_ROW_SCALE:  # the gradient of l: dS r = P (dP r - Delta r)
                     r = rows.scale
                     dscoreT = pT * tl.fma(dpT, r[None, :], -(delta * r)[None, :])
                 else:
                     dscoreT = pT * (dpT - delta[None, :])
-                dk = _dot(dscoreT.to(qT.dtype), tl.trans(qT), dk, F.DOT_PREC)
+                dk = _dot(dscoreT.to(qT.dtype), tl.trans(qT), dk, F)
 
         dk_ptrs, kv_mask = _tile(DK, n0, Tk, H, BLOCK_N, F, False)
         tl.store(dk_ptrs, (dk * sizes.softmax_scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -436,7 +460,7 @@ if triton is not None:
         if F.HAS_PRIOR:
             lp = _table_tile(table, rows.index[:, None], cols[None, :])
 
-        qk = _dot(q, kT, None, F.DOT_PREC)
+        qk = _dot(q, kT, None, F)
         s = _tile_scores(qk, lp, cols, rows, MASKED=MASKED, F=F)
         return kT, vT, lp, qk, _tile_probs(s, lse, F.SCALE_PRIOR)
 
@@ -456,9 +480,9 @@ if triton is not None:
 
     @triton.jit
     def _prior_grad(dj_acc, g_acc, dscore, w, dtable, table_len, row0, n0, G: tl.constexpr):
-        """A tile's share of the prior's gradient: per score dS J_k into dj_acc[k] (times w per
-        row later), or BY_DIAGONAL w dS summed along the tile's diagonals (d is constant on each)
-        times each table's entries there, into g_acc: 2 BLOCK_N loads per table, no accumulator.
+        """A tile's share of the prior's gradient: per row sum_j dS J_k into dj_acc[k] (times w
+        per row later), or BY_DIAGONAL w dS summed along the tile's diagonals (d is constant on
+        each) times each table's entries there, into g_acc: 2 BLOCK_N loads per table.
         The tile (dscore) has rows row0 .. row0 + BLOCK_M - 1 and keys n0 .. n0 + BLOCK_N - 1."""
         BLOCK_M: tl.constexpr = dscore.shape[0]
         BLOCK_N: tl.constexpr = dscore.shape[1]
@@ -479,15 +503,16 @@ if triton is not None:
             rows = row0 + tl.arange(0, BLOCK_M)[:, None]
             cols = n0 + tl.arange(0, BLOCK_N)[None, :]
             summed = ()
-            for i in tl.static_range(G.N_GRAD):
+            for i in tl.static_range(tl.constexpr(G.N_GRAD)):
                 dtile = _table_tile(dtable + i * table_len, rows, cols)
-                summed = summed + (dj_acc[i] + dscore * dtile,)
+                summed = summed + (dj_acc[i] + tl.sum(dscore * dtile, 1),)
             dj_acc = summed
         return dj_acc, g_acc
 
-    # dQ keeps its row sums per score (reduced once after the loop: no cross-lane reductions in
-    # it): dx_acc = dS x for d row_scale (x = l + lp with scale_prior, else l), in fp32 rather than
-    # from dQ's 16-bit dS product, whose row sums cancel to its rounding; and the prior's.
+    # dQ sums per row what the gradients of row_scale and the prior need: dx_acc = sum_j dS x (x =
+    # l + lp with scale_prior, else l), in fp32 rather than from dQ's 16-bit dS product, whose row
+    # sums cancel to its rounding; dj_acc, the prior's. Summed per score instead (a BLOCK_M x
+    # BLOCK_N accumulator each, reduced after the loop), they spilled registers on every GPU.
     @triton.jit
     def _attn_bwd_dq(
         Q,
@@ -541,18 +566,18 @@ if triton is not None:
                     kT, vT, lp, qk, p = _dq_tile(
                         q, K, V, table, n0, rows, lse, sizes, F, MASKED=stage > 0, BLOCK_N=BLOCK_N
                     )
-                    delta_acc += p * _dot(do, vT, None, F.DOT_PREC)
+                    delta_acc += p * _dot(do, vT, None, F)
             delta = tl.sum(delta_acc, 1)
         else:
             delta = tl.load(DELTA + bh * Tq + rows.index, mask=rows.ok, other=0.0)
 
-        dq = tl.zeros([BLOCK_M, F.BLOCK_D], dtype=tl.float32)
-        dx_acc = zero
+        dq = tl.zeros([BLOCK_M, tl.constexpr(F.BLOCK_D)], dtype=tl.float32)
+        dx_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
         dj_acc = ()
         if not G.BY_DIAGONAL:
-            for i in tl.static_range(G.N_GRAD):
-                dj_acc = dj_acc + (zero,)
-        g_acc = tl.zeros([G.K_POW2], dtype=tl.float32)
+            for i in tl.static_range(tl.constexpr(G.N_GRAD)):
+                dj_acc = dj_acc + (dx_acc,)
+        g_acc = tl.zeros([tl.constexpr(G.K_POW2)], dtype=tl.float32)
         # a row with one visible key has P = 1 whatever its scores: its gradients are exactly 0
         multi = tl.where(rows.ok & (rows.pos > rows.doc), 1.0, 0.0)
         w = multi
@@ -566,14 +591,14 @@ if triton is not None:
                 kT, vT, lp, qk, p = _dq_tile(
                     q, K, V, table, n0, rows, lse, sizes, F, MASKED=stage > 0, BLOCK_N=BLOCK_N
                 )
-                dscore = p * (_dot(do, vT, None, F.DOT_PREC) - delta[:, None])
+                dscore = p * (_dot(do, vT, None, F) - delta[:, None])
                 # sum_j dS k_j; r at the end
-                dq = _dot(dscore.to(kT.dtype), tl.trans(kT), dq, F.DOT_PREC)
+                dq = _dot(dscore.to(kT.dtype), tl.trans(kT), dq, F)
                 if G.NEED_ROW_SCALE_GRAD:
                     x = qk * sizes.softmax_scale  # l; the tile lp is in base 2
                     if F.SCALE_PRIOR:
                         x = x + lp * _LN2
-                    dx_acc += dscore * x
+                    dx_acc += tl.sum(dscore * x, 1)
                 if G.N_GRAD > 0:
                     dj_acc, g_acc = _prior_grad(
                         dj_acc, g_acc, dscore, w, dtable, inputs.table_len, row0, n0, G
@@ -583,53 +608,75 @@ if triton is not None:
         dq_ptrs, dq_mask = _tile(DQ, row0, Tq, H, BLOCK_M, F, False)
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_mask)
         if G.NEED_ROW_SCALE_GRAD:
-            drow_scale = tl.sum(dx_acc, 1) * multi
+            drow_scale = dx_acc * multi
             tl.store(DROW_SCALE + bh * Tq + rows.index, drow_scale, mask=rows.ok)
         part = PART + (bh * tl.cdiv(Tq, BLOCK_M) + pid_m) * G.N_GRAD
         if G.BY_DIAGONAL:
             kk = tl.arange(0, G.K_POW2)
             tl.store(part + kk, g_acc, mask=kk < G.N_GRAD)
         else:
-            for i in tl.static_range(G.N_GRAD):
-                tl.store(part + i, tl.sum(w * tl.sum(dj_acc[i], 1), 0))
+            for i in tl.static_range(tl.constexpr(G.N_GRAD)):
+                tl.store(part + i, tl.sum(w * dj_acc[i], 0))
 
 
 # ---- Launch configuration, the prior's tables, and the custom ops
-# Fixed tiles per (head_dim, dtype), not triton.autotune: the tile-skipping tables depend on the
-# block sizes, and autotuning would multiply the interpreter's test time. The interpreter runs
-# INTERPRET_BLOCKS; tests set None (the GPU's tiles) or smaller tiles.
+# Fixed tiles per GPU, head_dim and dtype, not triton.autotune: the tile-skipping tables depend on
+# the block sizes, and autotuning would multiply the interpreter's test time. The interpreter runs
+# INTERPRET_BLOCKS; tests set None (a GPU's tiles, the GPU from Triton's driver) or smaller tiles.
 INTERPRET_BLOCKS = (32, 32)
+# No configuration's BLOCK_M or BLOCK_N is larger: the tables reach this far past the queries and
+# keys whatever the GPU (_prior_tables).
+LARGEST_TILE = 128
 
 
-def _configs(block_d, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: sm_90 builds with every flag on spill
-    (almost) no registers. Not tuned on hardware."""
+def _shared_memory(device):
+    """The shared memory one block may use, in bytes, on the GPU Triton compiles for on device (a
+    CUDA device made current; elsewhere the driver's own, as dev/compile_check.py's stand-ins)."""
+    with _device_of(device):
+        active = triton.runtime.driver.active
+        return active.utils.get_device_properties(active.get_current_device())["max_shared_mem"]
+
+
+def _configs(head_dim, dtype, device):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, and the preprocess's BLOCK_M, for
+    head_dim and dtype on device's GPU. Each fits the shared memory of the GPUs it is for, and
+    training's 16-bit kernels at head_dim 32 to 128 spill no registers (dev/compile_check.py; its
+    table in dev/README.md). None is timed on hardware yet."""
     if interpreting() and INTERPRET_BLOCKS is not None:
         bm, bn = INTERPRET_BLOCKS
         return dict(fwd=(bm, bn, 4, 1), dkdv=(bm, bn, 4, 1), dq=(bm, bn, 4, 1), pre=bm)
 
-    # fp32: ieee dots on FMA units, for exact gradient checks, not speed
+    block_d = _block_d(head_dim)
+    # sm_80's 163 KiB and sm_90's 227 KiB take the forward's third pipeline stage; the 99 KiB of
+    # sm_86, sm_89 and sm_120 leave room for two, the prior's table tiles (fp32, BLOCK_M x BLOCK_N
+    # per stage) included. Other GPUs get two; none with less than 99 KiB is checked
+    fwd_stages = 3 if _shared_memory(device) >= 160 * 1024 else 2
+    # fp32: ieee dots on FMA units, for exact gradient checks, not speed; small backward tiles,
+    # or they spill
     if dtype == torch.float32:
         if block_d <= 64:
-            return dict(fwd=(64, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), pre=64)
-        return dict(fwd=(32, 32, 4, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 4, 2), pre=64)
+            return dict(fwd=(64, 32, 8, 2), dkdv=(32, 32, 8, 2), dq=(16, 16, 4, 2), pre=64)
+        return dict(fwd=(32, 32, 8, 2), dkdv=(16, 32, 8, 2), dq=(16, 16, 4, 1), pre=64)
 
+    # dK/dV: 64 keys per warpgroup, or Hopper falls back from wgmma to mma.sync (smem-bound). dK/dV
+    # and dQ hold q (or k, v), dO and their accumulators in registers: 8 warps, and 32 x 16 tiles
+    # in dQ, or they spill
     if block_d <= 64:
-        return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(128, 32, 8, 2), pre=128)
-    # dK/dV: 64 keys per warpgroup, or Hopper falls back from wgmma to mma.sync (smem-bound)
-    return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 4, 2), dq=(64, 16, 8, 2), pre=128)
+        return dict(fwd=(128, 64, 8, fwd_stages), dkdv=(32, 64, 8, 3), dq=(32, 16, 8, 2), pre=128)
+    # at head_dim 128, dQ's loop unpipelined (one stage), or it spills on sm_120
+    return dict(fwd=(128, 32, 8, 2), dkdv=(32, 64, 8, 2), dq=(32, 16, 8, 1), pre=128)
 
 
-def check_length(head_dim, dtype):
+def check_length(head_dim, dtype, device):
     """The length of the self-check's problem (infra/kernel_check.py): two full tiles of every
-    kernel's configuration and a ragged third, to run unmasked, diagonal and ragged tiles."""
-    cfg = _configs(_block_d(head_dim), dtype)
-    largest = max(_tile_groups(cfg))
+    kernel's configuration on device and a ragged third, to run unmasked, diagonal and ragged
+    tiles."""
+    largest = max(_tile_groups(_configs(head_dim, dtype, device)))
     return 2 * largest + largest // 2 + 3
 
 
-# From this many derivative tables on, dQ sums the prior's gradient per tile diagonal: per-score
-# accumulators for many tables do not fit in registers.
+# From this many derivative tables on, dQ sums the prior's gradient per tile diagonal: score by
+# score, each table costs a gathered BLOCK_M x BLOCK_N load and a row sum per tile.
 DIAGONAL_FROM = 4
 
 
@@ -647,16 +694,15 @@ def _grad_plan(n_grad, need_row_scale_grad):
     )
 
 
-def _prior_tables(prior, H, Tq, Tk, q_offset, cfg, device):
+def _prior_tables(prior, H, Tq, Tk, q_offset, device):
     """The prior by distance for the kernels: (table, dtable, theta, table_start). A table is
     indexed by x = j - (i - q_offset) = d + q_offset: table (H, n) fp32 holds lp(d) log2(e) at x =
     table_start + t for every x a tile touches (table_start, n: multiples of 16). dtable (H, K, n)
     holds d lp / d theta_k in _parameter_directions' K directions, by forward-mode autograd (not
     allowed below the autograd key, where the ops run); theta (H, K) the entries whose gradient the
     ops return (None, None if K = 0). d > 0 is never visible: 0 there, so no 0 * inf gradient."""
-    largest = max(_tile_groups(cfg))
-    table_start = -triton.cdiv(Tq + largest, 16) * 16
-    table_stop = triton.cdiv(Tk + largest, 16) * 16
+    table_start = -triton.cdiv(Tq + LARGEST_TILE, 16) * 16
+    table_stop = triton.cdiv(Tk + LARGEST_TILE, 16) * 16
     d = torch.arange(table_start, table_stop, device=device) - q_offset
     future = d > 0
     params = tuple(t.detach() for t in prior.params)
@@ -762,8 +808,8 @@ def _block_d(head_dim):
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _device_of(t):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def _device_of(device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _model_layout(x, dense=True):
@@ -829,21 +875,22 @@ Tensor, OptTensor = torch.Tensor, Optional[torch.Tensor]
 @torch.library.custom_op("bam::triton_attention_fwd", mutates_args=())
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: OptTensor,
                 dtable: OptTensor, theta: OptTensor, row_scale: OptTensor,
-                group_first_key: Tensor, scale_prior: bool, q_offset: int, softmax_scale: float,
+                first_key: OptTensor, scale_prior: bool, q_offset: int, softmax_scale: float,
                 table_start: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The forward kernel: (O, LSE), O in the model's layout, LSE (batch, H, 2, Tq) fp32 in base 2
     as two values (_row_lse). q, k, v in the model's layout (attention_triton); doc_start: the
     queries' (batch, Tq) int32; row_scale (batch, H, Tq) fp32; the tables as _prior_tables makes
-    them (dtable and theta only for the backward); group_first_key as _group_first_keys makes it."""
+    them (dtable and theta only for the backward); first_key (batch, H, Tq) or None (every key)."""
     batch, H, Tq, D = q.shape
     o = _empty_heads(q)
     lse = torch.empty((batch, H, 2, Tq), device=q.device, dtype=torch.float32)
     inputs = _kernel_inputs(q, doc_start, row_scale, table, None, table_start)
     sizes = _sizes(q, k, v, q_offset, softmax_scale)
     flags = _flags(q, doc_start, table, row_scale, scale_prior)
-    cfg = _configs(_block_d(D), q.dtype)
+    cfg = _configs(D, q.dtype, q.device)
+    group_first_key = _group_first_keys(first_key, cfg, batch, H, Tq, q.device)
     grid = (triton.cdiv(Tq, cfg["fwd"][0]), batch * H)
-    with _device_of(q):
+    with _device_of(q.device):
         _attn_fwd[grid](
             q, k, v, o, lse, group_first_key, inputs, sizes, F=flags, **_tiles(cfg, "fwd")
         )
@@ -851,7 +898,7 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, doc_start: OptTensor, table: Op
 
 
 @_triton_fwd.register_fake
-def _(q, k, v, doc_start, table, dtable, theta, row_scale, group_first_key, scale_prior, q_offset,
+def _(q, k, v, doc_start, table, dtable, theta, row_scale, first_key, scale_prior, q_offset,
       softmax_scale, table_start):  # fmt: skip
     return _empty_heads(q), q.new_empty((*q.shape[:2], 2, q.shape[2]), dtype=torch.float32)
 
@@ -871,7 +918,7 @@ def _launch_dkdv(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags)
     batch, H, Tq, D = q.shape
     dk = _empty_heads(k)
     dv = _empty_heads(v)
-    cfg = _configs(_block_d(D), q.dtype)
+    cfg = _configs(D, q.dtype, q.device)
     doc_start = inputs.doc if flags.HAS_DOC else None
     q_end, q_clean = _query_ends(group_first_key, doc_start, H, Tq, sizes.Tk, cfg)
     if q_clean is None:
@@ -887,7 +934,7 @@ def _launch_dq(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags, p
     key blocks; partial sums of d theta reduced in a fixed order (no atomics)."""
     batch, H, Tq, D = q.shape
     dq = _empty_heads(q)
-    cfg = _configs(_block_d(D), q.dtype)
+    cfg = _configs(D, q.dtype, q.device)
     bm, bn = cfg["dq"][:2]
     n_qb = triton.cdiv(Tq, bm)
     if plan.BY_DIAGONAL and bm % bn:
@@ -910,7 +957,7 @@ def _launch_dq(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags, p
 @torch.library.custom_op("bam::triton_attention_bwd", mutates_args=())
 def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                 doc_start: OptTensor, table: OptTensor, dtable: OptTensor, row_scale: OptTensor,
-                group_first_key: Tensor, scale_prior: bool, q_offset: int, softmax_scale: float,
+                first_key: OptTensor, scale_prior: bool, q_offset: int, softmax_scale: float,
                 table_start: int, need_row_scale_grad: bool,
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The backward kernels: (dQ, dK, dV in the model's layout, d theta (H, K) fp64 from the
@@ -921,12 +968,15 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     inputs = _kernel_inputs(q, doc_start, row_scale, table, dtable, table_start)
     sizes = _sizes(q, k, v, q_offset, softmax_scale)
     flags = _flags(q, doc_start, table, row_scale, scale_prior)
-    with _device_of(q):
+    cfg = _configs(D, q.dtype, q.device)
+    group_first_key = _group_first_keys(first_key, cfg, batch, H, Tq, q.device)
+    with _device_of(q.device):
         # preprocess: Delta = rowsum(O * dO)
         delta = torch.empty((batch, H, Tq), device=q.device, dtype=torch.float32)
-        pm = _configs(_block_d(D), q.dtype)["pre"]
-        grid = (triton.cdiv(Tq, pm), batch * H)
-        _attn_bwd_preprocess[grid](o, do, delta, sizes, pm, flags, enable_fp_fusion=FP_FUSION)
+        grid = (triton.cdiv(Tq, cfg["pre"]), batch * H)
+        _attn_bwd_preprocess[grid](
+            o, do, delta, sizes, cfg["pre"], flags, enable_fp_fusion=FP_FUSION
+        )
 
         common = (q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags)
         dk, dv = _launch_dkdv(*common)
@@ -935,7 +985,7 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
 
 
 @_triton_bwd.register_fake
-def _(do, q, k, v, o, lse, doc_start, table, dtable, row_scale, group_first_key, scale_prior,
+def _(do, q, k, v, o, lse, doc_start, table, dtable, row_scale, first_key, scale_prior,
       q_offset, softmax_scale, table_start, need_row_scale_grad):  # fmt: skip
     g = q.new_empty(dtable.shape[:2] if dtable is not None else (0,), dtype=torch.float64)
     drow_scale = q.new_empty(q.shape[:3] if need_row_scale_grad else (0,), dtype=torch.float32)
@@ -943,20 +993,20 @@ def _(do, q, k, v, o, lse, doc_start, table, dtable, row_scale, group_first_key,
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, doc_start, table, dtable, theta, row_scale, group_first_key = inputs[:9]
-    ctx.save_for_backward(q, k, v, *output, doc_start, table, dtable, row_scale, group_first_key)
+    q, k, v, doc_start, table, dtable, theta, row_scale, first_key = inputs[:9]
+    ctx.save_for_backward(q, k, v, *output, doc_start, table, dtable, row_scale, first_key)
     ctx.args = inputs[9:]
     ctx.mark_non_differentiable(output[1])
 
 
 def _fwd_backward(ctx, do, _dlse):
-    q, k, v, o, lse, doc_start, table, dtable, row_scale, group_first_key = ctx.saved_tensors
+    q, k, v, o, lse, doc_start, table, dtable, row_scale, first_key = ctx.saved_tensors
     wanted = ctx.needs_input_grad
     need_row_scale_grad = row_scale is not None and wanted[7]
     dtable = dtable if wanted[6] else None
     # autograd hands dO in the output's layout (the model's) unless an op between changed it
     do = _model_layout(do)
-    tensors = (do, q, k, v, o, lse, doc_start, table, dtable, row_scale, group_first_key)
+    tensors = (do, q, k, v, o, lse, doc_start, table, dtable, row_scale, first_key)
     dq, dk, dv, g, drow_scale = _triton_bwd(*tensors, *ctx.args, need_row_scale_grad)
     grads = (dq, dk, dv, None, None, None, g.float(), drow_scale)
     grads = [grad if want else None for grad, want in zip(grads, wanted)]
@@ -989,13 +1039,11 @@ def attention_triton(q, k, v, args, first_key=None):
     if args.row_scale is not None:
         row_scale = args.row_scale.float().expand(batch, H, Tq).contiguous()
 
-    cfg = _configs(_block_d(D), q.dtype)
     tables = (None, None, None, 0)
     if args.prior is not None:
-        tables = _prior_tables(args.prior, H, Tq, Tk, args.q_offset, cfg, q.device)
+        tables = _prior_tables(args.prior, H, Tq, Tk, args.q_offset, q.device)
     table, dtable, theta, table_start = tables
-    group_first_key = _group_first_keys(first_key, cfg, batch, H, Tq, q.device)
-    tensors = (q, k, v, doc_start, table, dtable, theta, row_scale, group_first_key)
+    tensors = (q, k, v, doc_start, table, dtable, theta, row_scale, first_key)
     options = (args.scale_prior, args.q_offset, args.softmax_scale, table_start)
     out, _ = _triton_fwd(*tensors, *options)
     return out

@@ -27,7 +27,7 @@ PLACEMENTS = ((False, False), (True, False), (True, True))
 def errors_of(family, head_dim, dtype, ssmax, scale_prior, seed, device):
     """check_kernel's errors {name: error} on its problem drawn from `seed`, with gradients."""
     problem = kc._check_problem(
-        family, family.trainable, head_dim, dtype, ssmax, scale_prior, documents=True, seed=seed
+        family, family.trainable, head_dim, dtype, ssmax, scale_prior, True, device, seed=seed
     )
     return kc.kernel_errors(problem, device, True)
 

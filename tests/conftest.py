@@ -7,6 +7,8 @@ import subprocess
 import sys
 from unittest import mock
 
+import pytest
+
 # The Triton kernel is tested on the CPU through Triton's interpreter; it must be switched on
 # before triton is imported anywhere. On a CUDA machine, unset it (TRITON_INTERPRET=0) to test the
 # compiled kernel.
@@ -97,6 +99,21 @@ def run_script_here(script, *args):
             sys.excepthook(type(error), error, error.__traceback__)
             status = 1
     return subprocess.CompletedProcess([path, *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+@pytest.fixture
+def gpu_driver(monkeypatch):
+    """Under the interpreter, Triton's driver stands in for an H100 (sm_90), as in
+    dev/compile_check.py: the kernel's host code asks it for the GPU, so the interpreter runs that
+    GPU's tiles where INTERPRET_BLOCKS is None. On a GPU (TRITON_INTERPRET=0): the GPU's own."""
+    if os.environ["TRITON_INTERPRET"] != "1":
+        yield
+        return
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "dev"))
+    import compile_check
+
+    with compile_check.stand_in(90):
+        yield
 
 
 def write_shard(path, tokens, tokenizer_name):

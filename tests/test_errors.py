@@ -93,10 +93,21 @@ def test_train_truncated_shard(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "impl,needle",
-    [("sdpa", "impl='sdpa' cannot train a prior"), ("flex", "unknown attention impl 'flex'")],
+    "impl,triton_version,needle",
+    [
+        ("sdpa", None, "impl='sdpa' cannot train a prior"),
+        ("flex", None, "unknown attention impl 'flex'"),
+        ("triton", "3.3.1", "the Triton kernel needs Triton 3.4 or newer, not 3.3.1"),
+    ],
 )
-def test_train_refuses_an_attn_impl_that_cannot_train_on_cpu(data_dir, tmp_path, impl, needle):
+def test_train_refuses_an_attn_impl_that_cannot_train(
+    data_dir, tmp_path, monkeypatch, impl, triton_version, needle
+):
+    """On the CPU: sdpa cannot train a prior, flex is no impl; and a Triton older than the kernel's
+    floor (its version string says so) is named with the version needed."""
+    if triton_version:
+        triton = pytest.importorskip("triton")
+        monkeypatch.setattr(triton, "__version__", triton_version)
     r = run_script_here(
         "train.py",
         f"--data_dir={data_dir}",

@@ -427,9 +427,10 @@ def test_kernel_jit_functions_take_at_most_40_parameters():
     assert "_attn_bwd_dq" in counts and max(counts.values()) <= 40, counts
 
 
-# the GPU's tile configuration of every (dtype, head_dim) class of _configs, each with a prior whose
-# gradient takes one of the two paths (per score; per diagonal: t5_bucket); the half-precision
-# 128-wide tiles take 20-30 s each in the interpreter, so they run with the slow tests
+# the GPU's tile configuration of every (dtype, head_dim) class of _configs (the same tiles on every
+# GPU: only the forward's pipeline stages differ), each with a prior whose gradient takes one of
+# the two paths (per score; per diagonal: t5_bucket); the half-precision 128-wide tiles take 20-30
+# s each in the interpreter, so they run with the slow tests
 GPU_TILE_CASES = [
     (torch.bfloat16, 64, "ggd", True),
     pytest.param(torch.bfloat16, 128, "t5_bucket", False, marks=pytest.mark.slow),
@@ -457,13 +458,16 @@ def attention_layer(name, head_dim, scale_prior):
 
 
 @pytest.mark.parametrize("dtype,head_dim,name,scale_prior", GPU_TILE_CASES)
-def test_self_check_passes_on_the_gpu_tiles(monkeypatch, dtype, head_dim, name, scale_prior):
+def test_self_check_passes_on_the_gpu_tiles(
+    monkeypatch, gpu_driver, dtype, head_dim, name, scale_prior
+):
     """The self-check a GPU run makes before it trusts the kernel (check_kernel), with the GPU's
     own tiles (INTERPRET_BLOCKS = None), so that a CPU test executes each of them."""
     monkeypatch.setattr(ak, "INTERPRET_BLOCKS", None)
     monkeypatch.setattr(kernel_check, "_checked", set())
     line = check_kernel(attention_layer(name, head_dim, scale_prior), dtype, training=True)
-    assert f"{ak.check_length(head_dim, dtype)} tokens" in line and ": ok in " in line, line
+    length = ak.check_length(head_dim, dtype, torch.device(DEVICE))
+    assert f"{length} tokens" in line and ": ok in " in line, line
     assert check_kernel(attention_layer(name, head_dim, scale_prior), dtype, True) is None
 
 

@@ -96,14 +96,12 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
         T,
         T,
         0,
-        ak._configs(ak._block_d(D), q.dtype),
         DEVICE,
     )
     assert dtable.shape == (H, 2, table.shape[1]) and theta.requires_grad
     row_scale = (torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE).requires_grad_()
-    group_first_key = ak._group_first_keys(
-        None, ak._configs(ak._block_d(D), q.dtype), B, H, T, DEVICE
-    )
+    # every row's first key: its document's start
+    first_key = ds.long()[:, None].expand(B, H, T).contiguous()
     fwd_args = (
         q,
         k,
@@ -113,7 +111,7 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
         dtable,
         theta,
         row_scale,
-        group_first_key,
+        first_key,
         True,
         0,
         0.25,
@@ -122,7 +120,7 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
     torch.library.opcheck(torch.ops.bam.triton_attention_fwd.default, fwd_args)
     detached = [t.detach() if torch.is_tensor(t) else t for t in fwd_args]
     o, lse = torch.ops.bam.triton_attention_fwd(*detached)
-    q, k, v, ds, table, dtable, theta, row_scale, group_first_key, *flags = detached
+    q, k, v, ds, table, dtable, theta, row_scale, first_key, *flags = detached
     torch.library.opcheck(
         torch.ops.bam.triton_attention_bwd.default,
         (
@@ -136,7 +134,7 @@ def test_kernel_custom_ops_pass_opcheck(small_tiles):
             table,
             dtable,
             row_scale,
-            group_first_key,
+            first_key,
             *flags,
             True,
         ),

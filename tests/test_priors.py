@@ -331,6 +331,14 @@ def test_one_decision_point_says_which_impl_computes_what(monkeypatch):
             assert impl_error("triton", prior, "cuda", True) is None
         assert pick_impl("auto", cauchy, "cuda", True) == "triton"
     assert "needs a CUDA device" in impl_error("triton", ggd, "cpu", False)
+    if ak.triton_available():  # a Triton older than the kernel's: named, "auto" on a GPU too
+        with monkeypatch.context() as old:
+            old.setattr(ak.triton, "__version__", "3.3.1")
+            for impl in ("triton", "auto"):
+                assert "needs Triton 3.4 or newer, not 3.3.1" in impl_error(impl, ggd, "cuda", True)
+            with pytest.raises(ValueError, match="needs Triton 3.4 or newer"):
+                pick_impl("auto", ggd, "cuda", True)
+            assert pick_impl("auto", ggd, "cpu", True) == "torch"
     monkeypatch.setattr(ak, "triton", None)
     assert "needs the triton package" in impl_error("triton", ggd, "cuda", False)
     assert pick_impl("auto", ggd, "cuda", True) == "torch"

@@ -145,14 +145,14 @@ def poisoned(k, v, before):
 
 
 @pytest.mark.parametrize("blocks", [None, (16, 32)])
-def test_kernel_reads_nothing_it_skips(blocks, monkeypatch):
+def test_kernel_reads_nothing_it_skips(blocks, monkeypatch, gpu_driver):
     """Keys before every row's window hold NaN: the kernel's output and gradients are finite and
     equal the unskipped ones on clean keys, and those keys get exactly zero gradient (the GPU's
     tiles and small ones)."""
     monkeypatch.setattr(ak, "INTERPRET_BLOCKS", blocks)
     q, k, v, kw = kernel_case()
     args = AttentionArgs(**kw).resolve(q, k, v)._replace(skip=True)
-    cfg = ak._configs(ak._block_d(q.shape[-1]), q.dtype)
+    cfg = ak._configs(q.shape[-1], q.dtype, q.device)
     first = ak._group_first_keys(first_keys(q, k, args, grad=True), cfg, 1, 2, q.shape[2], "cpu")
     before = int(first.min())
     assert before >= 256  # most of the row is skipped
@@ -292,7 +292,7 @@ def test_kernel_visits_the_tiles_the_windows_predict(monkeypatch):
     monkeypatch.setattr(ak, "INTERPRET_BLOCKS", (32, 32))
     q, k, v, kw = kernel_case(Tq=256, Tk=512)
     args = AttentionArgs(**kw).resolve(q, k, v)._replace(skip=True)
-    cfg = ak._configs(ak._block_d(q.shape[-1]), q.dtype)
+    cfg = ak._configs(q.shape[-1], q.dtype, q.device)
     original = ak._tile_scores
     for grad in (False, True):
         starts = ak._group_first_keys(first_keys(q, k, args, grad), cfg, 1, 2, 256, "cpu")
@@ -359,17 +359,17 @@ def test_decoding_with_a_kv_cache_skips_and_gives_the_same_tokens(monkeypatch):
         assert torch.allclose(cache.key_norm[layer], keys.norm(dim=-1).amax(-1))
 
 
-def test_self_check_runs_a_steep_problem_that_skips(monkeypatch):
+def test_self_check_runs_a_steep_problem_that_skips(monkeypatch, gpu_driver):
     """The kernel's self-check also compares a steep prior's problem, one that skips tiles, so that
     a GPU's first run checks the skip path."""
     monkeypatch.setattr(ak, "INTERPRET_BLOCKS", None)
     problem = _check_problem(
-        get_prior("ggd"), (), 16, torch.float32, False, False, False, steep=True
+        get_prior("ggd"), (), 16, torch.float32, False, False, False, "cpu", steep=True
     )
     q, k = problem["q"], problem["k"]
     prior = BoundPrior(get_prior("ggd"), problem["params"])
     args = AttentionArgs(prior=prior).resolve(q, k, k)._replace(skip=True)
-    cfg = ak._configs(ak._block_d(16), torch.float32)
+    cfg = ak._configs(16, torch.float32, q.device)
     starts = ak._group_first_keys(first_keys(q, k, args, grad=True), cfg, *q.shape[:3], "cpu")
     assert (starts > 0).any()
 
