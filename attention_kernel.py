@@ -913,12 +913,11 @@ def _tiles(cfg, kernel):
     return dict(tiles, enable_fp_fusion=FP_FUSION)
 
 
-def _launch_dkdv(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags):
+def _launch_dkdv(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags, cfg):
     """dK, dV: one program per key block, looping over the query blocks that see it."""
     batch, H, Tq, D = q.shape
     dk = _empty_heads(k)
     dv = _empty_heads(v)
-    cfg = _configs(D, q.dtype, q.device)
     doc_start = inputs.doc if flags.HAS_DOC else None
     q_end, q_clean = _query_ends(group_first_key, doc_start, H, Tq, sizes.Tk, cfg)
     if q_clean is None:
@@ -929,12 +928,11 @@ def _launch_dkdv(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags)
     return dk, dv
 
 
-def _launch_dq(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags, plan):
+def _launch_dq(q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags, cfg, plan):
     """dQ, d row_scale and d theta (as GradPlan plan asks): a program per query block over its
     key blocks; partial sums of d theta reduced in a fixed order (no atomics)."""
     batch, H, Tq, D = q.shape
     dq = _empty_heads(q)
-    cfg = _configs(D, q.dtype, q.device)
     bm, bn = cfg["dq"][:2]
     n_qb = triton.cdiv(Tq, bm)
     if plan.BY_DIAGONAL and bm % bn:
@@ -978,7 +976,8 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
             o, do, delta, sizes, cfg["pre"], flags, enable_fp_fusion=FP_FUSION
         )
 
-        common = (q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags)
+        # the configuration once: it asks the driver for the GPU's shared memory
+        common = (q, k, v, do, lse, delta, inputs, sizes, group_first_key, flags, cfg)
         dk, dv = _launch_dkdv(*common)
         dq, g, drow_scale = _launch_dq(*common, _grad_plan(n_grad, need_row_scale_grad))
     return dq, dk, dv, g, drow_scale

@@ -235,13 +235,12 @@ EVERY_RUN = (("bf16", 48), ("fp32", 8))
 TRAIN = ("train", (1, 16, 256, 256), True, True)  # l12's 16 heads, documents
 
 
-def runs(dtype, head_dim):
-    """(run, shape, documents, train) of every call: training, the self-check's problems
+def other_runs(dtype, head_dim):
+    """(run, shape, documents, train) of every call but training's: the self-check's problems
     (training's and an evaluation's: check_length's tokens, two heads), an evaluation's forward and
     a decoding step. Under a target (check_length asks it for its tiles)."""
     check = ak.check_length(head_dim, dtype, torch.device("cpu"))
     return [
-        TRAIN,
         ("self-check", (2, 2, check, check), True, True),
         ("self-check, evaluation", (2, 2, check, check), False, False),
         ("evaluation", (1, 16, 512, 512), False, False),
@@ -265,7 +264,7 @@ def calls(quick):
             found += [(dtype_name, head_dim, *TRAIN, s) for s in settings]
     steep = ("self-check's steep ggd", "ggd", (), False, False)
     for dtype_name, head_dim in EVERY_RUN:
-        for run, shape, documents, train in runs(DTYPES[dtype_name], head_dim)[1:]:
+        for run, shape, documents, train in other_runs(DTYPES[dtype_name], head_dim):
             extra = [steep] if run == "self-check" else []
             found += [
                 (dtype_name, head_dim, run, shape, documents, train, s) for s in settings + extra
